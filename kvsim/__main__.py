@@ -1,0 +1,5 @@
+"""`python -m kvsim` runs the CLI."""
+
+from kvsim.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The memory engine: allocators (flat and paged) behind one interface, and the real cache tensors."""

@@ -1,0 +1,100 @@
+"""What an allocator needs to know of a model: per-token and per-sequence bytes by layer group, and tensor shape.
+
+Built from a model spec by `kvsim.sizing.kv_cache_spec(...)`; the engine never looks at model names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GroupKind = Literal["full", "sliding", "state"]
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that are allocated alike (vLLM's KV cache group).
+
+    - `full`: full attention and MLA layers: every token's KV is kept for the life of the request.
+    - `sliding`: sliding-window layers: only the last `window` tokens are needed; a paged engine frees blocks
+      that fall wholly outside the window.
+    - `state`: linear-attention / mamba layers: one constant-size state per request (`state_bytes`).
+    """
+
+    kind: GroupKind
+    num_layers: int
+    bytes_per_token: int = 0  # K+V (or MLA latent) of one token across this group's layers, this rank
+    window: int | None = None  # sliding only: tokens each layer attends to
+    state_bytes: int = 0  # state only: bytes per request across this group's layers
+
+    def __post_init__(self) -> None:
+        assert self.num_layers > 0
+        if self.kind == "state":
+            assert self.state_bytes > 0 and self.bytes_per_token == 0
+        else:
+            assert self.bytes_per_token > 0 and self.state_bytes == 0
+            assert (self.window is not None and self.window > 0) == (self.kind == "sliding")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Everything the allocators and cache tensors need, per tensor-parallel rank.
+
+    `block_size` is tokens per KV block. The tensor fields describe the materialised pool
+    `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]` (nano-vllm's layout); byte accounting
+    always uses `groups`, so materialising fewer layers (or none) never changes a byte figure.
+    """
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    block_size: int
+    dtype: str  # kv dtype name, e.g. "bf16"
+    dtype_bytes: int
+    num_kv_heads: int  # of a representative attention layer (MLA: 1)
+    head_dim: int  # of a representative attention layer (MLA: kv_lora_rank + qk_rope_head_dim)
+    num_attention_layers: int  # layers holding per-token KV (full + sliding)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every per-token layer keeps every token (uncapped): what an engine without window freeing pays."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        return sum(g.bytes_per_token for g in self.groups if g.kind == "full")
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        return sum(g.state_bytes for g in self.groups)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of `block_size` tokens across every per-token layer (uncapped)."""
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def is_uniform(self) -> bool:
+        """Only full-attention/MLA layers: one group, nothing freed early, no per-request state."""
+        return all(g.kind == "full" for g in self.groups)
+
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: str = "bf16",
+        dtype_bytes: int = 2,
+    ) -> "KVCacheSpec":
+        """A plain full-attention model (K and V per head): handy for tests and benchmarks."""
+        per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+        return cls(
+            groups=(KVCacheGroupSpec("full", num_layers, bytes_per_token=per_token),),
+            block_size=block_size,
+            dtype=dtype,
+            dtype_bytes=dtype_bytes,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_attention_layers=num_layers,
+        )

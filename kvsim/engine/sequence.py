@@ -1,0 +1,51 @@
+"""One request as the scheduler and the allocators see it (vLLM's `Request`, nano-vllm's `Sequence`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's lengths, its synthetic token ids, and how far its KV has been computed.
+
+    The simulator knows the future: `max_tokens` is the number of output tokens this request will produce,
+    so `num_final_tokens` is the most KV it will ever hold. `token_ids` covers prompt and output
+    (`num_final_tokens` ids), so prefix-cache hashes of full blocks are well defined for every block.
+
+    `num_computed_tokens` is owned by the scheduler: it is advanced after the tokens of a step are computed
+    (written to the cache) and reset to 0 when the request is preempted for recompute. Allocators read it to
+    know how much capacity a request already needs; they never advance it.
+    """
+
+    seq_id: int
+    num_prompt_tokens: int
+    max_tokens: int
+    token_ids: np.ndarray | None = None  # (num_final_tokens,) int64, synthetic but consistent
+    arrival_time: float = 0.0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
+    parent_id: int | None = None  # set for a fork (parallel sampling)
+    extra: dict = field(default_factory=dict)  # scheduler / report bookkeeping, never read by allocators
+
+    def __post_init__(self) -> None:
+        assert self.num_prompt_tokens > 0 and self.max_tokens >= 0
+        if self.token_ids is not None:
+            assert len(self.token_ids) >= self.num_final_tokens
+
+    @property
+    def num_final_tokens(self) -> int:
+        """Prompt + output: the KV this request holds when it finishes."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, prompt={self.num_prompt_tokens}, max_tokens={self.max_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

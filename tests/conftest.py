@@ -1,0 +1,46 @@
+"""Shared test setup: a stable terminal width for rich output, and the CLI runner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("COLUMNS", "160")
+os.environ.setdefault("TERM", "dumb")
+os.environ.setdefault("NO_COLOR", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture
+def cli():
+    """Invoke the kvsim CLI in-process: cli(["size", "--model", "qwen3-0.6b"]) -> click Result."""
+    from typer.testing import CliRunner
+
+    from kvsim.cli import app
+
+    runner = CliRunner()
+
+    def invoke(args: list[str], **kwargs):
+        return runner.invoke(app, args, **kwargs)
+
+    return invoke
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` cleanly when no CUDA device is present."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
