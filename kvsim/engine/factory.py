@@ -1,0 +1,55 @@
+"""Allocator configurations (as a workload names them) and the one place that builds allocators from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvsim.engine.allocator import KVAllocator
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+
+Reserve = Literal["max", "pow2", "oracle"]
+Placement = Literal["first-fit", "best-fit", "buddy"]
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """One allocator under test: `{kind: paged, block_size: 16, prefix_caching: true}` in a workload.
+
+    Flat: `reserve` (max = max_model_len tokens, pow2 = next power of two >= prompt + output, oracle =
+    exactly prompt + output) and `placement` of slabs in the arena. Paged: `block_size` (tokens per block),
+    `prefix_caching`, `watermark` (fraction of blocks kept free at admission).
+    """
+
+    kind: Literal["flat", "paged"]
+    block_size: int = 16
+    reserve: Reserve = "max"
+    placement: Placement = "first-fit"
+    prefix_caching: bool = False
+    watermark: float = 0.01
+
+    @property
+    def label(self) -> str:
+        """A short unique name for tables and report rows, e.g. 'paged-16+prefix' or 'flat-max'."""
+        if self.kind == "flat":
+            suffix = "" if self.placement == "first-fit" else f"-{self.placement}"
+            return f"flat-{self.reserve}{suffix}"
+        return f"paged-{self.block_size}" + ("+prefix" if self.prefix_caching else "")
+
+
+def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
+    """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`."""
+    assert spec.block_size == config.block_size or config.kind == "flat"
+    if config.kind == "paged":
+        from kvsim.engine.paged import PagedAllocator
+
+        return PagedAllocator(
+            spec,
+            budget_bytes,
+            max_model_len=max_model_len,
+            enable_prefix_caching=config.prefix_caching,
+            watermark=config.watermark,
+        )
+    from kvsim.engine.flat import FlatAllocator
+
+    return FlatAllocator(spec, budget_bytes, max_model_len=max_model_len, reserve=config.reserve, placement=config.placement)
