@@ -1,0 +1,180 @@
+"""The paper's flat baselines (seed 001's NaiveKVCache): one contiguous slab per request, reserved at admission.
+
+What pre-paging engines (FasterTransformer, Orca) did, as the PagedAttention paper models them: the slab is
+sized once, from `max_model_len` (max), the next power of two (pow2) or the true final length (oracle), and
+placed in one arena of the same budget, so reservation, internal and external fragmentation all show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.arena import PLACEMENTS, Arena
+from kvsim.engine.factory import Placement, Reserve
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.sequence import Sequence
+
+RESERVES: tuple[str, ...] = ("max", "pow2", "oracle")
+
+
+class FlatAllocator(KVAllocator):
+    """Contiguous per-request slabs in an arena of `budget_bytes // spec.bytes_per_token` token slots.
+
+    Slab of one request (`num_state_slots` only for models with state layers):
+
+        start                      start + reserved_tokens
+        | computed | to produce | never used | state slots |
+          token      reservation  internal      ceil(state_bytes / bytes_per_token)
+          states                  fragmentation
+
+    - `reserve="max"`: `max_model_len` tokens; `"pow2"`: the next power of two >= prompt + output, capped at
+      `max_model_len` (no engine reserves past the longest sequence it serves; the cap keeps pow2 <= max);
+      `"oracle"`: exactly prompt + output (it knows the future).
+    - Every per-token layer keeps every token (no window freeing: the paper's systems had none).
+    - Nothing grows after admission: `append_slots` only checks the request stays inside its slab, so a flat
+      allocator never preempts. A request longer than `max_model_len` is never admitted (`can_ever_fit`).
+    - `fork` copies: the child gets its own slab and the cache copies the parent's KV into it (flat engines
+      cannot share), so parallel sampling pays full memory per sample.
+
+    Byte categories are kept as running totals over live requests, plus one pass over their
+    `num_computed_tokens` (owned by the scheduler) per `breakdown`; nothing loops over tokens.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        *,
+        max_model_len: int,
+        reserve: Reserve = "max",
+        placement: Placement = "first-fit",
+    ):
+        assert reserve in RESERVES, reserve
+        assert placement in PLACEMENTS, placement
+        assert spec.bytes_per_token > 0 and budget_bytes >= 0 and max_model_len > 0
+        self.spec = spec
+        self.budget_bytes = budget_bytes
+        self.max_model_len = max_model_len
+        self.reserve = reserve
+        self.placement = placement
+        self.bytes_per_token = spec.bytes_per_token
+        self.num_slots = budget_bytes // self.bytes_per_token
+        self.remainder_bytes = budget_bytes - self.num_slots * self.bytes_per_token
+        self.num_state_slots = -(-spec.state_bytes_per_sequence // self.bytes_per_token)
+        self.state_padding_bytes = self.num_state_slots * self.bytes_per_token - spec.state_bytes_per_sequence
+        self.arena = Arena(self.num_slots, placement)
+        # seq_id -> (sequence, slab start, reserved tokens); running totals over these, in tokens
+        self._live: dict[int, tuple[Sequence, int, int]] = {}
+        self._reserved_tokens = 0
+        self._final_tokens = 0
+
+    # --- sizing -------------------------------------------------------------------------------------
+
+    def reserved_tokens(self, seq: Sequence) -> int:
+        """Token slots the reserve policy gives `seq` at admission."""
+        final = seq.num_final_tokens
+        if self.reserve == "max":
+            return self.max_model_len
+        if self.reserve == "pow2":
+            return min(1 << (final - 1).bit_length(), self.max_model_len)
+        return final
+
+    def slab_size(self, seq: Sequence) -> int:
+        """Slots `seq`'s slab takes: reserved tokens plus state slots."""
+        return self.reserved_tokens(seq) + self.num_state_slots
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        return seq.num_final_tokens <= self.max_model_len and self.slab_size(seq) <= self.arena.max_extent
+
+    # --- admission and growth -----------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        assert seq.seq_id not in self._live, seq
+        reserved = self.reserved_tokens(seq)
+        if seq.num_final_tokens > self.max_model_len or seq.num_computed_tokens + num_new_tokens > reserved:
+            return None
+        start = self.arena.alloc(reserved + self.num_state_slots)
+        if start is None:
+            return None
+        self._admit(seq, start, reserved)
+        return 0
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return seq.num_computed_tokens + num_new_tokens <= self._live[seq.seq_id][2]
+
+    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        live = self._live
+        return [seq for seq in seqs if seq.num_computed_tokens >= live[seq.seq_id][2]]
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` its own slab holding a copy of `parent`'s computed tokens; False if no hole fits.
+
+        The caller sets `child.num_computed_tokens = parent.num_computed_tokens` and copies the KV
+        (slot_mapping of parent -> slot_mapping of child); nothing is shared.
+        """
+        assert parent.seq_id in self._live and child.seq_id not in self._live
+        reserved = self.reserved_tokens(child)
+        if child.num_final_tokens > self.max_model_len or parent.num_computed_tokens > reserved:
+            return False
+        start = self.arena.alloc(reserved + self.num_state_slots)
+        if start is None:
+            return False
+        self._admit(child, start, reserved)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        _, start, reserved = self._live.pop(seq.seq_id)
+        self.arena.release(start)
+        self._reserved_tokens -= reserved
+        self._final_tokens -= seq.num_final_tokens
+
+    def _admit(self, seq: Sequence, start: int, reserved: int) -> None:
+        assert seq.num_final_tokens <= reserved
+        self._live[seq.seq_id] = (seq, start, reserved)
+        self._reserved_tokens += reserved
+        self._final_tokens += seq.num_final_tokens
+
+    # --- where tokens live --------------------------------------------------------------------------
+
+    def slab(self, seq: Sequence) -> tuple[int, int]:
+        """(start_slot, num_slots) of `seq`'s slab: tokens at [start, start + reserved), then state slots."""
+        _, start, reserved = self._live[seq.seq_id]
+        return start, reserved + self.num_state_slots
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        base, reserved = self._live[seq.seq_id][1:]
+        assert 0 <= start <= end <= reserved, (seq, start, end)
+        return np.arange(base + start, base + end, dtype=np.int64)  # (end - start,)
+
+    @property
+    def num_live(self) -> int:
+        """Requests holding a slab."""
+        return len(self._live)
+
+    # --- accounting ---------------------------------------------------------------------------------
+
+    def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
+        """Budget split per the slab diagram; external fragmentation is judged against `waiting_head`'s slab."""
+        bpt = self.bytes_per_token
+        live = len(self._live)
+        computed = sum(entry[0].num_computed_tokens for entry in self._live.values())
+        assert computed <= self._final_tokens
+        arena = self.arena
+        rounding = arena.used_total - self._reserved_tokens - live * self.num_state_slots  # buddy blocks
+        free = arena.free_total * bpt
+        external = 0
+        if waiting_head is not None and self.can_ever_fit(waiting_head):
+            need = self.slab_size(waiting_head)
+            if not arena.can_fit(need) and arena.free_total >= arena.footprint(need):
+                external, free = free, 0
+        return MemoryBreakdown(
+            budget_bytes=self.budget_bytes,
+            token_states_bytes=computed * bpt + live * self.spec.state_bytes_per_sequence,
+            reservation_bytes=(self._final_tokens - computed) * bpt,
+            internal_fragmentation_bytes=(self._reserved_tokens - self._final_tokens + rounding) * bpt
+            + live * self.state_padding_bytes
+            + self.remainder_bytes,
+            external_fragmentation_bytes=external,
+            free_bytes=free,
+        )
