@@ -1,0 +1,210 @@
+"""Flat slab allocators: reserve policies, byte breakdown by hand, external fragmentation, state slots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.engine.sequence import Sequence
+
+# 2 (K,V) * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes per token
+SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, dtype_bytes=2)
+BPT = 16
+
+
+def make_flat(num_slots: int, *, extra_bytes: int = 0, max_model_len: int = 64, **kwargs) -> FlatAllocator:
+    return FlatAllocator(SPEC, num_slots * BPT + extra_bytes, max_model_len=max_model_len, **kwargs)
+
+
+def seq(seq_id: int, prompt: int, output: int) -> Sequence:
+    return Sequence(seq_id, prompt, output)
+
+
+@pytest.mark.parametrize(
+    ("reserve", "prompt", "output", "expected"),
+    [
+        ("max", 10, 7, 64),
+        ("pow2", 10, 7, 32),
+        ("pow2", 10, 6, 16),  # 16 is already a power of two
+        ("pow2", 40, 20, 64),  # 64 = next power of two, also the cap
+        ("oracle", 10, 7, 17),
+    ],
+)
+def test_reserve_policies(reserve, prompt, output, expected):
+    alloc = make_flat(200, reserve=reserve)
+    s = seq(1, prompt, output)
+    assert alloc.reserved_tokens(s) == expected
+    assert alloc.allocate(s, prompt) == 0
+    assert alloc.slab(s) == (0, expected)
+
+
+def test_pow2_is_capped_at_max_model_len():
+    alloc = make_flat(200, reserve="pow2", max_model_len=48)
+    assert alloc.reserved_tokens(seq(1, 30, 10)) == 48  # next power of two would be 64
+    assert alloc.can_ever_fit(seq(2, 40, 8)) and not alloc.can_ever_fit(seq(3, 40, 9))
+
+
+def test_breakdown_by_hand_with_remainder_bytes():
+    # 100 slots + 5 stray bytes; pow2: request of 10 + 7 tokens reserves 32 slots.
+    alloc = make_flat(100, extra_bytes=5, reserve="pow2")
+    assert alloc.num_slots == 100
+    s = seq(1, 10, 7)
+    assert alloc.allocate(s, 10) == 0
+    b = alloc.breakdown()
+    assert (b.token_states_bytes, b.reservation_bytes) == (0, 17 * BPT)
+    s.num_computed_tokens = 10
+    b = alloc.breakdown()
+    assert b.budget_bytes == 1605
+    assert b.token_states_bytes == 10 * BPT
+    assert b.reservation_bytes == 7 * BPT
+    assert b.internal_fragmentation_bytes == (32 - 17) * BPT + 5
+    assert b.external_fragmentation_bytes == 0
+    assert b.free_bytes == 68 * BPT
+    alloc.free(s)
+    b = alloc.breakdown()
+    assert (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes) == (0, 0, 5)
+    assert b.free_bytes == 100 * BPT
+
+
+def test_no_growth_past_the_slab_and_decode_batch():
+    alloc = make_flat(100, reserve="oracle")
+    a, b = seq(1, 4, 2), seq(2, 3, 5)
+    assert alloc.allocate(a, 4) == 0 and alloc.allocate(b, 3) == 0
+    a.num_computed_tokens, b.num_computed_tokens = 4, 3
+    assert alloc.append_slots(a, 2) and not alloc.append_slots(a, 3)
+    a.num_computed_tokens = 6  # a has produced its last token
+    assert alloc.append_decode([a, b]) == [a]
+    assert alloc.append_slots(b, 5) and not alloc.append_slots(b, 6)
+
+
+def test_allocate_refuses_more_than_the_slab_and_too_long_requests():
+    alloc = make_flat(500, reserve="oracle", max_model_len=64)
+    assert alloc.allocate(seq(1, 10, 5), 16) is None  # more than prompt + output
+    too_long = seq(2, 60, 5)
+    assert not alloc.can_ever_fit(too_long) and alloc.allocate(too_long, 60) is None
+    assert alloc.num_live == 0 and alloc.arena.free_total == 500
+
+
+def test_external_fragmentation_counts_all_free_bytes_for_the_waiting_head():
+    # four oracle slabs of 10 in 40 slots; free the 1st and 3rd: 20 free, largest hole 10.
+    alloc = make_flat(40, reserve="oracle")
+    seqs = [seq(i, 5, 5) for i in range(4)]
+    for s in seqs:
+        assert alloc.allocate(s, 5) == 0
+    alloc.free(seqs[0])
+    alloc.free(seqs[2])
+    head = seq(9, 10, 5)  # needs 15 > largest hole 10, <= free total 20
+    assert alloc.allocate(head, 10) is None
+    b = alloc.breakdown(head)
+    assert b.external_fragmentation_bytes == 20 * BPT and b.free_bytes == 0
+    assert b.reservation_bytes == 20 * BPT  # two live slabs, nothing computed yet
+    small = seq(10, 5, 5)  # fits a hole: no external fragmentation
+    assert alloc.breakdown(small).external_fragmentation_bytes == 0
+    big = seq(11, 20, 5)  # 25 > free total: not fragmentation, just full
+    b = alloc.breakdown(big)
+    assert b.external_fragmentation_bytes == 0 and b.free_bytes == 20 * BPT
+
+
+def test_buddy_rounding_is_internal_fragmentation():
+    alloc = make_flat(64, reserve="oracle", placement="buddy")
+    s = seq(1, 10, 7)  # 17 tokens -> a 32-slot buddy block
+    assert alloc.allocate(s, 10) == 0
+    assert alloc.slab(s) == (0, 17)
+    b = alloc.breakdown()
+    assert b.internal_fragmentation_bytes == 15 * BPT and b.free_bytes == 32 * BPT
+    head = seq(2, 20, 0)  # 20 -> 32: fits the other half
+    assert alloc.breakdown(head).external_fragmentation_bytes == 0
+
+
+def test_buddy_external_fragmentation_uses_block_footprint():
+    alloc = make_flat(64, reserve="oracle", placement="buddy")
+    seqs = [seq(i, 16, 0) for i in range(4)]
+    for s in seqs:
+        alloc.allocate(s, 16)
+    alloc.free(seqs[1])
+    alloc.free(seqs[2])  # [16,32) and [32,48) free but not buddies
+    b = alloc.breakdown(seq(9, 20, 0))  # needs a 32 block; 32 free in two 16s
+    assert b.external_fragmentation_bytes == 32 * BPT and b.free_bytes == 0
+    b = alloc.breakdown(seq(10, 33, 0))  # needs 64 > 32 free: just full
+    assert b.external_fragmentation_bytes == 0
+
+
+def test_slot_mapping_is_the_slab_slice():
+    alloc = make_flat(100, reserve="oracle")
+    a, b = seq(1, 4, 2), seq(2, 3, 5)
+    alloc.allocate(a, 4)
+    alloc.allocate(b, 3)
+    assert alloc.slab(b) == (6, 8)
+    m = alloc.slot_mapping(b, 2, 5)
+    assert m.dtype == np.int64 and m.tolist() == [8, 9, 10]
+    assert alloc.slot_mapping(a, 0, 0).shape == (0,)
+
+
+def test_fork_copies_into_its_own_slab():
+    alloc = make_flat(30, reserve="oracle")
+    parent = seq(1, 8, 4)
+    alloc.allocate(parent, 8)
+    parent.num_computed_tokens = 8
+    child = Sequence(2, 8, 4, parent_id=1)
+    assert alloc.fork(parent, child)
+    child.num_computed_tokens = 8
+    assert alloc.slab(child) == (12, 12)
+    b = alloc.breakdown()
+    assert b.token_states_bytes == 16 * BPT and b.shared_saved_bytes == 0  # nothing shared
+    third = Sequence(3, 8, 4, parent_id=1)
+    assert not alloc.fork(parent, third)  # 6 slots left
+    assert alloc.num_live == 2
+
+
+def test_state_layers_reserve_state_slots_per_request():
+    spec = KVCacheSpec(
+        groups=(
+            KVCacheGroupSpec("full", 1, bytes_per_token=16),
+            KVCacheGroupSpec("state", 2, state_bytes=40),
+        ),
+        block_size=16,
+        dtype="bf16",
+        dtype_bytes=2,
+        num_kv_heads=1,
+        head_dim=4,
+        num_attention_layers=1,
+    )
+    alloc = FlatAllocator(spec, 100 * 16, max_model_len=64, reserve="oracle")
+    assert alloc.num_state_slots == 3 and alloc.state_padding_bytes == 8
+    s = seq(1, 10, 5)
+    alloc.allocate(s, 10)
+    assert alloc.slab(s) == (0, 18)
+    s.num_computed_tokens = 10
+    b = alloc.breakdown()
+    assert b.token_states_bytes == 10 * 16 + 40
+    assert b.reservation_bytes == 5 * 16
+    assert b.internal_fragmentation_bytes == 8
+    assert b.free_bytes == 82 * 16
+
+
+def test_sliding_layers_keep_every_token():
+    spec = KVCacheSpec(
+        groups=(
+            KVCacheGroupSpec("full", 1, bytes_per_token=16),
+            KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=4),
+        ),
+        block_size=16,
+        dtype="bf16",
+        dtype_bytes=2,
+        num_kv_heads=1,
+        head_dim=4,
+        num_attention_layers=2,
+    )
+    alloc = FlatAllocator(spec, 1000, max_model_len=64, reserve="oracle")
+    assert alloc.num_slots == 1000 // 32 and alloc.num_state_slots == 0
+
+
+def test_factory_builds_flat_with_config():
+    cfg = AllocatorConfig("flat", reserve="pow2", placement="best-fit")
+    alloc = make_allocator(cfg, SPEC, 100 * BPT, max_model_len=64)
+    assert isinstance(alloc, FlatAllocator)
+    assert (alloc.reserve, alloc.placement, alloc.arena.placement) == ("pow2", "best-fit", "best-fit")
+    assert cfg.label == "flat-pow2-best-fit"
