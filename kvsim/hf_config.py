@@ -1,0 +1,208 @@
+"""Hugging Face config.json -> ModelSpec, offline: which kind each layer is and what it stores.
+
+Handles explicit vs derived head_dim, MHA (no num_key_value_heads), Falcon multi_query, MLA, sliding windows
+(model-wide, `layer_types`, `sliding_window_pattern`, family alternation), Qwen3-Next and Jamba hybrids, and
+configs nested under `text_config`. A field it needs and cannot find raises KvsimError naming field and file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvsim.errors import KvsimError
+from kvsim.models import LayerKind, LayerSpec, ModelSpec
+
+_MISSING = object()
+
+# Families whose configs leave the sliding/full alternation implicit: layer i slides when (i+1) % n != 0.
+# gemma2 and gpt-oss alternate starting with a sliding layer; gemma3's class default pattern is 6.
+_FAMILY_PATTERN = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6}
+
+_LAYER_TYPE_KINDS = {
+    "full_attention": LayerKind.FULL,
+    "attention": LayerKind.FULL,
+    "global_attention": LayerKind.FULL,
+    "sliding_attention": LayerKind.SLIDING,
+    "local_attention": LayerKind.SLIDING,
+    "linear_attention": LayerKind.LINEAR_STATE,
+    "mamba": LayerKind.LINEAR_STATE,
+}
+
+_TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+class _Config:
+    """A config dict plus the file it came from, so every missing field names both."""
+
+    def __init__(self, data: dict[str, Any], source: str):
+        self.data = data
+        self.source = source
+
+    def get(self, *names: str, default: Any = _MISSING) -> Any:
+        """The first of `names` present with a non-null value; `default` if given, else a KvsimError."""
+        for name in names:
+            value = self.data.get(name)
+            if value is not None:
+                return value
+        if default is not _MISSING:
+            return default
+        raise KvsimError(f"missing field {' / '.join(names)!s}", source=self.source, field=names[0])
+
+    def get_int(self, *names: str, default: Any = _MISSING) -> Any:
+        value = self.get(*names, default=default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise KvsimError(f"expected a positive integer, got {value!r}", source=self.source, field=names[0])
+        return value
+
+
+def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
+    """Read a Hugging Face config.json at `path` into a ModelSpec (parameter count estimated from it)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise KvsimError(f"cannot read config: {exc.strerror or exc}", source=source) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    if not isinstance(data, dict):
+        raise KvsimError("expected a JSON object at the top level", source=source)
+    return model_spec_from_config(data, source=source, name=name or Path(path).parent.name or Path(path).stem)
+
+
+def model_spec_from_config(
+    data: dict[str, Any],
+    *,
+    source: str,
+    name: str,
+    hf_id: str | None = None,
+    num_params: int | None = None,
+    params_source: str | None = None,
+) -> ModelSpec:
+    """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors."""
+    text = data.get("text_config")
+    if isinstance(text, dict):  # multimodal wrappers (gemma3, llava...): the decoder lives here
+        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    cfg = _Config(data, source)
+    num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
+    hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
+    num_heads = cfg.get_int("num_attention_heads", "n_head", "num_heads")
+    max_len = cfg.get_int("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    kinds = _layer_kinds(cfg, num_layers)
+    attention = _attention_layer(cfg, hidden_size, num_heads)
+    state = _state_layer(cfg, hidden_size) if LayerKind.LINEAR_STATE in kinds else None
+    window = cfg.get_int("sliding_window") if LayerKind.SLIDING in kinds else None
+
+    layers = []
+    for kind in kinds:
+        if kind == LayerKind.LINEAR_STATE:
+            layers.append(state)
+        elif kind == LayerKind.SLIDING and attention.kind == LayerKind.FULL:
+            layers.append(LayerSpec(LayerKind.SLIDING, attention.num_kv_heads, attention.head_dim, window=window))
+        else:  # FULL, or MLA (MLA models have no sliding layers kvsim knows of)
+            layers.append(attention)
+    dtype = str(cfg.get("torch_dtype", "dtype", default="bfloat16")).lower()
+    return ModelSpec(
+        name=name,
+        hf_id=hf_id,
+        layers=tuple(layers),
+        max_model_len=max_len,
+        num_params=num_params,
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        weight_dtype=_TORCH_DTYPES.get(dtype, "bf16"),
+        vocab_size=cfg.get("vocab_size", default=None),
+        source=source,
+        params_source=params_source,
+    )
+
+
+def _attention_layer(cfg: _Config, hidden_size: int, num_heads: int) -> LayerSpec:
+    """The attention layer every attention position of the model uses (full kind; sliding copies it)."""
+    if cfg.get("kv_lora_rank", default=None) is not None:
+        latent = cfg.get_int("kv_lora_rank") + cfg.get_int("qk_rope_head_dim")
+        return LayerSpec(LayerKind.MLA, latent_dim=latent)
+    return LayerSpec(LayerKind.FULL, num_kv_heads=_num_kv_heads(cfg, num_heads), head_dim=_head_dim(cfg, hidden_size, num_heads))
+
+
+def _num_kv_heads(cfg: _Config, num_heads: int) -> int:
+    """KV heads: Falcon's multi_query means ONE head unless new_decoder_architecture; missing means MHA."""
+    if cfg.get("new_decoder_architecture", default=False):
+        return cfg.get_int("num_kv_heads", "n_head_kv", "num_key_value_heads")
+    if cfg.get("multi_query", default=False):
+        return 1
+    return cfg.get_int("num_key_value_heads", "num_kv_heads", "n_head_kv", default=num_heads)
+
+
+def _head_dim(cfg: _Config, hidden_size: int, num_heads: int) -> int:
+    """An explicit head_dim wins (Qwen3, Gemma set it); otherwise hidden_size / num_attention_heads."""
+    explicit = cfg.get_int("head_dim", default=None)
+    if explicit is not None:
+        return explicit
+    if hidden_size % num_heads:
+        raise KvsimError(
+            f"no head_dim, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads}",
+            source=cfg.source,
+            field="head_dim",
+        )
+    return hidden_size // num_heads
+
+
+def _layer_kinds(cfg: _Config, num_layers: int) -> list[LayerKind]:
+    """Each layer's kind, from the most explicit description the config gives."""
+    layer_types = cfg.get("layer_types", default=None)
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise KvsimError(f"expected a list of {num_layers} layer types", source=cfg.source, field="layer_types")
+        unknown = sorted({str(t) for t in layer_types} - set(_LAYER_TYPE_KINDS))
+        if unknown:
+            raise KvsimError(
+                f"unknown layer type(s) {', '.join(unknown)} (known: {', '.join(_LAYER_TYPE_KINDS)})",
+                source=cfg.source,
+                field="layer_types",
+            )
+        return [_LAYER_TYPE_KINDS[t] for t in layer_types]
+    interval = cfg.get_int("full_attention_interval", default=None)
+    if interval is not None:  # Qwen3-Next: every interval-th layer is full attention, the rest gated delta net
+        return [LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.LINEAR_STATE for i in range(num_layers)]
+    period = cfg.get_int("attn_layer_period", default=None)
+    if period is not None:  # Jamba: attention where i % period == offset, mamba elsewhere
+        offset = cfg.get("attn_layer_offset")
+        return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
+    window = cfg.get("sliding_window", default=None)
+    if window is None or cfg.get("use_sliding_window", default=True) is False:
+        return [LayerKind.FULL] * num_layers
+    model_type = str(cfg.get("model_type", default="")).lower()
+    pattern = cfg.get_int("sliding_window_pattern", default=None) or _FAMILY_PATTERN.get(model_type)
+    if pattern is None:  # `sliding_window` alone: every layer slides (Mistral 7B v0.1)
+        return [LayerKind.SLIDING] * num_layers
+    return [LayerKind.SLIDING if (i + 1) % pattern != 0 else LayerKind.FULL for i in range(num_layers)]
+
+
+def _state_layer(cfg: _Config, hidden_size: int) -> LayerSpec:
+    """The constant per-sequence state of a linear layer: gated delta net (Qwen3-Next) or mamba (Jamba).
+
+    Gated delta net (vLLM gated_delta_net_state_shape): conv state (conv_kernel - 1) x conv_dim with
+    conv_dim = key_dim*num_key_heads*2 + value_dim*num_value_heads, plus recurrent num_value_heads x
+    value_dim x key_dim. Mamba-1: conv state intermediate x (d_conv - 1), ssm state intermediate x d_state,
+    intermediate = mamba_expand x hidden_size.
+    """
+    if cfg.get("linear_num_value_heads", default=None) is not None or cfg.get("full_attention_interval", default=None):
+        nk = cfg.get_int("linear_num_key_heads")
+        nv = cfg.get_int("linear_num_value_heads")
+        dk = cfg.get_int("linear_key_head_dim")
+        dv = cfg.get_int("linear_value_head_dim")
+        kernel = cfg.get_int("linear_conv_kernel_dim")
+        conv_dim = dk * nk * 2 + dv * nv
+        elements = (kernel - 1) * conv_dim + nv * dv * dk
+    else:
+        d_state = cfg.get_int("mamba_d_state")
+        d_conv = cfg.get_int("mamba_d_conv")
+        intermediate = cfg.get_int("mamba_expand") * hidden_size
+        elements = intermediate * (d_conv - 1) + intermediate * d_state
+    return LayerSpec(LayerKind.LINEAR_STATE, state_elements=elements)

@@ -1,0 +1,187 @@
+"""All of kvsim's size math: KV bytes per token / block / sequence, weight bytes, budgets, concurrency.
+
+The figures follow vLLM (vllm/v1/kv_cache_interface.py): full attention stores K and V per KV head, MLA one
+latent per token (no factor 2, replicated on every TP rank), sliding layers need at most their window,
+linear/mamba layers hold a constant state per sequence. Everything is per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.errors import KvsimError
+from kvsim.models import LayerKind, ModelSpec
+from kvsim.units import dtype_bytes
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+def _positive_int(value: int, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KvsimError(f"must be a positive integer, got {value!r}", field=field)
+    return value
+
+
+def _state_dtype(model: ModelSpec) -> str:
+    """Linear/mamba state keeps the model's activation dtype (vLLM's mamba_cache_dtype 'auto')."""
+    return model.weight_dtype if model.weight_dtype in ("bf16", "fp16", "fp32") else "bf16"
+
+
+def kv_cache_spec(model: ModelSpec, *, kv_dtype: str = "bf16", block_size: int = 16, tp: int = 1) -> KVCacheSpec:
+    """The allocator-facing description of `model`'s cache on one TP rank.
+
+    Groups: one `full` group (full attention and MLA layers), one `sliding` group per distinct window,
+    one `state` group (linear/mamba layers, constant bytes per request in the model's dtype).
+    """
+    _positive_int(block_size, "--block-size")
+    _positive_int(tp, "--tp")
+    if model.num_attention_heads % tp:
+        raise KvsimError(
+            f"--tp {tp} does not divide num_attention_heads {model.num_attention_heads} of {model.name}", field="--tp"
+        )
+    kv_bytes = int(dtype_bytes(kv_dtype, field="--kv-dtype", kv=True))
+    state_bytes = int(dtype_bytes(_state_dtype(model)))
+
+    full = [layer for layer in model.layers if layer.kind in (LayerKind.FULL, LayerKind.MLA)]
+    windows: dict[int, list] = {}
+    for layer in model.layers:
+        if layer.kind == LayerKind.SLIDING:
+            windows.setdefault(layer.window, []).append(layer)
+    states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+
+    groups = []
+    if full:
+        per_token = sum(layer.elements_per_token(tp) for layer in full) * kv_bytes
+        groups.append(KVCacheGroupSpec("full", len(full), bytes_per_token=per_token))
+    for window, layers in windows.items():
+        per_token = sum(layer.elements_per_token(tp) for layer in layers) * kv_bytes
+        groups.append(KVCacheGroupSpec("sliding", len(layers), bytes_per_token=per_token, window=window))
+    if states:
+        total = sum(layer.state_elements_per_rank(tp) for layer in states) * state_bytes
+        groups.append(KVCacheGroupSpec("state", len(states), state_bytes=total))
+
+    attention = model.attention_layers
+    first = attention[0] if attention else None
+    return KVCacheSpec(
+        groups=tuple(groups),
+        block_size=block_size,
+        dtype=kv_dtype.lower(),
+        dtype_bytes=kv_bytes,
+        num_kv_heads=first.kv_heads_per_rank(tp) if first else 0,
+        head_dim=(first.latent_dim if first.kind == LayerKind.MLA else first.head_dim) if first else 0,
+        num_attention_layers=len(attention),
+    )
+
+
+def is_mla(model: ModelSpec) -> bool:
+    """Whether the model's attention layers store one MLA latent (no separate K and V)."""
+    return any(layer.kind == LayerKind.MLA for layer in model.layers)
+
+
+def sliding_cap_bytes_per_sequence(spec: KVCacheSpec) -> int:
+    """The most sliding-window KV one sequence ever needs: each sliding group's window of tokens."""
+    return sum(g.bytes_per_token * g.window for g in spec.groups if g.kind == "sliding")
+
+
+def bytes_per_sequence(spec: KVCacheSpec, num_tokens: int, *, capped: bool = True) -> int:
+    """KV + state of one sequence of `num_tokens` tokens, before block rounding.
+
+    capped: sliding layers keep at most their window (an engine that frees blocks outside the window);
+    uncapped: every per-token layer keeps every token (what engines without window freeing allocate).
+    State layers count once either way.
+    """
+    total = spec.state_bytes_per_sequence
+    for g in spec.groups:
+        if g.kind == "full" or (g.kind == "sliding" and not capped):
+            total += g.bytes_per_token * num_tokens
+        elif g.kind == "sliding":
+            total += g.bytes_per_token * min(num_tokens, g.window)
+    return total
+
+
+def block_rounded_bytes_per_sequence(spec: KVCacheSpec, num_tokens: int) -> int:
+    """Like `bytes_per_sequence` (capped) but in whole blocks, as a paged engine allocates.
+
+    Full layers hold cdiv(n, block_size) blocks. A sliding layer holds the blocks its window can touch,
+    vLLM's SlidingWindowSpec bound with a one-token step: cdiv(window, block_size) + 1, never more than the
+    sequence's own cdiv(n, block_size).
+    """
+    bs = spec.block_size
+    blocks = cdiv(num_tokens, bs)
+    total = spec.state_bytes_per_sequence
+    for g in spec.groups:
+        if g.kind == "full":
+            total += g.bytes_per_token * bs * blocks
+        elif g.kind == "sliding":
+            total += g.bytes_per_token * bs * min(blocks, cdiv(g.window, bs) + 1)
+    return total
+
+
+def weight_bytes(model: ModelSpec, *, weight_dtype: str | None = None, tp: int = 1) -> int:
+    """Bytes of weights on one TP rank: parameters x dtype bytes / tp (ceil).
+
+    Without `weight_dtype`, the shipped checkpoint's size when the catalogue knows it (mixed-dtype
+    checkpoints such as gpt-oss's MXFP4 experts), else parameters x the model's dtype.
+    """
+    _positive_int(tp, "--tp")
+    if weight_dtype is None and model.checkpoint_bytes:
+        return cdiv(model.checkpoint_bytes, tp)
+    if model.num_params is None:
+        raise KvsimError(
+            f"the parameter count of {model.name} is unknown (a config.json does not state it), so weight memory "
+            "cannot be computed; use a catalogue model or give --params",
+            source=model.source,
+            field="num_params",
+        )
+    dtype = weight_dtype or model.weight_dtype
+    per_param = dtype_bytes(dtype, field="--weight-dtype")
+    return cdiv(math.ceil(model.num_params * per_param), tp)
+
+
+def kv_budget_bytes(memory_bytes: int, *, utilization: float, weight_bytes: int) -> int:
+    """KV bytes left on a device: memory x utilization (vLLM's gpu_memory_utilization) minus weights.
+
+    Activations and CUDA graphs also take memory in a real engine; kvsim does not guess them.
+    """
+    if not 0 < utilization <= 1:
+        raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")
+    usable = int(memory_bytes * utilization)
+    budget = usable - weight_bytes
+    if budget <= 0:
+        raise KvsimError(
+            f"weights ({weight_bytes:,} B) do not fit in {memory_bytes:,} B x utilization {utilization} "
+            f"= {usable:,} B; no room for KV cache (try --tp, a smaller --weight-dtype, or more memory)",
+            field="--memory",
+        )
+    return budget
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How much fits in a KV budget: tokens, and sequences of `context_tokens` (vLLM's concurrency line)."""
+
+    kv_budget_bytes: int
+    max_tokens: int | None  # budget / bytes per token, every layer keeping every token; None without per-token KV
+    max_sequences: float  # budget / capped bytes per sequence
+    max_sequences_block_rounded: float  # whole blocks of the budget / whole-block bytes per sequence
+    max_sequences_uncapped: float  # budget / uncapped bytes per sequence
+
+
+def capacity(spec: KVCacheSpec, budget_bytes: int, context_tokens: int) -> Capacity:
+    """Tokens and concurrent sequences of `context_tokens` that `budget_bytes` of KV memory holds."""
+    per_token = spec.bytes_per_token
+    usable = budget_bytes
+    if spec.block_bytes:
+        usable = (budget_bytes // spec.block_bytes) * spec.block_bytes  # vLLM allocates whole blocks
+    return Capacity(
+        kv_budget_bytes=budget_bytes,
+        max_tokens=budget_bytes // per_token if per_token else None,
+        max_sequences=budget_bytes / bytes_per_sequence(spec, context_tokens),
+        max_sequences_block_rounded=usable / block_rounded_bytes_per_sequence(spec, context_tokens),
+        max_sequences_uncapped=budget_bytes / bytes_per_sequence(spec, context_tokens, capped=False),
+    )
