@@ -1,0 +1,158 @@
+"""Request traces from files: Vidur's CSV, the Azure LLM inference trace CSV, and JSONL.
+
+The form is told by the header (CSV) or by a leading '{' (JSONL):
+
+    vidur  arrived_at,num_prefill_tokens,num_decode_tokens     seconds, as given
+    azure  TIMESTAMP,ContextTokens,GeneratedTokens             date-times -> seconds from the first
+    jsonl  {"arrival_time": s, "prompt_tokens": n, "output_tokens": n}   one object per line
+
+Extra columns or keys are ignored. A bad row is a KvsimError naming the file, line number and column.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+
+TraceForm = Literal["vidur", "azure", "jsonl"]
+# The columns (or JSON keys) of each form: arrival, prompt tokens, output tokens.
+COLUMNS: dict[str, tuple[str, str, str]] = {
+    "vidur": ("arrived_at", "num_prefill_tokens", "num_decode_tokens"),
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "jsonl": ("arrival_time", "prompt_tokens", "output_tokens"),
+}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace's requests sorted by arrival (stable: ties keep file order)."""
+
+    path: Path
+    form: TraceForm
+    arrival_time: np.ndarray  # (n,) float64 seconds, non-decreasing
+    num_prompt_tokens: np.ndarray  # (n,) int64, >= 1
+    num_output_tokens: np.ndarray  # (n,) int64, >= 0
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival_time)
+        assert len(self.num_prompt_tokens) == len(self.num_output_tokens) == n
+
+    def __len__(self) -> int:
+        return len(self.arrival_time)
+
+
+def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None = None) -> Trace:
+    """Read a trace file; arrival times are multiplied by `time_scale` and only the first `limit` requests
+    (by arrival) are kept."""
+    assert time_scale > 0 and (limit is None or limit >= 1)
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvsimError(f"cannot read trace: {getattr(exc, 'strerror', None) or exc}", source=source) from None
+    if text.lstrip().startswith("{"):
+        form, rows = "jsonl", _jsonl_rows(text, source)
+    else:
+        form, rows = _csv_rows(text, source)
+    if not rows:
+        raise KvsimError("trace has no requests", source=source)
+    arrival_col, prompt_col, output_col = COLUMNS[form]
+    arrival = np.empty(len(rows), dtype=np.float64)
+    prompt = np.empty(len(rows), dtype=np.int64)
+    output = np.empty(len(rows), dtype=np.int64)
+    parse_time = _parse_datetime if form == "azure" else _parse_seconds
+    for i, (lineno, t, p, o) in enumerate(rows):
+        where = f"line {lineno}, column "
+        arrival[i] = parse_time(t, source, where + arrival_col)
+        prompt[i] = _parse_count(p, source, where + prompt_col, minimum=1)
+        output[i] = _parse_count(o, source, where + output_col, minimum=0)
+    if form == "azure":
+        arrival -= arrival.min()  # absolute date-times -> seconds from the first request
+    order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
+    return Trace(path, form, arrival[order] * time_scale, prompt[order], output[order])
+
+
+def _csv_rows(text: str, source: str) -> tuple[TraceForm, list[tuple[int, object, object, object]]]:
+    """(form, [(line number, arrival, prompt, output)]) from a CSV whose header names the form."""
+    reader = csv.reader(text.splitlines())
+    header = [h.strip() for h in next(reader, [])]
+    for form in ("vidur", "azure"):
+        if all(col in header for col in COLUMNS[form]):
+            break
+    else:
+        known = "; ".join(",".join(cols) for cols in COLUMNS.values())
+        raise KvsimError(f"unrecognised trace header {','.join(header)!r} (expected columns {known})", source=source, field="line 1")
+    index = [header.index(col) for col in COLUMNS[form]]
+    rows = []
+    for lineno, row in enumerate(reader, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) <= max(index):
+            raise KvsimError(f"expected {len(header)} columns, got {len(row)}", source=source, field=f"line {lineno}")
+        rows.append((lineno, row[index[0]], row[index[1]], row[index[2]]))
+    return form, rows
+
+
+def _jsonl_rows(text: str, source: str) -> list[tuple[int, object, object, object]]:
+    keys = COLUMNS["jsonl"]
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise KvsimError(f"not valid JSON: {exc.msg} at column {exc.colno}", source=source, field=f"line {lineno}") from None
+        if not isinstance(obj, dict):
+            raise KvsimError("expected a JSON object", source=source, field=f"line {lineno}")
+        for key in keys:
+            if key not in obj:
+                raise KvsimError(f"missing key {key!r}", source=source, field=f"line {lineno}")
+        rows.append((lineno, obj[keys[0]], obj[keys[1]], obj[keys[2]]))
+    return rows
+
+
+def _parse_seconds(value: object, source: str, field: str) -> float:
+    try:
+        seconds = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not np.isfinite(seconds) or seconds < 0:
+        raise KvsimError(f"expected seconds >= 0, got {value!r}", source=source, field=field)
+    return seconds
+
+
+def _parse_datetime(value: object, source: str, field: str) -> float:
+    """POSIX seconds of an ISO date-time ('2023-11-16 18:15:46.6805900'); naive ones are read as UTC."""
+    text = str(value).strip()
+    if "." in text:  # fromisoformat takes at most 6 fractional digits; Azure writes 7
+        head, _, frac = text.partition(".")
+        digits = len(frac) - len(frac.lstrip("0123456789"))
+        text = head + "." + frac[: min(digits, 6)] + frac[digits:]
+    try:
+        stamp = datetime.fromisoformat(text)
+    except ValueError:
+        raise KvsimError(f"expected a date-time like '2023-11-16 18:15:46.68', got {value!r}", source=source, field=field) from None
+    if stamp.tzinfo is None:
+        return (stamp - datetime(1970, 1, 1)).total_seconds()
+    return stamp.timestamp()
+
+
+def _parse_count(value: object, source: str, field: str, *, minimum: int) -> int:
+    """A token count: an integer (or integral float, as some CSV writers produce) >= minimum."""
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not np.isfinite(number) or not number.is_integer() or number < minimum:
+        raise KvsimError(f"expected a whole number >= {minimum}, got {value!r}", source=source, field=field)
+    return int(number)

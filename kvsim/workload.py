@@ -1,0 +1,410 @@
+"""A replay workload: the YAML file read and validated once, into frozen dataclasses.
+
+Every error names the file and the field path (`workloads/x.yaml: requests.arrival.rate: must be > 0`);
+unknown keys are errors too, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvsim.distributions import ArrivalProcess, LengthDistribution, arrival_from_fields, length_from_fields
+from kvsim.engine.factory import AllocatorConfig
+from kvsim.errors import KvsimError
+from kvsim.units import dtype_bytes, parse_bytes
+
+_REQUIRED: Any = object()  # default for fields that must be given
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The continuous-batching scheduler's limits (vLLM's SchedulerConfig names).
+
+    `watermark` is the fraction of KV blocks kept free at admission; a paged allocator inherits it unless it
+    sets its own. `swap_space_bytes` is the CPU pool that `preemption: swap` moves KV to.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption: Literal["recompute", "swap"] = "recompute"
+    watermark: float = 0.01
+    swap_space_bytes: int = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A `fraction` of requests start with one of `groups` shared prefixes (system prompts) of `tokens` tokens.
+
+    The prefix is part of the prompt: a request whose prompt is shorter than `tokens` shares only its prompt.
+    """
+
+    groups: int
+    tokens: int
+    fraction: float
+
+
+@dataclass(frozen=True)
+class SyntheticRequests:
+    """Requests drawn from distributions: `count` of them, or all arriving within `duration_s` seconds."""
+
+    arrival: ArrivalProcess
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    count: int | None = None
+    duration_s: float | None = None
+    shared_prefix: SharedPrefix | None = None
+    limit: int | None = None  # at most this many (the first by arrival)
+
+    def __post_init__(self) -> None:
+        assert (self.count is None) != (self.duration_s is None)
+
+
+@dataclass(frozen=True)
+class TraceRequests:
+    """Requests replayed from a trace file (Vidur CSV, Azure CSV or JSONL; see kvsim.traces).
+
+    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast).
+    """
+
+    path: Path
+    time_scale: float = 1.0
+    limit: int | None = None  # at most this many (the first by arrival)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One replay: a model and KV budget, a request stream, and the allocators that compete for it.
+
+    Exactly one of `kv_budget_bytes` and `gpu_memory_utilization` is set (the replay subtracts the weights
+    from the GPU's memory for the latter). `model` and `hardware` are names resolved by the replay, which
+    reports an unknown one; a config.json path in `model` is made absolute here (relative to the YAML file).
+    """
+
+    name: str
+    seed: int
+    model: str
+    kv_dtype: str
+    hardware: str
+    kv_budget_bytes: int | None
+    gpu_memory_utilization: float | None
+    max_model_len: int
+    requests: SyntheticRequests | TraceRequests
+    allocators: tuple[AllocatorConfig, ...]
+    scheduler: SchedulerConfig
+    path: Path
+    sha256: str  # of the YAML file's bytes
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
+        assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
+
+
+class Fields:
+    """One YAML mapping read field by field; each reader checks type and range and names the field in errors.
+
+    `done()` rejects keys that no reader asked for, so typos are caught.
+    """
+
+    def __init__(self, raw: Any, *, source: str, prefix: str = ""):
+        if not isinstance(raw, dict):
+            where = prefix or None
+            raise KvsimError(f"expected a mapping of fields, got {_show(raw)}", source=source, field=where)
+        self.raw, self.source, self.prefix = raw, source, prefix
+        self._seen: set[str] = set()
+
+    def path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def error(self, key: str, message: str) -> KvsimError:
+        return KvsimError(message, source=self.source, field=self.path(key))
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The raw value; `default` when absent or null (an error if there is none)."""
+        self._seen.add(key)
+        value = self.raw.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.error(key, "is required")
+            return default
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED, *, min: int | None = None) -> int | None:
+        if not self.has(key):
+            return self.get(key, default)
+        value = self.get(key)
+        number = _as_number(value)
+        if number is None or not number.is_integer():
+            raise self.error(key, f"must be a whole number, got {_show(value)}")
+        if min is not None and number < min:
+            raise self.error(key, f"must be >= {min}, got {_show(value)}")
+        return int(number)
+
+    def float(self, key: str, default: Any = _REQUIRED, *, min: float | None = None, max: float | None = None,
+              exclusive: bool = False) -> float | None:
+        """A finite number in [min, max]; `exclusive` makes the bounds strict."""
+        if not self.has(key):
+            return self.get(key, default)
+        value = self.get(key)
+        number = _as_number(value)
+        if number is None:
+            raise self.error(key, f"must be a number, got {_show(value)}")
+        op = ">" if exclusive else ">="
+        if min is not None and (number < min or (exclusive and number == min)):
+            raise self.error(key, f"must be {op} {min:g}, got {_show(value)}")
+        if max is not None and (number > max or (exclusive and number == max)):
+            raise self.error(key, f"must be {'<' if exclusive else '<='} {max:g}, got {_show(value)}")
+        return number
+
+    def str(self, key: str, default: Any = _REQUIRED) -> str | None:
+        if not self.has(key):
+            return self.get(key, default)
+        value = self.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise self.error(key, f"must be a non-empty string, got {_show(value)}")
+        return value.strip()
+
+    def choice(self, key: str, choices: tuple[str, ...], default: Any = _REQUIRED) -> str:
+        value = self.get(key, default)
+        if value not in choices:
+            raise self.error(key, f"must be one of {', '.join(choices)}; got {_show(value)}")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {_show(value)}")
+        return value
+
+    def bytes(self, key: str, default: Any = _REQUIRED) -> int | None:
+        if not self.has(key):
+            return self.get(key, default)
+        return parse_bytes(self.get(key), field=self.path(key), source=self.source)
+
+    def int_list(self, key: str, *, min: int) -> list[int]:
+        return [self._item(key, i).int("value", min=min) for i in range(len(self._list(key)))]
+
+    def float_list(self, key: str, *, min: float) -> list[float]:
+        return [self._item(key, i).float("value", min=min) for i in range(len(self._list(key)))]
+
+    def sub(self, key: str, default: Any = _REQUIRED) -> Fields | None:
+        """A nested mapping, read with its own Fields (field paths continue: `requests.arrival.rate`)."""
+        if not self.has(key):
+            return self.get(key, default)
+        return Fields(self.get(key), source=self.source, prefix=self.path(key))
+
+    def subs(self, key: str) -> list[Fields]:
+        """A list of mappings, each read with its own Fields (`allocators[2].block_size`)."""
+        return [Fields(item, source=self.source, prefix=f"{self.path(key)}[{i}]") for i, item in enumerate(self._list(key))]
+
+    def done(self) -> None:
+        unknown = [k for k in self.raw if k not in self._seen]
+        if unknown:
+            known = ", ".join(sorted(self._seen))
+            raise KvsimError(f"unknown field(s) {', '.join(map(str, unknown))} (known here: {known})",
+                             source=self.source, field=self.prefix or None)
+
+    def _list(self, key: str) -> list:
+        value = self.get(key)
+        if not isinstance(value, list) or not value:
+            raise self.error(key, f"must be a non-empty list, got {_show(value)}")
+        return value
+
+    def _item(self, key: str, i: int) -> Fields:
+        return Fields({"value": self.raw[key][i]}, source=self.source, prefix=f"{self.path(key)}[{i}]")
+
+
+def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
+    """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
+    file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
+    path = Path(path)
+    source = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KvsimError(f"cannot read workload: {exc.strerror or exc}", source=source) from None
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    f = Fields(raw if raw is not None else {}, source=source)
+    base_dir = path.parent
+
+    name = f.str("name", path.stem)
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise f.error("name", f"must be a plain folder name (no slashes), got {name!r}")
+    file_seed = f.int("seed", 0, min=0)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise KvsimError(f"must be a whole number >= 0, got {seed!r}", field="--seed")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise KvsimError(f"must be a whole number >= 1, got {limit!r}", field="--limit")
+    model = f.str("model")
+    if model.endswith(".json"):  # a config.json path, relative to the YAML file
+        model = str((base_dir / model).resolve())
+    kv_dtype = f.str("kv_dtype", "bf16").lower()
+    dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
+    hardware = f.str("hardware")
+    if f.has("kv_budget") == f.has("gpu_memory_utilization"):
+        raise f.error("kv_budget", "give exactly one of kv_budget (e.g. 4GiB) and gpu_memory_utilization (e.g. 0.9)")
+    kv_budget = f.bytes("kv_budget", None)
+    utilization = f.float("gpu_memory_utilization", None, min=0, max=1)
+    if utilization == 0:
+        raise f.error("gpu_memory_utilization", "must be > 0")
+    max_model_len = f.int("max_model_len", min=1)
+    scheduler = _scheduler(f.sub("scheduler", None))
+    requests = _requests(f.sub("requests"), base_dir, max_model_len, trace)
+    allocators = _allocators(f, scheduler)
+    workload = Workload(
+        name=name,
+        seed=file_seed if seed is None else seed,
+        model=model,
+        kv_dtype=kv_dtype,
+        hardware=hardware,
+        kv_budget_bytes=kv_budget,
+        gpu_memory_utilization=utilization,
+        max_model_len=max_model_len,
+        requests=requests,
+        allocators=allocators,
+        scheduler=scheduler,
+        path=path,
+        sha256=hashlib.sha256(data).hexdigest(),
+        description=f.str("description", ""),
+    )
+    f.done()
+    if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
+        workload = replace(workload, requests=TraceRequests(_trace_file(Path(trace), source=None, field="--trace")))
+    if limit is not None:
+        old = workload.requests.limit
+        workload = replace(workload, requests=replace(workload.requests, limit=limit if old is None else min(old, limit)))
+    return workload
+
+
+def _scheduler(f: Fields | None) -> SchedulerConfig:
+    if f is None:
+        return SchedulerConfig()
+    d = SchedulerConfig()
+    config = SchedulerConfig(
+        max_num_seqs=f.int("max_num_seqs", d.max_num_seqs, min=1),
+        max_num_batched_tokens=f.int("max_num_batched_tokens", d.max_num_batched_tokens, min=1),
+        preemption=f.choice("preemption", ("recompute", "swap"), d.preemption),
+        watermark=f.float("watermark", d.watermark, min=0, max=1, exclusive=False),
+        swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes),
+    )
+    if config.watermark >= 1:
+        raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")
+    f.done()
+    return config
+
+
+def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | None) -> SyntheticRequests | TraceRequests:
+    if "trace" in f.raw:
+        return _trace_requests(f, base_dir, cli_trace)
+    if f.has("count") == f.has("duration_s"):
+        raise f.error("count", "give exactly one of count (requests) and duration_s (seconds of arrivals)")
+    count = f.int("count", None, min=1)
+    duration_s = f.float("duration_s", None, min=0, exclusive=True)
+    arrival = arrival_from_fields(f.sub("arrival"))
+    prompt = length_from_fields(f.sub("prompt_tokens"), base_dir=base_dir)
+    output = length_from_fields(f.sub("output_tokens"), base_dir=base_dir)
+    shared = None
+    sp = f.sub("shared_prefix", None)
+    if sp is not None:
+        shared = SharedPrefix(
+            groups=sp.int("groups", min=1),
+            tokens=sp.int("tokens", min=1),
+            fraction=sp.float("fraction", min=0, max=1),
+        )
+        if shared.tokens >= max_model_len:
+            raise sp.error("tokens", f"must be < max_model_len ({max_model_len}), got {shared.tokens}")
+        sp.done()
+    limit = f.int("limit", None, min=1)
+    f.done()
+    return SyntheticRequests(arrival, prompt, output, count=count, duration_s=duration_s, shared_prefix=shared, limit=limit)
+
+
+def _trace_requests(f: Fields, base_dir: Path, cli_trace: str | None) -> TraceRequests:
+    """`trace: file.csv` with time_scale and limit beside it, or `trace: {path, time_scale, limit}`.
+
+    The path is relative to the YAML file; it may be null when the command line gives one (--trace, relative
+    to the working directory), which also overrides a path in the file.
+    """
+    t = f.sub("trace") if isinstance(f.raw.get("trace"), dict) else None
+    g = t if t is not None else f
+    path = g.str("path" if t is not None else "trace", None)
+    time_scale = g.float("time_scale", 1.0, min=0, exclusive=True)
+    limit = g.int("limit", None, min=1)
+    if t is not None:
+        t.done()
+    f.done()
+    if cli_trace is not None:
+        return TraceRequests(_trace_file(Path(cli_trace), source=None, field="--trace"), time_scale, limit)
+    if path is None:
+        raise f.error("trace.path" if t is not None else "trace", "no trace file here: give one with --trace FILE")
+    field = g.path("path" if t is not None else "trace")
+    return TraceRequests(_trace_file(base_dir / path, source=f.source, field=field), time_scale, limit)
+
+
+def _trace_file(path: Path, *, source: str | None, field: str) -> Path:
+    if not path.is_file():
+        raise KvsimError(f"trace file not found: {path}", source=source, field=field)
+    return path
+
+
+def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig, ...]:
+    configs = []
+    for a in f.subs("allocators"):
+        kind = a.choice("kind", ("flat", "paged"))
+        if kind == "flat":
+            config = AllocatorConfig(
+                "flat",
+                reserve=a.choice("reserve", ("max", "pow2", "oracle"), "max"),
+                placement=a.choice("placement", ("first-fit", "best-fit", "buddy"), "first-fit"),
+            )
+        else:
+            watermark = a.float("watermark", scheduler.watermark, min=0, max=1)
+            if watermark >= 1:
+                raise a.error("watermark", f"must be < 1 (a fraction of the blocks), got {watermark:g}")
+            config = AllocatorConfig(
+                "paged",
+                block_size=a.int("block_size", 16, min=1),
+                prefix_caching=a.bool("prefix_caching", False),
+                watermark=watermark,
+            )
+        a.done()
+        if any(c.label == config.label for c in configs):
+            raise KvsimError(f"duplicates an earlier allocator ({config.label})", source=a.source, field=a.prefix)
+        configs.append(config)
+    return tuple(configs)
+
+
+def _as_number(value: Any) -> float | None:
+    """A finite float from an int, float or numeric string ('1e-2': YAML 1.1 reads it as a string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.replace("_", ""))
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
