@@ -1,0 +1,419 @@
+"""The real K/V pool: one torch tensor indexed by the allocators' slots, with timed writes, reads and swaps.
+
+Byte accounting belongs to the allocators; this tensor only makes the memory traffic real. Materialise fewer
+layers (or none: every method becomes a no-op) without changing any byte figure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvsim.engine import kernels
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.timing import StepTimer
+from kvsim.errors import KvsimError
+from kvsim.units import format_bytes
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    TORCH_DTYPES.update(fp8=torch.float8_e4m3fn, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2)
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # same-width integer view for integrity bits
+_U64 = np.uint64
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a user error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda or auto)", field="device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvsimError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)", field="device")
+    if dev.type not in ("cpu", "cuda"):
+        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda or auto)", field="device")
+    return dev
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes the pool may take: CUDA free memory, or the host's available RAM (MemAvailable) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return x ^ (x >> _U64(31))
+
+
+def prefix_fingerprints(token_ids: np.ndarray) -> np.ndarray:
+    """(n,) uint64: fingerprint p identifies the whole prefix token_ids[: p + 1] (a chained hash, like a
+    prefix-cache block hash, but per token): XOR-accumulated hashes of (token id, position).
+
+    Two requests that share a prefix get equal fingerprints over it, so a cached or forked block reads the
+    same integrity values whoever wrote it, and differ from the first differing token on.
+    """
+    pos = np.arange(len(token_ids), dtype=_U64)
+    with np.errstate(over="ignore"):
+        per_token = _mix64(np.asarray(token_ids).astype(_U64) * _U64(0x9E3779B97F4A7C15) + pos)
+    return np.bitwise_xor.accumulate(per_token)
+
+
+@dataclass(frozen=True)
+class KVRead:
+    """What a batched read returns: every sequence's K/V padded to the longest, and the true lengths.
+
+    kv: [2, L, B, T, H, D] (K = kv[0], V = kv[1]); seq_lens: (B,) int64 on the cache's device.
+    """
+
+    kv: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def k(self) -> torch.Tensor:  # [L, B, T, H, D]
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:  # [L, B, T, H, D]
+        return self.kv[1]
+
+
+@dataclass(frozen=True)
+class SwapHandle:
+    """Swapped-out KV: kv is [2, L, n, H, D] on the CPU (pinned when the pool is on CUDA).
+
+    On CUDA the device-to-host copy is asynchronous: `swap_in` is stream-ordered after it, but host code that
+    reads `kv` directly must `torch.cuda.synchronize()` first.
+    """
+
+    kv: torch.Tensor
+    num_tokens: int
+
+
+class KVCache:
+    """The K/V pool of `num_slots` token slots over `num_layers` materialised layers (nano-vllm layout).
+
+        kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_flat  [2, num_layers, num_blocks * block_size, num_kv_heads, head_dim]   (same memory)
+
+    `num_blocks = ceil(num_slots / block_size)`, so a flat arena whose slot count is not a multiple of the
+    block size fits too. Every write/read/swap/copy is timed into `timer` (µs per step and kind).
+
+    Integrity mode writes token-unique bit patterns instead of random data and checks reads: the value of a
+    token depends on its prefix fingerprint (`register`), layer, K/V side and element, so rewrites after
+    preemption, swaps into other slots, shared prefix blocks and forks all read back exactly what the
+    reading request's own tokens would have written.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_slots: int,
+        *,
+        device: str = "auto",
+        num_layers: int = 1,
+        integrity: bool = False,
+        num_q_heads: int | None = None,
+        write_kernel: str = "auto",
+        seed: int = 0,
+    ):
+        if spec.dtype not in TORCH_DTYPES:
+            raise KvsimError(f"kv dtype {spec.dtype!r} has no torch tensor type here", field="dtype")
+        if num_layers < 0:
+            raise KvsimError(f"materialised layers must be >= 0, got {num_layers}", field="num_layers")
+        assert num_slots > 0
+        self.spec = spec
+        self.num_slots = num_slots
+        self.block_size = spec.block_size
+        self.num_blocks = -(-num_slots // spec.block_size)
+        self.num_layers = num_layers
+        self.integrity = integrity
+        self.device = resolve_device(device)
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.num_q_heads = num_q_heads or spec.num_kv_heads
+        self.timer = StepTimer(self.device, enabled=num_layers > 0)
+        self._fingerprints: dict[int, np.ndarray] = {}
+        self._src = torch.empty(0)  # [2, L, cap, H, D] write data, grown on demand
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.write_kernel = self._pick_write_kernel(write_kernel)
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_flat: torch.Tensor | None = None
+        if num_layers == 0:
+            return
+        free = free_memory_bytes(self.device)
+        if self.nbytes > free:
+            raise KvsimError(
+                f"the KV pool needs {format_bytes(self.nbytes)} ({num_layers} layers x {self.num_blocks} blocks x "
+                f"{spec.block_size} tokens x {spec.num_kv_heads} heads x {spec.head_dim} x K/V, {spec.dtype}) but "
+                f"{self.device.type} has {format_bytes(free)} free; materialise fewer layers or none (--no-tensors)",
+                field="num_layers",
+            )
+        shape = (2, num_layers, self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: padded reads touch unwritten slots, and garbage NaNs would poison masked attention
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_flat = self.kv_cache.view(2, num_layers, self.num_blocks * spec.block_size, *shape[4:])
+        # Copies go through same-width integer views: bit-exact for every dtype (CPU has no fp8 index_copy_).
+        self._bits = _INT_VIEW[self.kv_cache.element_size()]
+        self._cache_bits = self.kv_cache.view(self._bits)
+        self._flat_bits = self.kv_flat.view(self._bits)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the materialised pool (0 when accounting only); not the simulated budget."""
+        s = self.spec
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_blocks * s.block_size * s.num_kv_heads * s.head_dim * elem
+
+    @property
+    def enabled(self) -> bool:
+        """False for an accounting-only cache (num_layers=0): every method is then a no-op."""
+        return self.kv_cache is not None
+
+    def _index(self, values) -> torch.Tensor:
+        """An int64 index tensor on the device from any int sequence or array (same shape)."""
+        array = np.ascontiguousarray(values, dtype=np.int64)
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    # --- integrity fingerprints ----------------------------------------------------------------------
+    def register(self, seq_id: int, token_ids: np.ndarray) -> None:
+        """Tell integrity mode the token ids of `seq_id` (prompt + output), so values follow token content.
+
+        A request never registered gets values derived from (seq_id, position): still token-unique, but
+        then another request reading its blocks through the prefix cache would (rightly) fail `verify`.
+        """
+        if self.integrity:
+            self._fingerprints[seq_id] = prefix_fingerprints(token_ids)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished request's fingerprints (its blocks may stay cached for others)."""
+        self._fingerprints.pop(seq_id, None)
+
+    def _token_fingerprints(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """(N,) int64 on the device: the fingerprint of each (seq_id, position)."""
+        out = np.empty(len(positions), dtype=_U64)
+        for seq_id in np.unique(seq_ids):  # one vectorised lookup per request
+            rows = seq_ids == seq_id
+            table = self._fingerprints.get(int(seq_id))
+            if table is None:
+                with np.errstate(over="ignore"):
+                    out[rows] = _mix64(positions[rows].astype(_U64) + _U64(int(seq_id)) * _U64(0xD6E8FEB86659FD93))
+            else:
+                out[rows] = table[positions[rows]]
+        return torch.from_numpy(out.view(np.int64)).to(self.device)
+
+    def _expected(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """[2, L, N, H, D] in the pool's integer view: what those tokens must hold."""
+        fp = self._token_fingerprints(seq_ids, positions)
+        s = self.spec
+        bits = 8 * self.kv_cache.element_size()
+        vals = kernels.integrity_values(fp, self.num_layers, s.num_kv_heads * s.head_dim, bits)
+        return vals.to(self._bits).view(2, self.num_layers, len(positions), s.num_kv_heads, s.head_dim)
+
+    def _check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]) -> None:
+        """Raise AssertionError naming the first token of `got` ([2, L, N, H, D], float) that differs."""
+        got_bits = got.contiguous().view(_INT_VIEW[got.element_size()])
+        bad = (got_bits != self._expected(seq_ids, positions)).flatten(3).any(dim=3)  # [2, L, N]
+        bad_tokens = bad.any(dim=1).any(dim=0)  # (N,)
+        if not bool(bad_tokens.any()):
+            return
+        n = int(bad_tokens.nonzero()[0, 0])
+        kv, layer = (int(i) for i in bad[:, :, n].nonzero()[0])
+        raise AssertionError(
+            f"integrity: seq {int(seq_ids[n])} position {int(positions[n])} ({where(n)}) layer {layer} "
+            f"{'KV'[kv]} does not hold what that request's tokens wrote"
+        )
+
+    # --- writes ----------------------------------------------------------------------------------------
+    def _pick_write_kernel(self, name: str) -> str:
+        if name == "auto":
+            return "triton" if self.device.type == "cuda" and kernels.HAS_TRITON else "index_copy"
+        if name not in kernels.WRITE_KERNELS:
+            choices = ", ".join(kernels.WRITE_KERNELS)
+            raise KvsimError(f"unknown write kernel {name!r} (choose auto, {choices})", field="write_kernel")
+        if name == "triton" and (self.device.type != "cuda" or not kernels.HAS_TRITON):
+            raise KvsimError("the triton write kernel needs a CUDA device and triton installed", field="write_kernel")
+        return name
+
+    def _write_source(self, n: int) -> torch.Tensor:
+        """[2, L, n, H, D] stand-in K/V for n new tokens: a slice of a random buffer grown by doubling."""
+        if self._src.dim() == 5 and self._src.shape[2] >= n:
+            return self._src[:, :, :n]
+        cap = max(16, 1 << (n - 1).bit_length())
+        shape = (2, self.num_layers, cap, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.dtype == torch.int8:
+            src = torch.randint(-127, 128, shape, generator=self._gen, device=self.device, dtype=torch.int8)
+        else:
+            src = torch.randn(shape, generator=self._gen, device=self.device).to(self.dtype)
+        self._src = src
+        return src[:, :, :n]
+
+    def write(self, slots: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Store the K/V of N new tokens (all materialised layers) at `slots`: one scatter, timed as "write".
+
+        slots, seq_ids, positions: (N,) int arrays (from the allocators' `slot_mapping`). Without integrity
+        the data is random; with it, each token's bit patterns (see `integrity_values`).
+        """
+        if not self.enabled or len(slots) == 0:
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        assert slots.min() >= 0 and slots.max() < self.num_slots, "slot outside the pool"
+        index = self._index(slots)
+        if self.integrity:
+            vals = self._expected(np.asarray(seq_ids), np.asarray(positions))
+            with self.timer.measure("write"):
+                kernels.scatter_index_copy(self._flat_bits, index, vals)
+            return
+        src = self._write_source(len(slots))
+        scatter = getattr(kernels, f"scatter_{self.write_kernel}")
+        with self.timer.measure("write"):
+            scatter(self._flat_bits, index, src.view(self._bits))
+
+    # --- reads -----------------------------------------------------------------------------------------
+    def read_paged(
+        self, block_tables: list[np.ndarray], seq_lens: list[int], seq_ids: list[int] | None = None
+    ) -> KVRead | None:
+        """Gather each sequence's first seq_lens[b] tokens through its block table: one gather, timed "read".
+
+        Tables are padded to the longest sequence (with block 0; masked by `seq_lens`). With integrity on and
+        `seq_ids` given, every token read is checked. None when accounting only or the batch is empty.
+        """
+        if not self.enabled or not seq_lens:
+            return None
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        assert lens.min() >= 1
+        need = -(-lens // self.block_size)  # blocks per sequence
+        table = np.zeros((len(lens), int(need.max())), dtype=np.int64)  # (B, M)
+        flat = np.concatenate([np.asarray(bt[:m], dtype=np.int64) for bt, m in zip(block_tables, need)])
+        assert len(flat) == need.sum(), "a block table is shorter than its sequence"
+        rows = np.repeat(np.arange(len(lens)), need)
+        table[rows, np.arange(len(flat)) - np.repeat(np.cumsum(need) - need, need)] = flat
+        bt = self._index(table)
+        with self.timer.measure("read"):
+            kv = kernels.gather_paged(self.kv_cache, bt)  # [2, L, B, M*block_size, H, D]
+        read = KVRead(kv, self._index(lens))
+        if self.integrity and seq_ids is not None:
+            self._check_read(read, lens, seq_ids)
+        return read
+
+    def read_flat(self, starts: list[int], seq_lens: list[int], seq_ids: list[int] | None = None) -> KVRead | None:
+        """Read each sequence's contiguous slab [start, start + len): one gather of contiguous runs, timed "read".
+
+        Same return and integrity checks as `read_paged`.
+        """
+        if not self.enabled or not seq_lens:
+            return None
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        st = np.asarray(starts, dtype=np.int64)
+        assert lens.min() >= 1 and st.min() >= 0 and (st + lens).max() <= self.num_slots
+        st_t, lens_t = self._index(st), self._index(lens)
+        with self.timer.measure("read"):
+            kv = kernels.gather_runs(self.kv_flat, st_t, lens_t, int(lens.max()))  # [2, L, B, T, H, D]
+        read = KVRead(kv, lens_t)
+        if self.integrity and seq_ids is not None:
+            self._check_read(read, lens, seq_ids)
+        return read
+
+    def _check_read(self, read: KVRead, lens: np.ndarray, seq_ids: list[int]) -> None:
+        t = read.kv.shape[3]
+        valid = torch.arange(t, device=self.device)[None, :] < read.seq_lens[:, None]  # (B, T)
+        got = read.kv[:, :, valid]  # [2, L, sum(lens), H, D], sequence-major like the arrays below
+        ids = np.repeat(np.asarray(seq_ids, dtype=np.int64), lens)
+        pos = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        self._check(got, ids, pos, lambda n: "read")
+
+    def verify(self, seq_id: int, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Integrity mode: assert the pool at `slots` holds what `seq_id`'s tokens at `positions` wrote.
+
+        Raises AssertionError naming the first mismatch; a no-op without integrity or materialised layers.
+        """
+        if not (self.enabled and self.integrity) or len(slots) == 0:
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        got = self.kv_flat.index_select(2, self._index(slots))  # [2, L, N, H, D]
+        ids = np.full(len(slots), seq_id, dtype=np.int64)
+        self._check(got, ids, np.asarray(positions, dtype=np.int64), lambda n: f"slot {int(slots[n])}")
+
+    def decode_attention(self, read: KVRead | None, q: torch.Tensor | None = None) -> torch.Tensor | None:
+        """SDPA of one query token per sequence and layer over what `read` gathered, timed "attention".
+
+        q: [L, B, Hq, D] (default: a random query in the compute dtype). Returns [L, B, Hq, D], or None when
+        accounting only. fp8/int8 pools are read as bf16 (unit scale).
+        """
+        if read is None:
+            return None
+        num_layers, b, t, h, d = read.k.shape
+        compute = self.dtype if self.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+        if q is None:
+            q = torch.randn((num_layers, b, self.num_q_heads, d), generator=self._gen, device=self.device).to(compute)
+        lens = read.seq_lens.repeat(num_layers)  # (L*B,)
+        with self.timer.measure("attention"):
+            out = kernels.decode_attention(q.flatten(0, 1), read.k.flatten(0, 1), read.v.flatten(0, 1), lens)
+        return out.view(num_layers, b, -1, d)
+
+    # --- swap and copy-on-write ------------------------------------------------------------------------
+    def swap_out(self, slots: np.ndarray) -> SwapHandle | None:
+        """Copy the KV at `slots` (all materialised layers) to the CPU: a real copy, timed as "swap"."""
+        if not self.enabled:
+            return None
+        index = self._index(slots)
+        shape = (2, self.num_layers, len(index), self.spec.num_kv_heads, self.spec.head_dim)
+        on_cuda = self.device.type == "cuda"
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=on_cuda)
+        with self.timer.measure("swap"):
+            if on_cuda:
+                host.copy_(self.kv_flat.index_select(2, index), non_blocking=True)
+            else:
+                torch.index_select(self.kv_flat, 2, index, out=host)
+        return SwapHandle(host, len(index))
+
+    def swap_in(self, handle: SwapHandle | None, slots: np.ndarray) -> None:
+        """Copy a swapped-out request back into `slots` (any slots, one per swapped token), timed as "swap"."""
+        if not self.enabled or handle is None:
+            return
+        assert len(slots) == handle.num_tokens, (len(slots), handle.num_tokens)
+        index = self._index(slots)
+        with self.timer.measure("swap"):
+            self._flat_bits.index_copy_(2, index, handle.kv.view(self._bits).to(self.device, non_blocking=True))
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """kv_flat[..., dst[i], ...] = kv_flat[..., src[i], ...] for all layers: timed as "copy"."""
+        if not self.enabled or len(src) == 0:
+            return
+        assert len(src) == len(dst)
+        s, d = self._index(src), self._index(dst)
+        with self.timer.measure("copy"):
+            self._flat_bits.index_copy_(2, d, self._flat_bits.index_select(2, s))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
+        """Copy whole blocks (src_block, dst_block), e.g. copy-on-write of a shared partial block: timed "copy"."""
+        if not self.enabled or len(pairs) == 0:
+            return
+        p = self._index(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
+        with self.timer.measure("copy"):
+            self._cache_bits.index_copy_(2, p[:, 1], self._cache_bits.index_select(2, p[:, 0]))
