@@ -1,0 +1,200 @@
+"""The KVAllocator contract, run over every allocator configuration (built only through `make_allocator`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import numpy as np
+import pytest
+
+from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.sequence import Sequence
+
+BLOCK_SIZE = 4
+# 2 (K,V) * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes per token; a block of 4 tokens = 64 bytes
+SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, dtype_bytes=2)
+BPT = SPEC.bytes_per_token
+MAX_MODEL_LEN = 40
+
+HAS_PAGED = importlib.util.find_spec("kvsim.engine.paged") is not None
+_no_paged = pytest.mark.skipif(not HAS_PAGED, reason="kvsim/engine/paged.py (PagedAllocator) does not exist yet")
+
+ALLOCATOR_CONFIGS = [
+    pytest.param(AllocatorConfig("flat", reserve=r, placement=p), id=f"flat-{r}-{p}")
+    for r, p in itertools.product(("max", "pow2", "oracle"), ("first-fit", "best-fit", "buddy"))
+] + [
+    pytest.param(AllocatorConfig("paged", block_size=BLOCK_SIZE, prefix_caching=pc), id=f"paged{'+prefix' if pc else ''}",
+                 marks=_no_paged)
+    for pc in (False, True)
+]
+
+
+def build(config: AllocatorConfig, budget_bytes: int, *, max_model_len: int = MAX_MODEL_LEN) -> KVAllocator:
+    """The one way tests build an allocator: the factory, over the small test spec."""
+    return make_allocator(config, SPEC, budget_bytes, max_model_len=max_model_len)
+
+
+def make_seq(seq_id: int, prompt: int, output: int, *, prefix: np.ndarray | None = None) -> Sequence:
+    """A request whose token ids are unique to it except for an optional shared `prefix`."""
+    ids = 1_000_000 + seq_id * 1_000 + np.arange(prompt + output, dtype=np.int64)
+    if prefix is not None:
+        ids[: len(prefix)] = prefix
+    return Sequence(seq_id, prompt, output, token_ids=ids)
+
+
+def admit(alloc: KVAllocator, seq: Sequence, num_new_tokens: int | None = None) -> int | None:
+    """Scheduler side of admission: allocate, then mark the hit and the chunk as computed."""
+    n = seq.num_prompt_tokens if num_new_tokens is None else num_new_tokens
+    hit = alloc.allocate(seq, n)
+    if hit is not None:
+        seq.num_computed_tokens = min(hit + n, seq.num_prompt_tokens)
+    return hit
+
+
+def remainder_bytes(alloc: KVAllocator) -> int:
+    return alloc.budget_bytes - alloc.num_slots * BPT
+
+
+def assert_empty(alloc: KVAllocator, b: MemoryBreakdown) -> None:
+    """Nothing held: all bytes free except the budget's remainder smaller than one slot."""
+    assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
+    assert b.internal_fragmentation_bytes == remainder_bytes(alloc)
+    assert b.free_bytes == alloc.num_slots * BPT
+
+
+pytestmark = pytest.mark.parametrize("config", ALLOCATOR_CONFIGS)
+
+
+def test_fresh_allocator_is_all_free(config):
+    alloc = build(config, 64 * BPT + 7)
+    assert alloc.num_slots > 0 and alloc.num_slots * BPT <= alloc.budget_bytes
+    b = alloc.breakdown()
+    assert b.budget_bytes == 64 * BPT + 7
+    assert_empty(alloc, b)
+
+
+def test_admit_compute_and_read_slots(config):
+    alloc = build(config, 256 * BPT)
+    a, b = make_seq(1, 10, 6), make_seq(2, 7, 3)
+    assert admit(alloc, a) == 0 and admit(alloc, b) == 0
+    ma, mb = alloc.slot_mapping(a, 0, 10), alloc.slot_mapping(b, 0, 7)
+    assert ma.dtype == np.int64 and ma.shape == (10,) and mb.shape == (7,)
+    slots = np.concatenate([ma, mb])
+    assert len(np.unique(slots)) == 17  # distinct requests never share a slot
+    assert slots.min() >= 0 and slots.max() < alloc.num_slots
+    assert alloc.breakdown().token_states_bytes == 17 * BPT
+
+
+def test_decode_grows_and_keeps_earlier_slots(config):
+    alloc = build(config, 256 * BPT)  # room for three flat-max slabs, even as 64-slot buddy blocks
+    seqs = [make_seq(i, 5 + i, 6) for i in range(3)]
+    for s in seqs:
+        assert admit(alloc, s) == 0
+    before = [alloc.slot_mapping(s, 0, s.num_computed_tokens) for s in seqs]
+    for _ in range(6):
+        assert alloc.append_decode(seqs) == []
+        for s in seqs:
+            s.num_computed_tokens += 1
+    for s, old in zip(seqs, before):
+        now = alloc.slot_mapping(s, 0, s.num_computed_tokens)
+        assert np.array_equal(now[: len(old)], old)
+        assert len(np.unique(now)) == s.num_final_tokens
+    b = alloc.breakdown()
+    assert b.token_states_bytes == sum(s.num_final_tokens for s in seqs) * BPT
+    assert b.reservation_bytes == 0
+
+
+def test_prefill_in_chunks(config):
+    alloc = build(config, 128 * BPT)
+    s = make_seq(1, 13, 2)
+    assert admit(alloc, s, 5) == 0 and s.num_computed_tokens == 5
+    assert alloc.append_slots(s, 5)
+    s.num_computed_tokens = 10
+    assert alloc.append_slots(s, 3)
+    s.num_computed_tokens = 13
+    assert len(np.unique(alloc.slot_mapping(s, 0, 13))) == 13
+    assert alloc.breakdown().token_states_bytes == 13 * BPT
+
+
+def test_refusal_is_a_value_and_changes_nothing(config):
+    alloc = build(config, 64 * BPT)
+    admitted = []
+    for i in range(50):
+        s = make_seq(i, 10, 6)
+        before = alloc.breakdown()
+        if admit(alloc, s) is None:
+            assert alloc.breakdown() == before
+            assert s.num_computed_tokens == 0
+            break
+        admitted.append(s)
+    else:
+        pytest.fail("a 64-slot budget admitted 50 requests of 16 tokens")
+    assert 1 <= len(admitted) and len(admitted) * 10 <= alloc.num_slots
+
+
+def test_free_returns_everything(config):
+    alloc = build(config, 200 * BPT + 3)
+    seqs = [make_seq(i, 8, 4) for i in range(3)]
+    for s in seqs:
+        assert admit(alloc, s) == 0
+    for s in seqs:
+        alloc.free(s)
+    assert_empty(alloc, alloc.breakdown())
+    again = make_seq(9, 8, 4)  # the space is reusable
+    assert admit(alloc, again) is not None
+
+
+def test_can_ever_fit(config):
+    alloc = build(config, 64 * BPT)
+    assert alloc.can_ever_fit(make_seq(1, 10, 10))
+    assert not alloc.can_ever_fit(make_seq(2, 60, 10))  # longer than the whole budget and max_model_len
+
+
+def test_breakdown_sums_with_a_waiting_head(config):
+    alloc = build(config, 64 * BPT + 5)
+    seqs = [make_seq(i, 6, 4) for i in range(4)]
+    for s in seqs:
+        admit(alloc, s)
+    head = make_seq(99, 30, 5)
+    for waiting in (None, head):
+        b = alloc.breakdown(waiting)
+        parts = (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes,
+                 b.external_fragmentation_bytes, b.free_bytes)
+        assert min(parts) >= 0 and sum(parts) == alloc.budget_bytes
+
+
+def test_deterministic(config):
+    def run() -> list:
+        alloc = build(config, 180 * BPT)
+        seqs = [make_seq(i, 3 + 2 * i, 5) for i in range(5)]
+        out = [admit(alloc, s) for s in seqs]
+        live = [s for s in seqs if s.num_computed_tokens]
+        for s in live[1::2]:
+            alloc.free(s)
+        late = make_seq(7, 9, 2)
+        out.append(admit(alloc, late))
+        live = live[::2] + ([late] if late.num_computed_tokens else [])
+        out += [alloc.slot_mapping(s, 0, s.num_computed_tokens).tolist() for s in live]
+        out.append(alloc.breakdown())
+        return out
+
+    assert run() == run()
+
+
+def test_prefix_cache_hit_is_capped_and_in_whole_blocks(config):
+    alloc = build(config, 128 * BPT)
+    first = make_seq(1, 14, 2)
+    assert admit(alloc, first) == 0
+    for prompt in (14, 12):  # 3 full blocks shared; the hit leaves at least one token to compute
+        second = make_seq(prompt + 100, prompt, 2, prefix=first.token_ids[:prompt])
+        hit = alloc.allocate(second, prompt)
+        expected = ((prompt - 1) // BLOCK_SIZE) * BLOCK_SIZE if config.prefix_caching else 0
+        assert hit == expected
+        if hit:
+            shared = alloc.slot_mapping(second, 0, hit)
+            assert np.array_equal(shared, alloc.slot_mapping(first, 0, hit))
+            assert alloc.breakdown().shared_saved_bytes >= hit * BPT
+        alloc.free(second)
