@@ -1,0 +1,89 @@
+"""`kvsim plot`: matplotlib charts (headless) written next to the reports they draw.
+
+A replay report gets charts 1-5, a kernel-bench directory chart 6; a chart whose data a report lacks is
+skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.sizing`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kvsim.errors import KvsimError
+from kvsim.plots.report import MissingData, Report, find_reports, load_report
+
+DEFAULT_ROOT = Path("reports")
+
+Note = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _replay_charts():
+    from kvsim.plots import latency, timeline, waste
+
+    return (
+        ("waste-curves", waste.waste_curves),
+        ("figure2", waste.figure2),
+        ("block-sizes", waste.block_sizes),
+        ("timeline", timeline.timeline),
+        ("latency", latency.latency),
+    )
+
+
+def _bench_charts():
+    from kvsim.plots import bench
+
+    return (("bench-context", bench.vs_context), ("bench-block-size", bench.vs_block_size))
+
+
+def plot_report(report: Report, fmt: str = "png", *, note: Note = _stderr) -> list[Path]:
+    """Every chart `report` has the data for, written into its directory as `<chart>.<fmt>`."""
+    from kvsim.plots.style import check_format, save
+
+    fmt = check_format(fmt)
+    if report.is_replay:
+        charts = _replay_charts()
+    elif report.bench:
+        charts = _bench_charts()
+    else:
+        note(f"{report.path}: skipped: no replay or bench report files")
+        return []
+    written = []
+    for stem, draw in charts:
+        try:
+            fig = draw(report)
+        except MissingData as why:
+            note(f"{report.path}: skipped {stem}: {why}")
+            continue
+        written.append(save(fig, report.path / f"{stem}.{fmt}"))
+    return written
+
+
+def plot_reports(dirs: Iterable[str | Path] | None = None, fmt: str = "png", *, note: Note = _stderr) -> list[Path]:
+    """Charts for each report directory in `dirs` (default: every report under reports/); the paths written."""
+    dirs = list(dirs or [])
+    if not dirs:
+        dirs = find_reports(DEFAULT_ROOT)
+        if not dirs:
+            raise KvsimError("no reports found (run `kvsim replay workloads/poisson.yaml` first)", source="reports/")
+    written = []
+    for directory in dirs:
+        written += plot_report(load_report(directory), fmt, note=note)
+    return written
+
+
+def plot_size(models: list[str], fmt: str = "png", *, out_dir: str | Path = DEFAULT_ROOT / "size", **options) -> list[Path]:
+    """Chart 7: bytes per sequence vs context length for `models`, written under `out_dir`."""
+    from kvsim.plots import size
+    from kvsim.plots.style import check_format, save
+
+    fmt = check_format(fmt)
+    if not models:
+        raise KvsimError("name at least one model", field="--model")
+    fig = size.bytes_per_sequence(models, **options)
+    stem = "size-" + "-vs-".join(m.replace("/", "_") for m in models)
+    return [save(fig, Path(out_dir) / f"{stem}.{fmt}")]

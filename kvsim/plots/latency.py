@@ -1,0 +1,55 @@
+"""Chart 5: TTFT and TPOT distributions per allocator, as empirical CDFs (read a percentile off the y axis)."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.transforms import offset_copy
+
+from kvsim.plots.report import Report
+from kvsim.plots.style import allocator_colors, new_figure, titles
+
+
+def ecdf(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted finite values and the fraction of requests at or below each (NaN = rejected, dropped)."""
+    values = np.sort(values[np.isfinite(values)])
+    return values, np.arange(1, len(values) + 1) / max(len(values), 1)
+
+
+def _log_scale_if_wide(ax, values: list[np.ndarray]) -> None:
+    """Log x when the data span more than 50x, so short and long tails both stay readable."""
+    positive = np.concatenate([v[v > 0] for v in values]) if values else np.array([])
+    if len(positive) and positive.max() / positive.min() > 50:
+        ax.set_xscale("log")
+
+
+def latency(report: Report):
+    """Two panels: CDF of time to first token (s) and of time per output token (ms), a line per allocator."""
+    requests = report.table("requests", ("allocator", "ttft_s", "tpot_s"))
+    colors = allocator_colors(report.allocators)
+    fig, axes = new_figure(11.0, 4.0 + 0.2 * len(report.allocators), ncols=2)
+    panels = ((axes[0, 0], "ttft_s", 1.0, "time to first token, TTFT (s)", "s"),
+              (axes[0, 1], "tpot_s", 1000.0, "time per output token, TPOT (ms)", "ms"))
+    for ax, column, scale, xlabel, unit in panels:
+        drawn = []
+        for label in report.allocators:
+            rows = requests[requests["allocator"].astype(str) == label]
+            x, y = ecdf(rows[column].to_numpy(float) * scale)
+            if not len(x):
+                continue
+            drawn.append(x)
+            p50, p99 = np.percentile(x, [50, 99])
+            ax.plot(x, y, drawstyle="steps-post", color=colors[label], linewidth=1.5, gid=f"{column}:{label}",
+                    label=f"{label}: p50 {p50:.3g} {unit}, p99 {p99:.3g} {unit}")
+        _log_scale_if_wide(ax, drawn)
+        for q in (0.5, 0.99):
+            ax.axhline(q, color="#999999", linewidth=0.7, linestyle=":")
+        ax.set_ylim(0, 1.01)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction of finished requests")
+        # below the x label (an offset in points, whatever the figure size): never over a curve
+        below = offset_copy(ax.transAxes, fig=fig, y=-36, units="points")
+        ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.0), bbox_transform=below, fontsize=8.5)
+    axes[0, 0].set_title("TTFT: queueing + prefill", loc="left")
+    axes[0, 1].set_title("TPOT: decode step time under the batch", loc="left")
+    titles(fig, "Latency per allocator: cumulative distributions of TTFT and TPOT", report.subtitle())
+    return fig

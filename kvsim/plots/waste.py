@@ -1,0 +1,170 @@
+"""Where the KV budget goes: waste over time (chart 1), the paper's Figure 2 (chart 2), waste vs block size (3)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+
+from kvsim.plots.report import CATEGORIES, CATEGORY_LABELS, MissingData, Report
+from kvsim.plots.style import CATEGORY_COLORS, GIB, new_figure, titles
+
+# Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023
+# (arXiv:2309.06180), Figure 2: average % of KV cache memory per category during the paper's experiments.
+# The paper's last category is "external fragmentation & others"; it does not itemise vLLM's remaining 3.7%
+# nor Orca (Oracle)'s internal fragmentation, so neither is drawn (None). Max and Pow2 sum to 99.9 as printed.
+PAPER_FIGURE2: dict[str, dict[str, float | None]] = {
+    "Orca (Max)": {"token_states": 20.4, "reservation": 13.3, "internal_fragmentation": 57.3,
+                   "external_fragmentation": 8.9},
+    "Orca (Pow2)": {"token_states": 26.8, "reservation": 17.9, "internal_fragmentation": 13.6,
+                    "external_fragmentation": 41.6},
+    "Orca (Oracle)": {"token_states": 38.2, "reservation": 25.2, "internal_fragmentation": None,
+                      "external_fragmentation": 36.6},
+    "vLLM": {"token_states": 96.3, "reservation": None, "internal_fragmentation": None,
+             "external_fragmentation": None},
+}
+PAPER_WORKLOADS = ("sharegpt", "alpaca")  # the paper's datasets: its bars are drawn beside ours for these
+MAX_POINTS = 1500  # time bins per allocator in the waste curves (a replay can have 10^5 steps)
+
+_BYTE_COLUMNS = tuple(f"{c}_bytes" for c in CATEGORIES)
+_PCT_COLUMNS = tuple(f"{c}_pct" for c in CATEGORIES)
+
+
+def is_paper_like(report: Report) -> bool:
+    """Whether the workload is one of the paper's (ShareGPT-like or Alpaca-like), by name."""
+    name = f"{report.workload or ''} {report.name}".lower().replace("_", "").replace("-", "")
+    return any(w in name for w in PAPER_WORKLOADS)
+
+
+def binned(times: np.ndarray, values: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of `values` (steps, k) over `num_bins` equal time bins; unchanged when there are fewer steps.
+
+    The mean keeps each category's share of the budget over the bin, so the picture stays honest.
+    """
+    if len(times) <= num_bins:
+        return times, values
+    edges = np.linspace(times[0], times[-1], num_bins + 1)
+    index = np.clip(np.searchsorted(edges, times, side="right") - 1, 0, num_bins - 1)
+    counts = np.bincount(index, minlength=num_bins)
+    keep = counts > 0
+    sums = np.stack([np.bincount(index, weights=values[:, j], minlength=num_bins) for j in range(values.shape[1])], 1)
+    centres = (edges[:-1] + edges[1:]) / 2
+    return centres[keep], sums[keep] / counts[keep, None]
+
+
+def waste_curves(report: Report):
+    """Chart 1: the KV budget over simulated time as stacked areas, one panel per allocator, same scales."""
+    steps = report.table("steps", ("allocator", "time_s", *_BYTE_COLUMNS))
+    allocators = report.allocators
+    ncols = min(len(allocators), 3)
+    nrows = math.ceil(len(allocators) / ncols)
+    fig, axes = new_figure(4.2 * ncols, 3.0 * nrows + 0.6, nrows=nrows, ncols=ncols, sharex=True, sharey=True)
+    top = 0.0
+    for ax, label in zip(axes.flat, allocators):
+        rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
+        t, v = binned(rows["time_s"].to_numpy(float), rows[list(_BYTE_COLUMNS)].to_numpy(float) / GIB, MAX_POINTS)
+        ax.stackplot(t, v.T, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
+                     labels=[CATEGORY_LABELS[c] for c in CATEGORIES], linewidth=0)
+        top = max(top, float(v.sum(axis=1).max()) if len(v) else 0.0)
+        ax.set_title(label)
+        ax.margins(x=0)
+    for ax in axes.flat[len(allocators):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("KV memory (GiB)")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("simulated time (s)")
+    for ax in axes.flat:
+        ax.set_ylim(0, top * 1.02 or 1)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(CATEGORIES))
+    titles(fig, "Where the KV budget goes over time, per allocator", report.subtitle())
+    return fig
+
+
+def figure2(report: Report):
+    """Chart 2: time-averaged % of the budget per category per allocator (the paper's Figure 2 form).
+
+    For ShareGPT-/Alpaca-like workloads the paper's own bars stand beside ours, hatched.
+    """
+    summary = report.table("summary", ("allocator", *_PCT_COLUMNS))
+    ours = {str(row["allocator"]): {c: float(row[f"{c}_pct"]) for c in CATEGORIES} for _, row in summary.iterrows()}
+    paper = PAPER_FIGURE2 if is_paper_like(report) else {}
+    names = [*ours, *paper]
+    x = np.arange(len(names), dtype=float)
+    x[len(ours):] += 0.6  # a gap between our bars and the paper's
+    fig, axes = new_figure(max(6.0, 1.05 * len(names) + 2.5), 4.8)
+    ax = axes[0, 0]
+    for category in CATEGORIES:
+        heights = [ours[n][category] if n in ours else (paper[n].get(category) or 0.0) for n in names]
+        bottoms = [sum((ours[n] if n in ours else {k: v or 0.0 for k, v in paper[n].items()}).get(c, 0.0)
+                       for c in CATEGORIES[:CATEGORIES.index(category)]) for n in names]
+        bars = ax.bar(x, heights, 0.7, bottom=bottoms, color=CATEGORY_COLORS[category],
+                      label=CATEGORY_LABELS[category], edgecolor="white", linewidth=0.6)
+        for bar, name in zip(bars, names):
+            bar.set_gid(f"{name}:{category}")  # how tests find a segment
+            if name in paper:
+                bar.set_hatch("//")
+                bar.set_edgecolor("#ffffff")
+            if bar.get_height() >= 6:
+                box = dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.75, linewidth=0) if name in paper else None
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_y() + bar.get_height() / 2,
+                        f"{bar.get_height():.1f}", ha="center", va="center", fontsize=8, color="#111111", bbox=box)
+    ax.set_xticks(x, names, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("time-averaged share of the KV budget (%)")
+    ax.grid(axis="x", visible=False)
+    if paper:
+        ax.axvline((x[len(ours) - 1] + x[len(ours)]) / 2, color="#999999", linewidth=0.8, linestyle="--")
+        ax.text(x[len(ours):].mean(), 101, "PagedAttention paper, Fig. 2 (hatched)", ha="center", va="bottom",
+                fontsize=8.5, color="#555555")
+        ax.text(x[:len(ours)].mean(), 101, "this replay", ha="center", va="bottom", fontsize=8.5, color="#555555")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right center")
+    note = ("Paper bars: Kwon et al., SOSP 2023, Fig. 2; its last category is 'external frag. & others'; "
+            "parts it does not itemise are left blank." if paper else None)
+    if note:
+        fig.text(0.0, 0.0, note, fontsize=7.5, color="#555555", ha="left", va="top")
+    titles(fig, "KV budget by category, time-averaged (the PagedAttention paper's Figure 2)", report.subtitle())
+    return fig
+
+
+def _block_size_of(label: str) -> int | None:
+    m = re.fullmatch(r"paged-(\d+)", label)
+    return int(m.group(1)) if m else None
+
+
+def block_sizes(report: Report):
+    """Chart 3: internal fragmentation and token states (% of budget) against the paged block size."""
+    summary = report.table("summary", ("allocator", "token_states_pct", "internal_fragmentation_pct"))
+    if "block_size" in summary.columns:
+        paged = summary[summary["allocator"].astype(str).str.startswith("paged")].copy()
+    else:
+        paged = summary.copy()
+        paged["block_size"] = [_block_size_of(str(a)) for a in paged["allocator"]]
+        paged = paged[paged["block_size"].notna()]
+    paged = paged.drop_duplicates("block_size").sort_values("block_size")
+    if len(paged) < 2:
+        raise MissingData("summary.csv has fewer than two paged block sizes (replay a block-size sweep)")
+    fig, axes = new_figure(6.4, 4.2)
+    ax = axes[0, 0]
+    sizes = paged["block_size"].to_numpy(int)
+    for category, marker in (("token_states", "o"), ("internal_fragmentation", "s")):
+        ax.plot(sizes, paged[f"{category}_pct"].to_numpy(float), marker=marker, color=CATEGORY_COLORS[category],
+                label=f"{CATEGORY_LABELS[category]}", linewidth=2, gid=category)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.minorticks_off()
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("block size (tokens per KV block, log scale)")
+    ax.set_ylabel("time-averaged share of the KV budget (%)")
+    ax.legend(loc="center left")
+    titles(fig, "Paged allocator: token states and internal fragmentation vs block size", report.subtitle())
+    return fig
+
+
+def waste_frame(report: Report) -> pd.DataFrame:
+    """The per-allocator % table chart 2 draws (ours only), for tests and READMEs."""
+    summary = report.table("summary", ("allocator", *_PCT_COLUMNS))
+    return summary.set_index(summary["allocator"].astype(str))[list(_PCT_COLUMNS)]
