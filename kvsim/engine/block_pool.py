@@ -1,0 +1,161 @@
+"""The paged allocator's blocks: the free-block queue (LRU over cached prefixes) and the prefix-hash table.
+
+vLLM v1's `BlockPool` / `FreeKVCacheBlockQueue` idea: a freed block that still holds a cached prefix stays
+in the free queue, reusable by a later request with the same prefix until it is evicted, in LRU order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class Block:
+    """One KV block (a page of the pool): its id, how many requests hold it, and its prefix hash if cached.
+
+    `prev_free` / `next_free` link it into the free queue while `ref_count == 0`.
+    """
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with O(1) `popleft`, `append`, `appendleft` and `remove`.
+
+    Order is eviction order: the head is reused first. Uncached free blocks go to the head (reused before
+    any cached prefix is evicted); freed cached blocks go to the tail, so cached blocks leave in LRU order.
+    `remove` pulls a cached block out of the middle when a prefix-cache hit revives it.
+
+        head <-> [uncached ...] <-> [never used ...] <-> [cached, least recently freed ... most recent] <-> tail
+    """
+
+    def __init__(self, blocks: list[Block]):
+        self._head = Block(-1)  # sentinels: never handed out
+        self._tail = Block(-1)
+        self.num_free_blocks = 0
+        prev = self._head
+        for block in blocks:
+            prev.next_free, block.prev_free = block, prev
+            prev = block
+        prev.next_free, self._tail.prev_free = self._tail, prev
+        self.num_free_blocks = len(blocks)
+
+    def popleft(self) -> Block:
+        """Take the block to reuse next."""
+        block = self._head.next_free
+        assert block is not self._tail and block is not None, "free queue is empty"
+        self._unlink(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        """Take `block` out of the middle in O(1) (a prefix-cache hit on a free cached block)."""
+        self._unlink(block)
+
+    def append(self, block: Block) -> None:
+        """Put `block` at the tail: evicted last (a freed block holding a cached prefix)."""
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: Block) -> None:
+        """Put `block` at the head: reused first (a freed block with nothing worth keeping)."""
+        first = self._head.next_free
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
+
+    def _unlink(self, block: Block) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def blocks(self) -> list[Block]:
+        """The free blocks, head (next reused) first. O(n): for tests and debugging."""
+        out, block = [], self._head.next_free
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free
+        return out
+
+
+class BlockPool:
+    """Owns every block: hands out free ones, takes them back by ref count, and keeps the prefix-hash table.
+
+    `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
+    allocations sharing (prefix hits on held blocks, forks) avoided.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[int, Block] = {}
+        self.num_shared_refs = 0
+        self.num_blocks_allocated = 0  # blocks handed out by get_new_blocks since creation (for benchmarks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached-but-unreferenced included (they can be evicted on demand)."""
+        return self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref_count 1."""
+        assert num_blocks <= self.free_queue.num_free_blocks, (num_blocks, self.free_queue.num_free_blocks)
+        popleft = self.free_queue.popleft
+        out = []
+        for _ in range(num_blocks):
+            block = popleft()
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block)
+        self.num_blocks_allocated += num_blocks
+        return out
+
+    def get_cached_block(self, block_hash: int) -> Block | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_block(self, block: Block, block_hash: int) -> None:
+        """Register a full block under its chained hash, unless another block already holds that prefix."""
+        if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """One more holder for each of `blocks` (a prefix hit or a fork); free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            else:
+                self.num_shared_refs += 1
+            block.ref_count += 1
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """One holder fewer for each of `blocks`, given in eviction order (a request's tail first).
+
+        A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head.
+        """
+        queue = self.free_queue
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                self.num_shared_refs -= 1
+            elif block.block_hash is None:
+                queue.appendleft(block)
+            else:
+                queue.append(block)
+            assert block.ref_count >= 0, block

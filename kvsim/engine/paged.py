@@ -1,0 +1,371 @@
+"""The paged allocator (vLLM v1 class): block tables, prefix caching, forks with copy-on-write, watermark.
+
+Mixed models share one pool of equal-size pages: each layer group's block takes a whole number of pages,
+sliding-window groups free blocks that fall wholly outside the window, state groups take pages once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+
+_ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
+_MAX_PAGES_PER_BLOCK = 64  # beyond this a gcd page is too small to be worth it: pad instead
+_NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class _Lane:
+    """Per-token layers allocated alike: all full-attention groups, or the sliding groups of one window."""
+
+    bytes_per_token: int
+    window: int | None  # None: full attention (kept for the request's life)
+    pages_per_block: int
+    pad_bytes: int  # per block: pages_per_block * page_bytes - block_size * bytes_per_token
+
+
+class _Request:
+    """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
+
+    __slots__ = ("seq", "tables", "freed", "state_pages", "hashes", "num_hashed", "next_event", "hit", "cap", "used")
+
+    def __init__(self, seq: Sequence, num_lanes: int):
+        self.seq = seq
+        self.tables: list[list[Block | None]] = [[] for _ in range(num_lanes)]  # pages, per lane
+        self.freed = [0] * num_lanes  # leading blocks returned to the pool (sliding lanes)
+        self.state_pages: list[Block] = []
+        self.hashes: list[int] = []  # chained hashes of leading full blocks computed so far
+        self.num_hashed = 0  # leading blocks registered in the prefix cache
+        self.next_event = 0  # append needs work once computed + new tokens reach this
+        self.hit = 0  # prefix-cache hit (or forked tokens) at admission
+        self.cap = 0  # token slots allocated: num_blocks * block_size (same in every lane)
+        self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
+
+
+class PagedAllocator(KVAllocator):
+    """Block tables over a pool of `budget // page_bytes` pages; slot = block_id * block_size + offset.
+
+    Layout of one request (block_size 4, 10 tokens computed, final length 13, 4 blocks held):
+
+        block table  [ 7 ][ 2 ][ 9 ][ 4 ]
+        tokens        0-3  4-7  8-9 | 10-12 reservation | 13-15 internal fragmentation
+                      ^^^^^^^^^^^^^ token states
+
+    Uniform models have one lane and page = one block. Mixed models get one lane for the full-attention
+    groups and one per sliding window; the primary lane (full, else the first) defines slots.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.01,
+    ):
+        if not 0.0 <= watermark < 1.0:
+            raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
+        if max_model_len <= 0:
+            raise KvsimError(f"max_model_len must be positive, got {max_model_len}", field="max_model_len")
+        per_token = [g for g in spec.groups if g.kind != "state"]
+        if not per_token:
+            raise KvsimError("the paged allocator needs at least one attention layer group", field="model")
+        if enable_prefix_caching and not spec.is_uniform:
+            raise KvsimError(
+                "prefix caching is not supported for models with sliding-window or state layers",
+                field="prefix_caching",
+            )
+        self.spec = spec
+        self.budget_bytes = budget_bytes
+        self.block_size = bs = spec.block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+
+        # One lane for the full groups, one per distinct window; pages sized by the gcd of their bytes.
+        by_window: dict[int | None, int] = {}
+        for g in per_token:
+            by_window[g.window] = by_window.get(g.window, 0) + g.bytes_per_token
+        windows = sorted(by_window, key=lambda w: (w is not None, w or 0))
+        page_token_bytes = math.gcd(*by_window.values())
+        if max(by_window.values()) // page_token_bytes > _MAX_PAGES_PER_BLOCK:
+            page_token_bytes = min(by_window.values())
+        self.page_bytes = bs * page_token_bytes
+        self.lanes: list[_Lane] = []
+        for w in windows:
+            k = -(-by_window[w] // page_token_bytes)
+            self.lanes.append(_Lane(by_window[w], w, k, k * self.page_bytes - bs * by_window[w]))
+        self._state_pages = [-(-g.state_bytes // self.page_bytes) for g in spec.groups if g.kind == "state"]
+        self._state_bytes = spec.state_bytes_per_sequence
+        self._state_pad = sum(self._state_pages) * self.page_bytes - self._state_bytes
+        self._pages_per_block = sum(lane.pages_per_block for lane in self.lanes)
+        self._shareable = len(self.lanes) == 1 and not self._state_pages  # forks need every block shareable
+
+        self.num_blocks = budget_bytes // self.page_bytes  # pages of the pool
+        self.num_slots = self.num_blocks * bs
+        self.watermark_blocks = int(watermark * self.num_blocks)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self._reqs: dict[Sequence, _Request] = {}
+        self._cow: list[tuple[int, int]] = []  # pending (src_block, dst_block) copies for the cache layer
+        # Running totals over admitted requests, for a cheap breakdown().
+        self._sum_cap = 0
+        self._sum_used = 0
+        self._sum_freed = [0] * len(self.lanes)  # tokens of freed leading blocks, per lane
+
+    # --- the KVAllocator protocol -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`; None if it would break the watermark."""
+        assert seq not in self._reqs, f"{seq} is already admitted"
+        bs = self.block_size
+        hit_blocks: list[Block] = []
+        hashes: list[int] = []
+        query = 0
+        if self.enable_prefix_caching and seq.token_ids is not None:
+            query = min(max(seq.num_prompt_tokens, num_new_tokens), seq.num_final_tokens)
+            hashes, hit_blocks = self._lookup(seq.token_ids, (query - 1) // bs)
+        hit = len(hit_blocks) * bs
+        total = hit + num_new_tokens
+        num_blocks = -(-total // bs)
+        revived = sum(1 for b in hit_blocks if b.ref_count == 0)
+        new_pages = (num_blocks - len(hit_blocks)) * self._pages_per_block + sum(self._state_pages)
+        if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
+            return None
+
+        req = _Request(seq, len(self.lanes))
+        req.hashes = hashes
+        req.num_hashed = len(hit_blocks)
+        req.hit = hit
+        self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
+        for lane_idx, lane in enumerate(self.lanes):
+            fresh = num_blocks - len(hit_blocks) if lane_idx == 0 else num_blocks
+            req.tables[lane_idx] = (hit_blocks if lane_idx == 0 else []) + self.pool.get_new_blocks(fresh * lane.pages_per_block)
+        for num_pages in self._state_pages:
+            req.state_pages += self.pool.get_new_blocks(num_pages)
+        self._set_cap(req, num_blocks * bs)
+        self._reqs[seq] = req
+        if query:
+            self.prefix_query_tokens += query
+            self.prefix_hit_tokens += hit
+        self._register(req, total)
+        self._refresh(req)
+        return hit
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
+        req = self._reqs[seq]
+        total = seq.num_computed_tokens + num_new_tokens
+        if total < req.next_event:
+            return True
+        return self._grow(req, seq.num_computed_tokens, total)
+
+    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One decode token each. The common case (the token lands in the last block) is one compare."""
+        reqs = self._reqs
+        failed = []
+        for seq in seqs:
+            req = reqs[seq]
+            total = seq.num_computed_tokens + 1
+            if total >= req.next_event and not self._grow(req, total - 1, total):
+                failed.append(seq)
+        return failed
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
+        req = self._reqs.pop(seq)
+        self._set_cap(req, 0)
+        for lane_idx in range(len(self.lanes)):
+            self._sum_freed[lane_idx] -= req.freed[lane_idx] * self.block_size
+            self.pool.free_blocks(b for b in reversed(req.tables[lane_idx]) if b is not None)
+        self.pool.free_blocks(req.state_pages)
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """`child` shares the blocks of `parent`'s computed tokens; a shared partial block is copied on write."""
+        if not self._shareable:
+            return False  # mixed models: sliding and state blocks cannot be shared
+        assert child not in self._reqs
+        parent_req = self._reqs[parent]
+        computed = parent.num_computed_tokens
+        shared = parent_req.tables[0][: -(-computed // self.block_size)]
+        self.pool.touch(shared)
+        req = _Request(child, 1)
+        req.tables[0] = list(shared)
+        req.num_hashed = min(parent_req.num_hashed, computed // self.block_size)
+        req.hashes = parent_req.hashes[: req.num_hashed]
+        req.hit = computed
+        self._set_cap(req, len(shared) * self.block_size)
+        self._reqs[child] = req
+        parent_req.next_event = req.next_event = 0  # both take the slow path once: copy-on-write check
+        return True
+
+    def pop_copy_on_write(self) -> list[tuple[int, int]]:
+        """Pending (src_block_id, dst_block_id) copies made by copy-on-write; the cache layer copies the data."""
+        out, self._cow = self._cow, []
+        return out
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        bs, final = self.block_size, seq.num_final_tokens
+        if final > self.max_model_len:
+            return False
+        admit_blocks = -(-seq.num_prompt_tokens // bs)
+        final_blocks = -(-final // bs)
+        state = sum(self._state_pages)
+        admit_pages = admit_blocks * self._pages_per_block + state
+        peak_pages = state
+        for lane in self.lanes:
+            held = final_blocks if lane.window is None else min(final_blocks, max(admit_blocks, -(-lane.window // bs) + 1))
+            peak_pages += held * lane.pages_per_block
+        return admit_pages <= self.num_blocks - self.watermark_blocks and peak_pages <= self.num_blocks
+
+    def block_table(self, seq: Sequence) -> list[int | None]:
+        """Block ids of `seq`'s primary lane (first page of each block); None where a sliding block was freed."""
+        k = self.lanes[0].pages_per_block
+        return [None if b is None else b.block_id for b in self._reqs[seq].tables[0][::k]]
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        bs, k = self.block_size, self.lanes[0].pages_per_block
+        table = self._reqs[seq].tables[0]
+        assert 0 <= start <= end <= len(table) // k * bs, (start, end)
+        if start == end:
+            return np.empty(0, dtype=np.int64)
+        first, last = start // bs, (end - 1) // bs
+        ids = np.fromiter((table[j * k].block_id for j in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
+        pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
+        return ids[pos // bs - first] * bs + pos % bs
+
+    def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
+        computed = 0
+        for req in self._reqs.values():
+            c = max(req.seq.num_computed_tokens, req.hit)
+            computed += req.used if c > req.used else c
+        bs = self.block_size
+        token_states = len(self._reqs) * self._state_bytes
+        reservation = 0
+        internal = len(self._reqs) * self._state_pad + self.budget_bytes - self.num_blocks * self.page_bytes
+        for lane, freed in zip(self.lanes, self._sum_freed):
+            token_states += (computed - freed) * lane.bytes_per_token
+            reservation += (self._sum_used - computed) * lane.bytes_per_token
+            internal += (self._sum_cap - self._sum_used) * lane.bytes_per_token + (self._sum_cap - freed) // bs * lane.pad_bytes
+        saved = self.pool.num_shared_refs * self.page_bytes
+        dup = saved  # shared blocks were counted once per holder: take the extra copies out
+        for_ts = min(dup, token_states)
+        token_states, dup = token_states - for_ts, dup - for_ts
+        for_res = min(dup, reservation)
+        reservation, internal = reservation - for_res, internal - (dup - for_res)
+        return MemoryBreakdown(
+            budget_bytes=self.budget_bytes,
+            token_states_bytes=token_states,
+            reservation_bytes=reservation,
+            internal_fragmentation_bytes=internal,
+            external_fragmentation_bytes=0,
+            free_bytes=self.pool.num_free_blocks * self.page_bytes,
+            shared_saved_bytes=saved,
+        )
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _lookup(self, token_ids: np.ndarray, max_blocks: int) -> tuple[list[int], list[Block]]:
+        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included)."""
+        bs, cached = self.block_size, self.pool.cached_block_hash_to_block
+        hashes: list[int] = []
+        hits: list[Block] = []
+        parent = _ROOT_HASH
+        for j in range(max_blocks):
+            parent = hash((parent, token_ids[j * bs : (j + 1) * bs].tobytes()))
+            hashes.append(parent)
+            block = cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hashes, hits
+
+    def _register(self, req: _Request, total: int) -> None:
+        """Hash and cache every full block whose tokens are all within `total` (computed + scheduled)."""
+        if not self.enable_prefix_caching or req.seq.token_ids is None:
+            return
+        bs, token_ids, hashes = self.block_size, req.seq.token_ids, req.hashes
+        table = req.tables[0]
+        end = min(total, len(token_ids)) // bs
+        for j in range(req.num_hashed, end):
+            if j < len(hashes):
+                h = hashes[j]
+            else:
+                h = hash((hashes[j - 1] if j else _ROOT_HASH, token_ids[j * bs : (j + 1) * bs].tobytes()))
+                hashes.append(h)
+            self.pool.cache_full_block(table[j], h)
+        if end > req.num_hashed:
+            req.num_hashed = end
+
+    def _refresh(self, req: _Request) -> None:
+        """The smallest computed + new token count at which an append must do more than compare."""
+        bs = self.block_size
+        event = req.cap + 1
+        if self.enable_prefix_caching and req.seq.token_ids is not None:
+            event = min(event, (req.num_hashed + 1) * bs)
+        for lane_idx, lane in enumerate(self.lanes):
+            if lane.window is not None:
+                event = min(event, (req.freed[lane_idx] + 1) * bs + lane.window)
+        req.next_event = event
+
+    def _set_cap(self, req: _Request, cap: int) -> None:
+        used = min(cap, req.seq.num_final_tokens)
+        self._sum_cap += cap - req.cap
+        self._sum_used += used - req.used
+        req.cap, req.used = cap, used
+
+    def _grow(self, req: _Request, computed: int, total: int) -> bool:
+        """The slow path of an append: copy-on-write, sliding-window freeing, new blocks, prefix registration."""
+        bs = self.block_size
+        pool = self.pool
+        table0 = req.tables[0]
+        cow = self._shareable and computed % bs != 0 and table0[computed // bs].ref_count > 1
+        num_blocks = -(-total // bs)
+        grow_blocks = max(0, num_blocks - req.cap // bs)
+        skip_blocks = []  # per lane: blocks now wholly outside the window
+        reclaim = 0
+        for lane_idx, lane in enumerate(self.lanes):
+            if lane.window is None:
+                skip_blocks.append(0)
+            else:
+                skip = min(max(0, (computed - lane.window + 1) // bs), req.cap // bs) - req.freed[lane_idx]
+                skip_blocks.append(max(0, skip))
+                reclaim += max(0, skip) * lane.pages_per_block
+        if pool.num_free_blocks + reclaim < grow_blocks * self._pages_per_block + cow:
+            return False
+
+        for lane_idx, lane in enumerate(self.lanes):
+            if skip_blocks[lane_idx]:
+                k, table, start = lane.pages_per_block, req.tables[lane_idx], req.freed[lane_idx]
+                stop = start + skip_blocks[lane_idx]
+                pool.free_blocks(reversed(table[start * k : stop * k]))
+                table[start * k : stop * k] = [None] * (stop - start) * k
+                req.freed[lane_idx] = stop
+                self._sum_freed[lane_idx] += (stop - start) * bs
+        if cow:
+            src = table0[computed // bs]
+            (dst,) = pool.get_new_blocks(1)
+            pool.free_blocks((src,))
+            table0[computed // bs] = dst
+            self._cow.append((src.block_id, dst.block_id))
+        if grow_blocks:
+            for lane_idx, lane in enumerate(self.lanes):
+                req.tables[lane_idx] += pool.get_new_blocks(grow_blocks * lane.pages_per_block)
+            self._set_cap(req, num_blocks * bs)
+        self._register(req, total)
+        self._refresh(req)
+        return True
