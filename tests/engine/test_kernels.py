@@ -1,0 +1,131 @@
+"""Cache kernels: scatters agree with a hand-made mapping, gathers follow block tables and slabs, attention
+matches a float64 reference, integrity values are deterministic, token-unique and finite."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvsim.engine import kernels
+
+L, S, H, D, BS = 2, 24, 2, 4, 4  # layers, slots, kv heads, head dim, block size
+
+
+def make_flat(dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(2, L, S, H, D, dtype=dtype)  # [2, L, S, H, D]
+
+
+def source(n: int) -> torch.Tensor:
+    return torch.arange(2 * L * n * H * D, dtype=torch.float32).view(2, L, n, H, D) + 1.0  # [2, L, n, H, D]
+
+
+@pytest.mark.parametrize("scatter", [kernels.scatter_index_copy, kernels.scatter_index_put])
+def test_scatter_puts_token_n_at_its_slot(scatter):
+    flat = make_flat()
+    slots = torch.tensor([7, 0, 13, 22])
+    src = source(4)
+    scatter(flat, slots, src)
+    for n, slot in enumerate(slots.tolist()):
+        assert torch.equal(flat[:, :, slot], src[:, :, n])
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    assert flat[:, :, untouched].abs().sum() == 0
+
+
+def test_scatter_index_copy_and_index_put_agree_on_strided_source():
+    wide = source(8)[:, :, :5]  # a slice of a larger buffer, as KVCache passes it
+    a, b = make_flat(), make_flat()
+    slots = torch.tensor([3, 4, 5, 20, 1])
+    kernels.scatter_index_copy(a, slots, wide)
+    kernels.scatter_index_put(b, slots, wide)
+    assert torch.equal(a, b)
+
+
+def test_gather_paged_follows_block_tables():
+    cache = torch.randn(2, L, S // BS, BS, H, D)  # [2, L, num_blocks, BS, H, D]
+    tables = torch.tensor([[2, 0, 5], [1, 3, 0]])  # (B=2, M=3)
+    out = kernels.gather_paged(cache, tables)
+    assert out.shape == (2, L, 2, 3 * BS, H, D)
+    for b in range(2):
+        for t in range(3 * BS):
+            assert torch.equal(out[:, :, b, t], cache[:, :, tables[b, t // BS], t % BS])
+
+
+def test_gather_runs_reads_each_slab_and_pads_with_its_last_slot():
+    flat = torch.randn(2, L, S, H, D)
+    starts, lens = torch.tensor([3, 10]), torch.tensor([5, 2])
+    out = kernels.gather_runs(flat, starts, lens, 5)
+    assert out.shape == (2, L, 2, 5, H, D)
+    assert torch.equal(out[:, :, 0], flat[:, :, 3:8])
+    assert torch.equal(out[:, :, 1, :2], flat[:, :, 10:12])
+    assert torch.equal(out[:, :, 1, 4], flat[:, :, 11])  # padding repeats the last valid slot
+
+
+def test_slice_run_is_a_view():
+    flat = make_flat()
+    run = kernels.slice_run(flat, 6, 3)
+    run.fill_(5.0)
+    assert flat[:, :, 6:9].eq(5.0).all() and flat.sum() == 5.0 * run.numel()
+
+
+def reference_attention(q, k, v, n_valid):
+    """float64 softmax(q k^T / sqrt(d)) v over the first n_valid keys, kv heads repeated for GQA."""
+    hq, h = q.shape[0], k.shape[1]
+    k = k[:n_valid].double().repeat_interleave(hq // h, dim=1)  # (T, Hq, D)
+    v = v[:n_valid].double().repeat_interleave(hq // h, dim=1)
+    scores = torch.einsum("hd,thd->ht", q.double(), k) / math.sqrt(q.shape[-1])
+    return torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v)  # (Hq, D)
+
+
+@pytest.mark.parametrize("hq", [2, 4])  # equal heads, then grouped-query
+def test_decode_attention_masks_padding_and_matches_reference(hq):
+    torch.manual_seed(0)
+    lens = torch.tensor([3, 7, 1])
+    q = torch.randn(3, hq, D)
+    k, v = torch.randn(3, 7, H, D), torch.randn(3, 7, H, D)
+    k[0, 3:] = 1e4  # garbage in the padding must not leak through the mask
+    out = kernels.decode_attention(q, k, v, lens)
+    assert out.shape == (3, hq, D)
+    for n in range(3):
+        ref = reference_attention(q[n], k[n], v[n], int(lens[n]))
+        torch.testing.assert_close(out[n].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_integrity_values_are_deterministic_unique_and_in_range():
+    fps = torch.tensor([11, 12, -5, 2**62], dtype=torch.int64)
+    for bits in (8, 16, 32):
+        vals = kernels.integrity_values(fps, L, H * D, bits)
+        assert vals.shape == (2, L, 4, H * D)
+        assert torch.equal(vals, kernels.integrity_values(fps, L, H * D, bits))
+        assert vals.min() >= -(2 ** (bits - 1)) and vals.max() < 2 ** (bits - 1)
+        rows = vals.permute(2, 0, 1, 3).reshape(4, -1)  # one row per token
+        assert len({tuple(r.tolist()) for r in rows}) == 4
+        assert not torch.equal(vals[0], vals[1])  # K and V differ
+        assert not torch.equal(vals[:, 0], vals[:, 1])  # layers differ
+
+
+@pytest.mark.parametrize(
+    ("bits", "dtype"),
+    [(16, torch.bfloat16), (16, torch.float16), (32, torch.float32), (8, torch.float8_e4m3fn)],
+)
+def test_integrity_values_are_finite_floats(bits, dtype):
+    fps = torch.arange(-500, 500, dtype=torch.int64) * 7919
+    ints = kernels.integrity_values(fps, 3, 64, bits).to({8: torch.int8, 16: torch.int16, 32: torch.int32}[bits])
+    assert torch.isfinite(ints.view(dtype).float()).all()
+
+
+@pytest.mark.gpu
+def test_triton_scatter_matches_index_copy_and_skips_negative_slots():
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton not installed")
+    for h in (1, 3, 8):  # any head count, including rows that are not a power of two
+        flat_a = torch.zeros(2, L, S, h, 32, device="cuda", dtype=torch.bfloat16)
+        flat_b = flat_a.clone()
+        src = torch.randn(2, L, 12, h, 32, device="cuda").to(torch.bfloat16)[:, :, :6]
+        slots = torch.tensor([5, -1, 0, 23, -1, 9], device="cuda")
+        kernels.scatter_triton(flat_a, slots, src)
+        keep = slots >= 0
+        kernels.scatter_index_copy(flat_b, slots[keep], src[:, :, keep])
+        torch.cuda.synchronize()
+        assert torch.equal(flat_a, flat_b)
