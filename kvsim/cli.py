@@ -43,6 +43,49 @@ def user_errors(fn: F) -> F:
 # Each command below only parses options and calls one function of a logic module.
 
 
+from typing import Annotated, Optional  # noqa: E402  (kept next to the commands that use them)
+
+
+@app.command()
+@user_errors
+def size(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Catalogue name (qwen3-0.6b) or HF id (Qwen/Qwen3-0.6B).")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="Path to a Hugging Face config.json (read offline).")] = None,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache dtype: bf16, fp16, fp32, fp8, int8.")] = "bf16",
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
+    context: Annotated[Optional[int], typer.Option("--context", help="Tokens per sequence (default: the model's max length).")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks; figures are per rank.")] = 1,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU from the catalogue: h100-80gb, h200, a100-40gb, a100-80gb, l4, l40s, rtx-4090, b200, mi300x.")] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help="Device memory instead of --gpu, e.g. 80GiB or 40GB.")] = None,
+    utilization: Annotated[float, typer.Option("--utilization", help="Fraction of memory kvsim may use (vLLM's gpu_memory_utilization).")] = 0.9,
+    weight_dtype: Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype (default: the shipped checkpoint's).")] = None,
+    params: Annotated[Optional[float], typer.Option("--params", help="Total parameter count, e.g. 8.03e9 (needed with --config for weights).")] = None,
+    layout: Annotated[bool, typer.Option("--layout", help="Print the KV pool tensor's shape, strides and bytes.")] = False,
+    num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
+    address: Annotated[Optional[str], typer.Option("--address", help="kv,layer,block,token,head,dim: print that element's byte offset.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
+    from kvsim.size_view import show_size
+
+    show_size(
+        model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
+        utilization=utilization, weight_dtype=weight_dtype, params=params, layout=layout, num_blocks=num_blocks,
+        address=address, as_json=json_out,
+    )
+
+
+@app.command()
+@user_errors
+def models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
+) -> None:
+    """List the model catalogue: layers by kind, KV heads, head_dim, KV bytes per token in bf16."""
+    from kvsim.size_view import show_models
+
+    show_models(as_json=json_out)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -8,7 +8,7 @@ linear/mamba layers hold a constant state per sequence. Everything is per tensor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.errors import KvsimError
@@ -184,4 +184,100 @@ def capacity(spec: KVCacheSpec, budget_bytes: int, context_tokens: int) -> Capac
         max_sequences=budget_bytes / bytes_per_sequence(spec, context_tokens),
         max_sequences_block_rounded=usable / block_rounded_bytes_per_sequence(spec, context_tokens),
         max_sequences_uncapped=budget_bytes / bytes_per_sequence(spec, context_tokens, capped=False),
+    )
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """Every figure `kvsim size` prints, per TP rank; `as_json()` is the --json object."""
+
+    model: ModelSpec
+    spec: KVCacheSpec
+    tp: int
+    context_tokens: int
+    bytes_per_sequence: int  # capped sliding, state once, before block rounding
+    bytes_per_sequence_uncapped: int
+    bytes_per_sequence_block_rounded: int
+    memory_bytes: int | None = None
+    gpu_name: str | None = None
+    utilization: float | None = None
+    weight_dtype: str | None = None
+    weight_bytes: int | None = None
+    capacity: Capacity | None = None
+
+    def as_json(self) -> dict:
+        spec = self.spec
+        out = {
+            "model": self.model.name,
+            "hf_id": self.model.hf_id,
+            "kv_dtype": spec.dtype,
+            "tp": self.tp,
+            "layers": self.model.layer_counts,
+            "kv_bytes_per_token": spec.bytes_per_token,
+            "full_attention_bytes_per_token": spec.full_bytes_per_token,
+            "sliding_window_bytes_per_token": spec.bytes_per_token - spec.full_bytes_per_token,
+            "sliding_window_cap_bytes_per_sequence": sliding_cap_bytes_per_sequence(spec),
+            "state_bytes_per_sequence": spec.state_bytes_per_sequence,
+            "block_size": spec.block_size,
+            "block_bytes": spec.block_bytes,
+            "context_tokens": self.context_tokens,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "bytes_per_sequence_uncapped": self.bytes_per_sequence_uncapped,
+            "bytes_per_sequence_block_rounded": self.bytes_per_sequence_block_rounded,
+        }
+        if self.capacity is not None:
+            cap = self.capacity
+            out.update(
+                {
+                    "gpu": self.gpu_name,
+                    "memory_bytes": self.memory_bytes,
+                    "utilization": self.utilization,
+                    "weight_dtype": self.weight_dtype,
+                    "weight_bytes": self.weight_bytes,
+                    "kv_budget_bytes": cap.kv_budget_bytes,
+                    "max_tokens": cap.max_tokens,
+                    "max_sequences": round(cap.max_sequences, 4),
+                    "max_sequences_block_rounded": round(cap.max_sequences_block_rounded, 4),
+                    "max_sequences_uncapped": round(cap.max_sequences_uncapped, 4),
+                }
+            )
+        return out
+
+
+def size_report(
+    model: ModelSpec,
+    *,
+    kv_dtype: str = "bf16",
+    block_size: int = 16,
+    context_tokens: int | None = None,
+    tp: int = 1,
+    memory_bytes: int | None = None,
+    gpu_name: str | None = None,
+    utilization: float = 0.9,
+    weight_dtype: str | None = None,
+) -> SizeReport:
+    """Everything `kvsim size` reports; the capacity part only when `memory_bytes` is given."""
+    spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=block_size, tp=tp)
+    n = _positive_int(context_tokens, "--context") if context_tokens is not None else model.max_model_len
+    report = SizeReport(
+        model=model,
+        spec=spec,
+        tp=tp,
+        context_tokens=n,
+        bytes_per_sequence=bytes_per_sequence(spec, n),
+        bytes_per_sequence_uncapped=bytes_per_sequence(spec, n, capped=False),
+        bytes_per_sequence_block_rounded=block_rounded_bytes_per_sequence(spec, n),
+    )
+    if memory_bytes is None:
+        return report
+    weights = weight_bytes(model, weight_dtype=weight_dtype, tp=tp)
+    budget = kv_budget_bytes(memory_bytes, utilization=utilization, weight_bytes=weights)
+    return replace(
+        report,
+        memory_bytes=memory_bytes,
+        gpu_name=gpu_name,
+        utilization=utilization,
+        weight_dtype=weight_dtype or ("checkpoint" if model.checkpoint_bytes else model.weight_dtype),
+        weight_bytes=weights,
+        capacity=capacity(spec, budget, n),
     )
