@@ -204,10 +204,10 @@ def show_models(*, as_json: bool = False) -> None:
         return
     console = Console()
     wide = console.width >= 150  # narrow terminals get the essential columns only
-    table = Table(title="kvsim model catalogue (KV per token in bf16, tp=1)", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title="kvsim model catalogue (KV per token in bf16, tp=1)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     cols = ["name", "hf id", "layers", "KV heads", "head dim", "KV B/token", "state B/seq", "max len", "params"]
     if not wide:
-        cols = ["name", "layers", "KV heads x dim", "KV B/token", "params"]
+        cols = ["name", "layers", "B/token", "params"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("name", "hf id", "layers") else "right", no_wrap=True)
     for r in rows:
@@ -217,8 +217,9 @@ def show_models(*, as_json: bool = False) -> None:
             "layers": " + ".join(f"{n} {k}" for k, n in r["layers"].items()),
             "KV heads": str(r["num_kv_heads"]),
             "head dim": str(r["head_dim"]),
-            "KV heads x dim": f"{r['num_kv_heads']}x{r['head_dim']}",
+            "heads x dim": f"{r['num_kv_heads']}x{r['head_dim']}",
             "KV B/token": f"{r['kv_bytes_per_token_bf16']:,}",
+            "B/token": f"{r['kv_bytes_per_token_bf16']:,}",
             "state B/seq": f"{r['state_bytes_per_sequence_bf16']:,}" if r["state_bytes_per_sequence_bf16"] else "-",
             "max len": f"{r['max_model_len']:,}",
             "params": f"{r['num_params'] / 1e9:.1f}B",
