@@ -86,6 +86,32 @@ def models(
     show_models(as_json=json_out)
 
 
+bench_app = typer.Typer(help="Benchmarks of kvsim's own machinery (allocator CPU cost, kernels).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("allocator")
+@user_errors
+def bench_allocator(
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests in the trace (prompts U[64,2048], outputs U[16,1024]).")] = 2000,
+    max_running: Annotated[int, typer.Option("--max-running", help="Requests decoding at once.")] = 256,
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Hash and cache full blocks.")] = True,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic trace.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Also write the result as a one-row CSV here.")] = None,
+) -> None:
+    """The paged allocator's CPU cost per decode and prefill token, timed around its calls only."""
+    from pathlib import Path
+
+    from kvsim.bench.allocator import show_allocator_bench
+
+    show_allocator_bench(
+        num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching,
+        seed=seed, as_json=json_out, out=Path(out) if out else None,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

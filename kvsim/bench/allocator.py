@@ -135,3 +135,35 @@ def write_csv(result: AllocatorBenchResult, path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(result.as_dict()))
         writer.writeheader()
         writer.writerow(result.as_dict())
+
+
+def show_allocator_bench(
+    *, num_requests: int, max_running: int, block_size: int, prefix_caching: bool, seed: int, as_json: bool, out: Path | None
+) -> AllocatorBenchResult:
+    """Run the benchmark, print it (a rich table or one JSON object) and write `out` as CSV if given."""
+    import json
+
+    result = run_allocator_bench(
+        num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching, seed=seed
+    )
+    if out is not None:
+        write_csv(result, out)
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return result
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"paged allocator, block size {block_size}, prefix caching {'on' if prefix_caching else 'off'}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("requests / max running", f"{num_requests} / {max_running}")
+    table.add_row("prefill tokens / decode tokens", f"{result.prefill_tokens:,} / {result.decode_tokens:,}")
+    table.add_row("us per decode token (append_decode)", f"{result.decode_us_per_token:.3f}")
+    table.add_row("us per prefill token (allocate)", f"{result.prefill_us_per_token:.3f}")
+    table.add_row("us per request freed (free)", f"{result.free_us_per_request:.2f}")
+    table.add_row("us per decode token (all calls)", f"{result.total_us_per_decode_token:.3f}")
+    table.add_row("blocks allocated / s", f"{result.blocks_per_s:,.0f}")
+    table.add_row("preemptions", str(result.preemptions))
+    Console().print(table)
+    return result
