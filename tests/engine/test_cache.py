@@ -1,0 +1,241 @@
+"""KVCache: pool layout, write/read round trips (paged and flat), swap and copies, attention over pages,
+the accounting-only mode, the device-memory refusal, and the step timer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim.engine import cache as cache_mod
+from kvsim.engine import kernels
+from kvsim.engine.cache import KVCache
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.timing import StepTimer
+from kvsim.errors import KvsimError
+
+BS = 4
+
+
+def make_spec(dtype: str = "fp32", dtype_bytes: int = 4, *, heads: int = 2, head_dim: int = 8) -> KVCacheSpec:
+    return KVCacheSpec.uniform(
+        num_layers=6, num_kv_heads=heads, head_dim=head_dim, block_size=BS, dtype=dtype, dtype_bytes=dtype_bytes
+    )
+
+
+def make_cache(num_slots: int = 64, **kwargs) -> KVCache:
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("num_layers", 2)
+    return KVCache(kwargs.pop("spec", make_spec()), num_slots, **kwargs)
+
+
+def paged_slots(table: list[int], n: int) -> np.ndarray:
+    """Slots of tokens 0..n-1 through a block table: slot = block_id * block_size + offset."""
+    pos = np.arange(n)
+    return np.asarray(table)[pos // BS] * BS + pos % BS
+
+
+def test_pool_layout_and_bytes():
+    c = make_cache(64, num_layers=3)
+    assert c.kv_cache.shape == (2, 3, 16, BS, 2, 8)  # [2, L, num_blocks, block_size, H, D]
+    assert c.kv_flat.shape == (2, 3, 64, 2, 8)
+    assert c.kv_flat.data_ptr() == c.kv_cache.data_ptr()
+    assert c.nbytes == 2 * 3 * 64 * 2 * 8 * 4 == c.kv_cache.numel() * 4
+    assert c.kv_cache.dtype == torch.float32 and c.kv_cache.abs().sum() == 0
+
+
+def test_flat_arena_slot_count_need_not_be_a_block_multiple():
+    c = make_cache(10)
+    assert c.num_blocks == 3 and c.kv_flat.shape[2] == 12
+    slots = np.arange(10)
+    c.write(slots, np.zeros(10, dtype=np.int64), slots)
+    read = c.read_flat([0], [10])
+    assert torch.equal(read.kv[:, :, 0], c.kv_flat[:, :, :10])
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)]
+)
+def test_kv_dtypes(name, dtype):
+    width = torch.empty(0, dtype=dtype).element_size()
+    c = make_cache(16, spec=make_spec(name, width))
+    assert c.kv_cache.dtype == dtype and c.nbytes == 2 * 2 * 16 * 2 * 8 * width
+    slots = np.array([3, 9, 1])
+    c.write(slots, np.zeros(3, dtype=np.int64), np.arange(3))
+    assert torch.equal(c.kv_flat[:, :, slots].view(torch.int8), c._src[:, :, :3].view(torch.int8))
+
+
+def test_paged_round_trip_through_hand_made_block_tables():
+    c = make_cache(64)
+    tables = [[5, 2, 9], [0, 14]]
+    lens = [10, 6]
+    written = []
+    for seq_id, (table, n) in enumerate(zip(tables, lens)):
+        slots = paged_slots(table, n)
+        c.write(slots, np.full(n, seq_id), np.arange(n))
+        written.append(c._src[:, :, :n].clone())  # [2, L, n, H, D] just stored
+    read = c.read_paged([np.asarray(t) for t in tables], lens)
+    assert read.kv.shape == (2, 2, 2, 12, 2, 8)  # padded to 3 blocks of 4
+    assert read.seq_lens.tolist() == lens
+    for b, n in enumerate(lens):
+        assert torch.equal(read.kv[:, :, b, :n], written[b])
+    assert torch.equal(read.k, read.kv[0]) and torch.equal(read.v, read.kv[1])
+
+
+def test_flat_round_trip_reads_contiguous_slabs():
+    c = make_cache(64)
+    starts, lens = [40, 3], [7, 12]
+    for seq_id, (start, n) in enumerate(zip(starts, lens)):
+        c.write(np.arange(start, start + n), np.full(n, seq_id), np.arange(n))
+    read = c.read_flat(starts, lens)
+    assert read.kv.shape == (2, 2, 2, 12, 2, 8)
+    for b, (start, n) in enumerate(zip(starts, lens)):
+        assert torch.equal(read.kv[:, :, b, :n], c.kv_flat[:, :, start : start + n])
+        assert torch.equal(read.kv[:, :, b, :n], kernels.slice_run(c.kv_flat, start, n))
+
+
+def test_index_put_write_kernel_stores_the_same_bytes():
+    a, b = make_cache(32, write_kernel="index_copy"), make_cache(32, write_kernel="index_put")
+    slots = np.array([31, 0, 17, 4, 5])
+    for c in (a, b):
+        c.write(slots, np.zeros(5, dtype=np.int64), np.arange(5))
+    assert torch.equal(a.kv_cache, b.kv_cache)
+    with pytest.raises(KvsimError, match="write_kernel"):
+        make_cache(32, write_kernel="fastest")
+    with pytest.raises(KvsimError, match="CUDA"):
+        make_cache(32, write_kernel="triton")
+
+
+def test_decode_over_gathered_pages_equals_sdpa_over_contiguous_tensor():
+    c = make_cache(192, num_q_heads=4)  # grouped-query: 4 query heads over 2 kv heads
+    tables, lens = [[7, 1, 30, 4, 12], [20, 3], [9]], [19, 8, 2]
+    contiguous = []
+    for seq_id, (table, n) in enumerate(zip(tables, lens)):
+        c.write(paged_slots(table, n), np.full(n, seq_id), np.arange(n))
+        contiguous.append(c._src[:, :, :n].clone())  # [2, L, n, H, D]
+    read = c.read_paged([np.asarray(t) for t in tables], lens)
+    q = torch.randn(2, 3, 4, 8)  # [L, B, Hq, D]
+    out = c.decode_attention(read, q)
+    assert out.shape == (2, 3, 4, 8)
+    for layer in range(2):
+        for b, n in enumerate(lens):
+            k, v = contiguous[b][0, layer], contiguous[b][1, layer]  # (n, H, D)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[layer, b][:, None], k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True
+            )[:, 0]
+            torch.testing.assert_close(out[layer, b], ref, rtol=1e-5, atol=1e-5)
+    # the same tokens copied into flat slabs (past every block used above) give the same attention
+    starts = [128, 150, 170]
+    for table, start, n in zip(tables, starts, lens):
+        c.copy_slots(paged_slots(table, n), np.arange(start, start + n))
+    torch.testing.assert_close(c.decode_attention(c.read_flat(starts, lens), q), out)
+
+
+def test_swap_out_and_in_to_other_slots_copies_data():
+    c = make_cache(64)
+    slots = paged_slots([3, 8], 6)
+    c.write(slots, np.zeros(6, dtype=np.int64), np.arange(6))
+    before = c.kv_flat[:, :, slots].clone()
+    handle = c.swap_out(slots)
+    assert handle.num_tokens == 6 and handle.kv.device.type == "cpu" and torch.equal(handle.kv, before)
+    c.kv_flat[:, :, slots] = 0  # the freed blocks are reused by someone else
+    assert torch.equal(handle.kv, before)  # a real copy, not a view
+    new_slots = paged_slots([11, 0], 6)
+    c.swap_in(handle, new_slots)
+    assert torch.equal(c.kv_flat[:, :, new_slots], before)
+
+
+def test_copy_blocks_copies_whole_blocks():
+    c = make_cache(64)
+    c.write(np.arange(8, 16), np.zeros(8, dtype=np.int64), np.arange(8))  # blocks 2 and 3
+    c.copy_blocks([(2, 9), (3, 5)])
+    assert torch.equal(c.kv_cache[:, :, 9], c.kv_cache[:, :, 2])
+    assert torch.equal(c.kv_cache[:, :, 5], c.kv_cache[:, :, 3])
+    assert c.kv_cache[:, :, 2].abs().sum() > 0
+
+
+def test_accounting_only_cache_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(cache_mod, "free_memory_bytes", lambda device: 0)  # never probed or refused
+    c = make_cache(10**9, num_layers=0, integrity=True)
+    assert not c.enabled and c.kv_cache is None and c.nbytes == 0
+    slots = np.arange(4)
+    c.write(slots, np.zeros(4, dtype=np.int64), slots)
+    assert c.read_paged([np.array([0])], [4]) is None and c.read_flat([0], [4]) is None
+    assert c.decode_attention(None) is None
+    assert c.swap_out(slots) is None
+    c.swap_in(None, slots)
+    c.copy_slots(slots, slots + 4)
+    c.copy_blocks([(0, 1)])
+    c.verify(0, slots, slots)  # nothing to check
+    assert c.timer.step_times() == {} and c.timer.all_steps() == [{}]
+
+
+def test_refuses_a_pool_larger_than_free_memory(monkeypatch):
+    monkeypatch.setattr(cache_mod, "free_memory_bytes", lambda device: 10_000)
+    with pytest.raises(KvsimError) as err:
+        make_cache(64, num_layers=2)  # 2 * 2 * 64 * 2 * 8 * 4 = 16384 bytes
+    message = str(err.value)
+    assert "16.0 KiB" in message and "9.8 KiB" in message and "fewer layers" in message and "--no-tensors" in message
+    assert make_cache(64, num_layers=1).nbytes == 8192  # half the layers fit
+
+
+def test_free_memory_probe_reports_host_ram():
+    assert cache_mod.free_memory_bytes(torch.device("cpu")) > 2**20
+
+
+def test_device_choices():
+    assert make_cache(8, device="auto").device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(KvsimError, match="device"):
+        make_cache(8, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(KvsimError, match="no CUDA device"):
+            make_cache(8, device="cuda")
+
+
+def test_timer_records_each_kind_per_step():
+    c = make_cache(64)
+    slots = np.arange(8)
+    c.timer.new_step()
+    c.write(slots, np.zeros(8, dtype=np.int64), slots)
+    c.write(slots, np.zeros(8, dtype=np.int64), slots)
+    c.decode_attention(c.read_paged([np.array([0, 1])], [8]))
+    first = c.timer.step_times()
+    assert set(first) == {"write", "read", "attention"} and all(us > 0 for us in first.values())
+    c.timer.new_step()
+    c.copy_slots(slots, slots + 8)
+    c.swap_in(c.swap_out(slots), slots + 16)
+    assert set(c.timer.step_times()) == {"copy", "swap"}
+    steps = c.timer.all_steps()
+    assert len(steps) == 3 and steps[0] == {} and steps[1] == first
+
+
+def test_timer_sums_measurements_of_one_kind():
+    timer = StepTimer("cpu")
+    with timer.measure("write"):
+        pass
+    one = timer.step_times()["write"]
+    with timer.measure("write"):
+        sum(range(20000))
+    assert timer.step_times()["write"] > one
+    disabled = StepTimer("cpu", enabled=False)
+    with disabled.measure("read"):
+        pass
+    assert disabled.step_times() == {}
+
+
+@pytest.mark.gpu
+def test_cuda_round_trip_swap_and_timing():
+    c = make_cache(256, device="cuda", spec=make_spec("bf16", 2))
+    tables, lens = [[7, 1, 30], [20, 3]], [11, 8]
+    for seq_id, (table, n) in enumerate(zip(tables, lens)):
+        c.write(paged_slots(table, n), np.full(n, seq_id), np.arange(n))
+    read = c.read_paged([np.asarray(t) for t in tables], lens)
+    assert torch.equal(read.kv[:, :, 1, :8], c.kv_flat[:, :, paged_slots([20, 3], 8)])
+    out = c.decode_attention(read)
+    handle = c.swap_out(paged_slots([7, 1, 30], 11))
+    assert handle.kv.is_pinned()
+    c.swap_in(handle, np.arange(100, 111))
+    torch.cuda.synchronize()
+    assert torch.equal(c.kv_flat[:, :, 100:111], read.kv[:, :, 0, :11])
+    assert torch.isfinite(out.float()).all()
+    assert set(c.timer.step_times()) == {"write", "read", "attention", "swap"}
