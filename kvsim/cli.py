@@ -112,6 +112,24 @@ def bench_allocator(
     )
 
 
+@app.command()
+@user_errors
+def plot(
+    targets: Annotated[Optional[list[str]], typer.Argument(help="Report directories (default: every report under reports/), or `size` to draw --model sizes.", show_default=False)] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="Image format: png, svg or pdf.")] = "png",
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="With `size`: a model to draw (repeat for several).")] = None,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="With `size`: KV cache dtype.")] = "bf16",
+    tp: Annotated[int, typer.Option("--tp", help="With `size`: tensor-parallel ranks; figures are per rank.")] = 1,
+    max_context: Annotated[Optional[int], typer.Option("--max-context", help="With `size`: right edge in tokens (default: each model's max length).")] = None,
+    out: Annotated[str, typer.Option("--out", help="With `size`: directory for the chart.")] = "reports/size",
+) -> None:
+    """Charts of replay and bench reports, written next to them; `kvsim plot size -m A -m B` for bytes per sequence."""
+    from kvsim.plots import plot as draw
+
+    for path in draw(targets, fmt, models=model, kv_dtype=kv_dtype, tp=tp, max_context=max_context, out_dir=out):
+        typer.echo(str(path))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -87,3 +87,17 @@ def plot_size(models: list[str], fmt: str = "png", *, out_dir: str | Path = DEFA
     fig = size.bytes_per_sequence(models, **options)
     stem = "size-" + "-vs-".join(m.replace("/", "_") for m in models)
     return [save(fig, Path(out_dir) / f"{stem}.{fmt}")]
+
+
+def plot(targets: list[str] | None, fmt: str = "png", *, models: list[str] | None = None, note: Note = _stderr,
+         **size_options) -> list[Path]:
+    """What `kvsim plot` does: `size` (or just --model) draws chart 7, anything else names report directories."""
+    targets = list(targets or [])
+    models = list(models or [])
+    if (targets[:1] == ["size"] and not Path("size").is_dir()) or (models and not targets):
+        if targets[1:]:
+            raise KvsimError(f"`kvsim plot size` takes no report directories, got {' '.join(targets[1:])}")
+        return plot_size(models, fmt, **size_options)
+    if models:
+        raise KvsimError("--model draws sizes: use `kvsim plot size --model NAME`", field="--model")
+    return plot_reports(targets, fmt, note=note)
