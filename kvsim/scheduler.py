@@ -277,9 +277,9 @@ class Scheduler:
         mid = (k - 1) // 2
         alloc = self.allocator
         for seq in decodes:
-            seq.num_computed_tokens += mid
-            ok = alloc.append_slots(seq, 1)
+            ok = alloc.append_slots(seq, mid + 1)
             assert ok, seq
+            seq.num_computed_tokens += mid
         out.breakdown = alloc.breakdown(waiting_head)
         for seq in decodes:
             ok = alloc.append_slots(seq, k - mid)

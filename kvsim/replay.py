@@ -1,0 +1,375 @@
+"""The replay: one request stream through every allocator of a workload, on a simulated clock.
+
+For each allocator config: a fresh allocator over the same KV budget, a `Scheduler`, optionally real cache
+tensors (`KVCache`), and a loop that jumps the clock over idle gaps and advances it by each step's time
+(the roofline, or this run's measured kernel times). Records are compact arrays, one row per scheduled row.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.errors import KvsimError
+from kvsim.roofline import Roofline
+from kvsim.scheduler import SchedSeq, Scheduler, SchedulerOutput
+
+# Step-record columns: (name, array typecode). Bytes and counts are integers, times floats.
+STEP_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step", "q"),
+    ("num_steps", "q"),
+    ("time_s", "d"),
+    ("step_time_s", "d"),
+    ("num_running", "q"),
+    ("num_waiting", "q"),
+    ("num_prefill_tokens", "q"),
+    ("num_decode_tokens", "q"),
+    ("token_states_bytes", "q"),
+    ("reservation_bytes", "q"),
+    ("internal_fragmentation_bytes", "q"),
+    ("external_fragmentation_bytes", "q"),
+    ("free_bytes", "q"),
+    ("shared_saved_bytes", "q"),
+    ("num_preemptions", "q"),
+    ("write_us", "d"),
+    ("read_us", "d"),
+    ("attention_us", "d"),
+)
+KERNEL_COLUMNS = ("write_us", "read_us", "attention_us")
+TIMINGS = ("roofline", "measured")
+PROGRESS_EVERY = 512  # rows between progress callbacks
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to run a replay (the CLI's flags). `num_layers` layers are materialised when `tensors` is on."""
+
+    device: str = "auto"
+    tensors: bool = True
+    timing: str = "roofline"
+    num_layers: int = 1
+    integrity: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timing not in TIMINGS:
+            raise KvsimError(f"unknown timing {self.timing!r} (choose roofline or measured)", field="--timing")
+        if self.timing == "measured" and not self.tensors:
+            raise KvsimError("measured timing needs the cache tensors (drop --no-tensors)", field="--timing")
+        if self.integrity and not self.tensors:
+            raise KvsimError("integrity checks need the cache tensors (drop --no-tensors)", field="--integrity")
+        if self.num_layers < 1:
+            raise KvsimError(f"must be >= 1, got {self.num_layers}", field="--layers")
+
+
+@dataclass
+class AllocatorRun:
+    """Everything one allocator config produced: step columns, per-request arrays, prefix-cache counters."""
+
+    config: AllocatorConfig
+    label: str
+    budget_bytes: int
+    steps: dict[str, np.ndarray]  # STEP_COLUMNS, one row per scheduled row
+    admitted_s: np.ndarray  # (num_requests,) float64, NaN when never admitted
+    first_token_s: np.ndarray
+    finished_s: np.ndarray
+    num_preemptions: np.ndarray  # (num_requests,) int64
+    num_cached_tokens: np.ndarray
+    rejected_reason: list[str | None]
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass
+class ReplayResult:
+    """A whole replay: the workload, what it resolved to, and one `AllocatorRun` per allocator config."""
+
+    workload: object  # kvsim.workload.Workload
+    model_name: str
+    hardware_name: str
+    budget_bytes: int
+    device: str
+    options: ReplayOptions
+    arrival_s: np.ndarray  # (num_requests,) float64
+    num_prompt_tokens: np.ndarray  # (num_requests,) int64
+    max_tokens: np.ndarray
+    runs: list[AllocatorRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplayContext:
+    """What every allocator of a replay shares: the model's cache spec factory, budget, time model."""
+
+    model: object  # kvsim.models.ModelSpec
+    kv_dtype: str
+    budget_bytes: int
+    max_model_len: int
+    roofline: Roofline
+    scheduler_config: object  # kvsim.workload.SchedulerConfig
+    seed: int
+
+    def spec(self, block_size: int) -> KVCacheSpec:
+        from kvsim.sizing import kv_cache_spec
+
+        return kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+
+
+ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)
+
+
+def run_replay(workload, options: ReplayOptions = ReplayOptions(), *, progress: ProgressFn | None = None) -> ReplayResult:
+    """Replay `workload`'s request stream through each of its allocator configs; see the module docstring."""
+    from kvsim.catalogue import resolve_model
+    from kvsim.hardware import get_gpu
+    from kvsim.requests import generate_requests
+    from kvsim.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+
+    source = str(workload.path)
+    model = resolve_model(workload.model)
+    gpu = get_gpu(workload.hardware)
+    weights = weight_bytes(model)
+    if workload.kv_budget_bytes is not None:
+        budget = workload.kv_budget_bytes
+    else:
+        budget = kv_budget_bytes(gpu.memory_bytes, utilization=workload.gpu_memory_utilization, weight_bytes=weights)
+    bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
+    roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
+    requests = generate_requests(workload)
+    if not requests:
+        raise KvsimError("the workload has no requests", source=source, field="requests")
+    device = "none"
+    if options.tensors:
+        from kvsim.engine.cache import resolve_device
+
+        device = str(resolve_device(options.device))
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
+    result = ReplayResult(
+        workload=workload,
+        model_name=model.name,
+        hardware_name=gpu.name,
+        budget_bytes=budget,
+        device=device,
+        options=options,
+        arrival_s=np.array([r.arrival_time for r in requests], dtype=np.float64),
+        num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
+        max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
+    )
+    for config in workload.allocators:
+        result.runs.append(replay_allocator(config, requests, ctx, options, progress=progress))
+    return result
+
+
+def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None) -> AllocatorRun:
+    """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it."""
+    from kvsim.requests import make_token_ids
+
+    spec = ctx.spec(config.block_size)
+    allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
+    cache = None
+    if options.tensors:
+        from kvsim.engine.cache import KVCache
+
+        cache = KVCache(
+            spec,
+            allocator.num_slots,
+            device=options.device,
+            num_layers=options.num_layers,
+            integrity=options.integrity,
+            num_q_heads=ctx.model.num_attention_heads,
+            seed=ctx.seed,
+        )
+    runner = ModelRunner(cache, allocator) if cache is not None else None
+    needs_ids = config.prefix_caching or options.integrity
+
+    def token_ids(seq: SchedSeq) -> np.ndarray:
+        ids = make_token_ids(requests[seq.index], ctx.seed)  # (num_final_tokens,)
+        if cache is not None:
+            cache.register(seq.seq_id, ids)
+        return ids
+
+    sc = ctx.scheduler_config
+    sched = Scheduler(
+        allocator,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_model_len=ctx.max_model_len,
+        preemption=sc.preemption,
+        swap_space_bytes=sc.swap_space_bytes,
+        cache=cache,
+        roofline=ctx.roofline,
+        allow_runs=options.timing == "roofline",
+        make_token_ids=token_ids if needs_ids else None,
+    )
+    n = len(requests)
+    admitted = np.full(n, np.nan)
+    first_token = np.full(n, np.nan)
+    finished_s = np.full(n, np.nan)
+    preemptions = np.zeros(n, dtype=np.int64)
+    cached_tokens = np.zeros(n, dtype=np.int64)
+    rejected: list[str | None] = [None] * n
+    cols = {name: array(code) for name, code in STEP_COLUMNS}
+    rows = [cols[name] for name, _ in STEP_COLUMNS]  # same order as STEP_COLUMNS, for one append per column
+    timer_steps = array("q")
+    roofline = ctx.roofline
+    measured = options.timing == "measured"
+    scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
+    arrivals = [r.arrival_time for r in requests]
+    now, step, i, done, pending_preemptions = 0.0, 0, 0, 0, 0
+    nan = math.nan
+    while True:
+        while i < n and arrivals[i] <= now:
+            r = requests[i]
+            seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
+            reason = sched.add_request(seq)
+            if reason is not None:
+                rejected[i] = reason
+                done += 1
+            i += 1
+        if not sched.has_work:
+            if i >= n:
+                break
+            now = arrivals[i]  # the clock jumps over the idle gap
+            continue
+        if cache is not None:
+            cache.timer.new_step()
+        out, rejects = sched.schedule(arrivals[i] - now if i < n else math.inf)
+        for seq, reason in rejects:
+            rejected[seq.index] = reason
+            done += 1
+        for seq in out.admitted:
+            if admitted[seq.index] != admitted[seq.index]:  # NaN: first admission
+                admitted[seq.index] = now
+        pending_preemptions += len(out.preempted)
+        if not out.prefills and not out.decodes:
+            continue  # only preemptions happened: the next schedule admits again, nothing was computed
+        if runner is not None:
+            runner.execute(out)
+        if out.run_time_s is not None:
+            dt = out.run_time_s
+        else:
+            dt = _step_time(roofline, out)
+        kernels = (nan, nan, nan)
+        if cache is not None:
+            if measured:
+                times = cache.timer.step_times()
+                dt = sum(times.values()) * 1e-6 * scale
+                kernels = (times.get("write", nan), times.get("read", nan), times.get("attention", nan))
+            else:
+                timer_steps.append(cache.timer.num_steps - 1)
+        b = out.breakdown
+        values = (
+            step,
+            out.num_steps,
+            now,
+            dt,
+            len(sched.running),
+            len(sched.waiting) + len(sched.swapped),
+            out.num_prefill_tokens,
+            out.num_decode_tokens,
+            b.token_states_bytes,
+            b.reservation_bytes,
+            b.internal_fragmentation_bytes,
+            b.external_fragmentation_bytes,
+            b.free_bytes,
+            b.shared_saved_bytes,
+            pending_preemptions,
+            *kernels,
+        )
+        for col, value in zip(rows, values):
+            col.append(value)
+        pending_preemptions = 0
+        step += out.num_steps
+        for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
+            if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
+                first_token[seq.index] = now + dt
+        for seq in sched.postprocess(out):
+            finished_s[seq.index] = now + dt
+            preemptions[seq.index] = seq.num_preemptions
+            cached_tokens[seq.index] = seq.num_cached_tokens
+            done += 1
+            if cache is not None:
+                cache.forget(seq.seq_id)
+        now += dt
+        if progress is not None and len(rows[0]) % PROGRESS_EVERY == 0:
+            progress(config.label, done, n)
+    if progress is not None:
+        progress(config.label, done, n)
+
+    steps = {name: np.frombuffer(cols[name], dtype=np.int64 if code == "q" else np.float64).copy() for name, code in STEP_COLUMNS}
+    if cache is not None and not measured and len(timer_steps):
+        all_times = cache.timer.all_steps()
+        for name in KERNEL_COLUMNS:
+            kind = name[: -len("_us")]
+            steps[name] = np.array([all_times[t].get(kind, nan) for t in timer_steps], dtype=np.float64)
+    return AllocatorRun(
+        config=config,
+        label=config.label,
+        budget_bytes=ctx.budget_bytes,
+        steps=steps,
+        admitted_s=admitted,
+        first_token_s=first_token,
+        finished_s=finished_s,
+        num_preemptions=preemptions,
+        num_cached_tokens=cached_tokens,
+        rejected_reason=rejected,
+        prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
+        prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
+    )
+
+
+def _step_time(roofline: Roofline, out: SchedulerOutput) -> float:
+    """Roofline seconds of one step: its tokens, the context they attend to, and the KV it reads."""
+    attended = 0
+    read = 0
+    for _, start, num in out.prefills:  # a causal chunk: its token j attends to start + j + 1 positions
+        attended += num * start + num * (num + 1) // 2
+        read += start + num
+    ctx = sum(seq.num_computed_tokens for seq in out.decodes) + len(out.decodes)  # each decode token's context
+    attended += ctx
+    read += ctx
+    tokens = out.num_prefill_tokens + len(out.decodes)
+    return roofline.step_time(tokens, attended, read, out.swap_bytes)
+
+
+class ModelRunner:
+    """Moves the real K/V of each scheduled row through the cache tensors (nano-vllm's model runner, minus
+    the model): one scatter of every new token, one read of every decoding request, decode attention."""
+
+    def __init__(self, cache, allocator):
+        self.cache = cache
+        self.allocator = allocator
+        self.paged = hasattr(allocator, "block_table")
+        self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
+
+    def execute(self, out: SchedulerOutput) -> None:
+        cache, alloc = self.cache, self.allocator
+        if self.pop_cow is not None:
+            pairs = self.pop_cow()
+            if pairs:
+                cache.copy_blocks(pairs)
+        k = out.num_steps
+        chunks = [(seq, start, num) for seq, start, num in out.prefills]
+        chunks += [(seq, seq.num_computed_tokens, k) for seq in out.decodes]
+        if not chunks:
+            return
+        slots = np.concatenate([alloc.slot_mapping(seq, s, s + m) for seq, s, m in chunks])  # (N,)
+        seq_ids = np.concatenate([np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in chunks])  # (N,)
+        positions = np.concatenate([np.arange(s, s + m, dtype=np.int64) for _, s, m in chunks])  # (N,)
+        cache.write(slots, seq_ids, positions)
+        if not out.decodes:
+            return
+        lens = [seq.num_computed_tokens + k for seq in out.decodes]
+        ids = [seq.seq_id for seq in out.decodes]
+        if self.paged:
+            tables = [alloc.block_table(seq) for seq in out.decodes]
+            complete = all(b is not None for table in tables for b in table)  # sliding lanes free old blocks
+            tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in tables]
+            read = cache.read_paged(tables, lens, ids if complete else None)
+        else:
+            read = cache.read_flat([alloc.slab(seq)[0] for seq in out.decodes], lens, ids)
+        cache.decode_attention(read)
