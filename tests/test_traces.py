@@ -1,0 +1,119 @@
+"""Trace files: the three forms parse to the same requests, bad rows name file, line and column."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import SHARED
+from kvsim.errors import KvsimError
+from kvsim.traces import read_trace
+
+AZURE_CONV = SHARED / "traces" / "azure-conv-2023.csv"
+
+# The same four requests in each form; the file order is not the arrival order (a 1.5 s request comes last).
+VIDUR = "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,374,44\n0.25,396,109\n4.5,879,55\n1.5,91,16\n"
+AZURE = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    "2023-11-16 18:15:46.0000000,374,44\n"
+    "2023-11-16 18:15:46.2500000,396,109\n"
+    "2023-11-16 18:15:50.5000000,879,55\n"
+    "2023-11-16 18:15:47.5000000,91,16\n"
+)
+JSONL = "".join(
+    json.dumps({"arrival_time": t, "prompt_tokens": p, "output_tokens": o}) + "\n"
+    for t, p, o in [(0.0, 374, 44), (0.25, 396, 109), (4.5, 879, 55), (1.5, 91, 16)]
+)
+
+
+@pytest.mark.parametrize("form, text", [("vidur", VIDUR), ("azure", AZURE), ("jsonl", JSONL)])
+def test_each_form_parses_sorted_by_arrival(tmp_path, form, text):
+    path = tmp_path / "trace.txt"  # the form comes from the content, not the file name
+    path.write_text(text)
+    trace = read_trace(path)
+    assert trace.form == form and len(trace) == 4
+    assert np.allclose(trace.arrival_time, [0.0, 0.25, 1.5, 4.5])
+    assert trace.num_prompt_tokens.tolist() == [374, 396, 91, 879]
+    assert trace.num_output_tokens.tolist() == [44, 109, 16, 55]
+    assert trace.num_prompt_tokens.dtype == np.int64 and trace.arrival_time.dtype == np.float64
+
+
+def test_time_scale_and_limit(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(VIDUR)
+    trace = read_trace(path, time_scale=2.0, limit=3)
+    assert np.allclose(trace.arrival_time, [0.0, 0.5, 3.0])  # the first 3 by arrival, times doubled
+    assert trace.num_prompt_tokens.tolist() == [374, 396, 91]
+
+
+def test_extra_columns_crlf_bom_and_blank_lines(tmp_path):
+    path = tmp_path / "t.csv"
+    text = "\ufeffid,arrived_at,num_decode_tokens,num_prefill_tokens\r\n7,1.0,5,10\r\n\r\n8,2.0,6,11.0\r\n"
+    path.write_text(text, newline="")
+    trace = read_trace(path)
+    assert trace.num_prompt_tokens.tolist() == [10, 11] and trace.num_output_tokens.tolist() == [5, 6]
+
+
+def test_azure_timezones_and_fractions(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:15:46+00:00,1,1\n2023-11-16T19:15:46.5+01:00,2,2\n")
+    assert np.allclose(read_trace(path).arrival_time, [0.0, 0.5])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (VIDUR + "5.0,abc,3\n", "line 6, column num_prefill_tokens: expected a whole number >= 1, got 'abc'"),
+        (VIDUR + "5.0,0,3\n", "line 6, column num_prefill_tokens: expected a whole number >= 1, got '0'"),
+        (VIDUR + "5.0,10,-1\n", "line 6, column num_decode_tokens: expected a whole number >= 0, got '-1'"),
+        (VIDUR + "-1,10,1\n", "line 6, column arrived_at: expected seconds >= 0, got '-1'"),
+        (VIDUR + "nan,10,1\n", "line 6, column arrived_at: expected seconds >= 0"),
+        (VIDUR + "5.0,10\n", "line 6: expected 3 columns, got 2"),
+        (AZURE.replace("18:15:50", "yesterday"), "line 4, column TIMESTAMP: expected a date-time"),
+        (JSONL + '{"arrival_time": 1, "prompt_tokens": 5}\n', "line 5: missing key 'output_tokens'"),
+        (JSONL + '{"arrival_time": 1, "prompt_tokens": 2.5, "output_tokens": 1}\n', "line 5, column prompt_tokens: expected a whole number"),
+        (JSONL + '{"arrival_time": 1,\n', "line 5: not valid JSON"),
+        (JSONL + "[1, 2, 3]\n", "line 5: expected a JSON object"),
+        ("time,prompt,output\n1,2,3\n", "line 1: unrecognised trace header 'time,prompt,output'"),
+        ("arrived_at,num_prefill_tokens,num_decode_tokens\n", "trace has no requests"),
+    ],
+)
+def test_bad_rows_name_file_line_and_column(tmp_path, text, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(KvsimError) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(KvsimError, match="cannot read trace"):
+        read_trace(tmp_path / "none.csv")
+
+
+@pytest.mark.skipif(not AZURE_CONV.is_file(), reason="needs ../shared/traces/azure-conv-2023.csv")
+def test_azure_conversation_trace():
+    trace = read_trace(AZURE_CONV)
+    assert trace.form == "vidur" and len(trace) == 19_366
+    assert abs(trace.num_prompt_tokens.mean() - 1155) < 1 and abs(trace.num_output_tokens.mean() - 211) < 1
+    assert trace.num_prompt_tokens.max() == 14_050 and trace.num_output_tokens.max() == 1_000
+    assert trace.arrival_time[0] == 0.0 and 3500 < trace.arrival_time[-1] < 3600  # one hour
+    assert np.all(np.diff(trace.arrival_time) >= 0)
+
+
+@pytest.mark.skipif(not AZURE_CONV.is_file(), reason="needs ../shared/traces/azure-conv-2023.csv")
+def test_azure_form_of_the_same_trace_matches(tmp_path):
+    """Rewrite the first 500 rows in Azure's own form (date-times); both forms give the same requests."""
+    vidur = read_trace(AZURE_CONV, limit=500)
+    start = np.datetime64("2023-11-16T18:15:46.6805900", "ns")
+    stamps = start + (vidur.arrival_time * 1e9).astype("timedelta64[ns]")
+    rows = [f"{str(s).replace('T', ' ')[:27]},{p},{o}" for s, p, o in zip(stamps, vidur.num_prompt_tokens, vidur.num_output_tokens)]
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    azure = read_trace(path)
+    assert azure.form == "azure"
+    assert np.allclose(azure.arrival_time, vidur.arrival_time, atol=2e-6)  # microsecond-truncated date-times
+    assert np.array_equal(azure.num_prompt_tokens, vidur.num_prompt_tokens)
+    assert np.array_equal(azure.num_output_tokens, vidur.num_output_tokens)

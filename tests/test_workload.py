@@ -1,0 +1,231 @@
+"""Workload YAML: the shipped files load, every field is validated and every error names file and field."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from kvsim.engine.factory import AllocatorConfig
+from kvsim.errors import KvsimError
+from kvsim.workload import SchedulerConfig, SyntheticRequests, TraceRequests, load_workload
+
+WORKLOADS = sorted((REPO / "workloads").glob("*.yaml"))
+
+BASE = {
+    "name": "t",
+    "seed": 0,
+    "model": "qwen3-0.6b",
+    "kv_dtype": "bf16",
+    "hardware": "h100-80gb",
+    "kv_budget": "4GiB",
+    "max_model_len": 4096,
+    "requests": {
+        "count": 10,
+        "arrival": {"process": "poisson", "rate": 10.0},
+        "prompt_tokens": {"dist": "lognormal", "mean": 512, "sigma": 0.8, "min": 8, "max": 3072},
+        "output_tokens": {"dist": "uniform", "min": 16, "max": 1024},
+    },
+    "allocators": [{"kind": "flat", "reserve": "max"}, {"kind": "paged", "block_size": 16}],
+}
+
+
+def write(tmp_path: Path, data: dict | str, name: str = "w.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def with_change(path: str, value) -> dict:
+    """BASE with the field at dotted `path` set to `value` (or removed when value is ...)."""
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+def test_every_workload_is_shipped():
+    names = {p.stem for p in WORKLOADS}
+    expected = {"poisson", "sharegpt-like", "alpaca-like", "shared-prefix", "bursty", "long-context",
+                "sliding-window", "block-sizes", "trace"}
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.stem)
+def test_shipped_workload_loads(path, tmp_path):
+    trace = None
+    if path.stem == "trace":
+        trace = tmp_path / "t.csv"
+        trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n")
+    w = load_workload(path, trace=str(trace) if trace else None)
+    assert w.name == path.stem and w.path == path and len(w.sha256) == 64
+    assert w.allocators and (w.kv_budget_bytes is None) != (w.gpu_memory_utilization is None)
+
+
+def test_the_issue_example_loads_as_written():
+    w = load_workload(REPO / "workloads" / "poisson.yaml")
+    assert (w.name, w.seed, w.model, w.kv_dtype, w.hardware) == ("poisson", 0, "qwen3-0.6b", "bf16", "h100-80gb")
+    assert w.kv_budget_bytes == 4 * 2**30 and w.gpu_memory_utilization is None and w.max_model_len == 4096
+    r = w.requests
+    assert isinstance(r, SyntheticRequests) and r.count == 2000 and r.duration_s is None
+    assert (r.arrival.process, r.arrival.rate) == ("poisson", 10.0)
+    assert (r.prompt_tokens.dist, r.prompt_tokens.mean, r.prompt_tokens.sigma) == ("lognormal", 512, 0.8)
+    assert (r.prompt_tokens.min, r.prompt_tokens.max) == (8, 3072)
+    assert (r.output_tokens.dist, r.output_tokens.min, r.output_tokens.max) == ("uniform", 16, 1024)
+    assert (r.shared_prefix.groups, r.shared_prefix.tokens, r.shared_prefix.fraction) == (4, 256, 0.5)
+    assert [a.label for a in w.allocators] == ["flat-max", "flat-pow2", "flat-oracle", "paged-16", "paged-16+prefix"]
+    assert w.scheduler == SchedulerConfig(256, 8192, "recompute", 0.01)
+
+
+def test_allocator_watermark_comes_from_the_scheduler_unless_set(tmp_path):
+    data = with_change("scheduler", {"watermark": 0.05, "swap_space": "1GiB", "preemption": "swap"})
+    data["allocators"] = [{"kind": "paged", "block_size": 8}, {"kind": "paged", "block_size": 32, "watermark": 0.0},
+                          {"kind": "flat", "reserve": "oracle", "placement": "buddy"}]
+    w = load_workload(write(tmp_path, data))
+    assert w.allocators == (
+        AllocatorConfig("paged", block_size=8, watermark=0.05),
+        AllocatorConfig("paged", block_size=32, watermark=0.0),
+        AllocatorConfig("flat", reserve="oracle", placement="buddy"),
+    )
+    assert w.scheduler.swap_space_bytes == 2**30 and w.scheduler.preemption == "swap"
+    assert w.scheduler.max_num_seqs == 256  # defaults fill what is not given
+
+
+def test_overrides_seed_limit_and_defaults(tmp_path):
+    data = with_change("seed", ...)
+    del data["name"]
+    w = load_workload(write(tmp_path, data, "my-job.yaml"), seed=7, limit=3)
+    assert w.name == "my-job" and w.seed == 7 and w.requests.limit == 3
+    assert load_workload(write(tmp_path, data, "my-job.yaml")).seed == 0
+
+
+def test_gpu_memory_utilization_instead_of_budget(tmp_path):
+    data = with_change("kv_budget", ...)
+    data["gpu_memory_utilization"] = 0.9
+    w = load_workload(write(tmp_path, data))
+    assert w.kv_budget_bytes is None and w.gpu_memory_utilization == 0.9
+
+
+def test_model_config_path_is_relative_to_the_yaml(tmp_path):
+    (tmp_path / "sub").mkdir()
+    w = load_workload(write(tmp_path / "sub", with_change("model", "../configs/config.json")))
+    assert w.model == str((tmp_path / "configs" / "config.json").resolve())
+
+
+def test_trace_forms(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n")
+    short = with_change("requests", {"trace": "t.csv", "time_scale": 0.5, "limit": 9})
+    assert load_workload(write(tmp_path, short)).requests == TraceRequests(trace, 0.5, 9)
+    nested = with_change("requests", {"trace": {"path": "t.csv", "time_scale": 2}})
+    assert load_workload(write(tmp_path, nested)).requests == TraceRequests(trace, 2.0, None)
+    # --trace replaces a synthetic request stream, and fills a null path
+    assert load_workload(write(tmp_path, BASE), trace=str(trace)).requests == TraceRequests(trace)
+    null = with_change("requests", {"trace": {"path": None, "time_scale": 3.0}})
+    assert load_workload(write(tmp_path, null), trace=str(trace), limit=4).requests == TraceRequests(trace, 3.0, 4)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("requests.arrival.rate", 0, "requests.arrival.rate: must be > 0"),
+        ("requests.arrival.rate", "fast", "requests.arrival.rate: must be a number"),
+        ("requests.arrival.process", "weibull", "requests.arrival.process: must be one of poisson"),
+        ("requests.arrival.cv", 2.0, "requests.arrival: unknown field(s) cv"),
+        ("requests.prompt_tokens.dist", "pareto", "requests.prompt_tokens.dist: must be one of constant"),
+        ("requests.prompt_tokens.sigma", ..., "requests.prompt_tokens.sigma: is required"),
+        ("requests.prompt_tokens.min", 0, "requests.prompt_tokens.min: must be >= 1"),
+        ("requests.output_tokens.max", 8, "requests.output_tokens.max: must be >= 16"),
+        ("requests.output_tokens.max", ..., "requests.output_tokens.max: is required"),
+        ("requests.count", 2.5, "requests.count: must be a whole number"),
+        ("requests.count", ..., "requests.count: give exactly one of count"),
+        ("requests.shared_prefix", {"groups": 2, "tokens": 4096, "fraction": 0.5}, "requests.shared_prefix.tokens: must be < max_model_len"),
+        ("requests.shared_prefix", {"groups": 2, "tokens": 8, "fraction": 1.5}, "requests.shared_prefix.fraction: must be <= 1"),
+        ("requests.prompt_tokn", {}, "requests: unknown field(s) prompt_tokn"),
+        ("kv_dtype", "fp64", "kv_dtype: unknown dtype 'fp64'"),
+        ("kv_budget", "lots", "kv_budget: expected a byte size"),
+        ("gpu_memory_utilization", 0.9, "kv_budget: give exactly one of kv_budget"),
+        ("max_model_len", -1, "max_model_len: must be >= 1"),
+        ("model", "", "model: must be a non-empty string"),
+        ("hardware", ..., "hardware: is required"),
+        ("name", "a/b", "name: must be a plain folder name"),
+        ("seed", True, "seed: must be a whole number"),
+        ("scheduler", {"preemption": "drop"}, "scheduler.preemption: must be one of recompute, swap"),
+        ("scheduler", {"watermark": 1.0}, "scheduler.watermark: must be < 1"),
+        ("scheduler", {"max_num_seqs": 0}, "scheduler.max_num_seqs: must be >= 1"),
+        ("scheduler", {"max_num_seq": 8}, "scheduler: unknown field(s) max_num_seq"),
+        ("allocators", [], "allocators: must be a non-empty list"),
+        ("allocators", [{"kind": "buddy"}], "allocators[0].kind: must be one of flat, paged"),
+        ("allocators", [{"kind": "paged", "block_size": 0}], "allocators[0].block_size: must be >= 1"),
+        ("allocators", [{"kind": "flat", "prefix_caching": True}], "allocators[0]: unknown field(s) prefix_caching"),
+        ("allocators", [{"kind": "paged", "reserve": "max"}], "allocators[0]: unknown field(s) reserve"),
+        ("allocators", [{"kind": "paged", "prefix_caching": "yes"}], "allocators[0].prefix_caching: must be true or false"),
+        ("allocators", [{"kind": "paged"}, {"kind": "paged", "block_size": 16}], "allocators[1]: duplicates an earlier allocator (paged-16)"),
+        ("requests", {"trace": {"path": None}}, "requests.trace.path: no trace file here: give one with --trace FILE"),
+        ("requests", {"trace": "missing.csv"}, "requests.trace: trace file not found"),
+        ("requests", {"trace": "missing.csv", "time_scale": 0}, "requests.time_scale: must be > 0"),
+        ("typo_field", 1, "unknown field(s) typo_field"),
+    ],
+)
+def test_each_error_names_file_and_field(tmp_path, field, value, message):
+    path = write(tmp_path, with_change(field, value))
+    with pytest.raises(KvsimError) as err:
+        load_workload(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_empirical_lengths_inline_and_from_file(tmp_path):
+    (tmp_path / "lengths.txt").write_text("# prompt lengths\n100\n200, 3\n\n")
+    data = with_change("requests.prompt_tokens", {"dist": "empirical", "file": "lengths.txt"})
+    assert load_workload(write(tmp_path, data)).requests.prompt_tokens.values == (100, 200)
+    assert load_workload(write(tmp_path, data)).requests.prompt_tokens.weights == (1.0, 3.0)
+    bad = with_change("requests.prompt_tokens", {"dist": "empirical", "values": [1, 2], "weights": [1]})
+    with pytest.raises(KvsimError, match="requests.prompt_tokens.weights: has 1 entries but values has 2"):
+        load_workload(write(tmp_path, bad))
+    (tmp_path / "bad.txt").write_text("100\nabc\n")
+    data = with_change("requests.prompt_tokens", {"dist": "empirical", "file": "bad.txt"})
+    with pytest.raises(KvsimError, match=r"bad.txt: line 2: expected 'length'"):
+        load_workload(write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("name: [unclosed\n", "not valid YAML: "),
+        ("name: a\n  seed: 1\n", "not valid YAML: "),
+        ("- just\n- a list\n", "expected a mapping of fields"),
+    ],
+)
+def test_malformed_yaml_is_one_clear_line(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(KvsimError) as err:
+        load_workload(path)
+    assert str(err.value).startswith(f"{path}: {message}") and "\n" not in str(err.value)
+
+
+def test_numbers_written_the_yaml_1_1_way_are_accepted(tmp_path):
+    # PyYAML reads 1e-2 and 2e3 as strings; they are still numbers to a user.
+    text = textwrap.dedent(yaml.safe_dump(with_change("scheduler", {"watermark": "1e-2"})))
+    w = load_workload(write(tmp_path, text.replace("count: 10", "count: 2e3")))
+    assert w.scheduler.watermark == 0.01 and w.requests.count == 2000
+
+
+def test_missing_file_and_bad_overrides(tmp_path):
+    with pytest.raises(KvsimError, match="nope.yaml: cannot read workload"):
+        load_workload(tmp_path / "nope.yaml")
+    path = write(tmp_path, BASE)
+    with pytest.raises(KvsimError, match="--limit: must be a whole number >= 1"):
+        load_workload(path, limit=0)
+    with pytest.raises(KvsimError, match="--trace: trace file not found"):
+        load_workload(path, trace=str(tmp_path / "none.csv"))
