@@ -1,0 +1,307 @@
+"""Hugging Face config.json -> ModelSpec: every attention kind and hybrid, through files written here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsim.errors import KvsimError
+from kvsim.hf_config import load_hf_config
+from kvsim.models import LayerKind
+from kvsim.sizing import kv_cache_spec
+
+LLAMA_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """write_config({...}) -> path of a config.json holding it."""
+
+    def write(data, name="config.json"):
+        path = tmp_path / name
+        path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+        return path
+
+    return write
+
+
+def bytes_per_token(model, **kwargs) -> int:
+    return kv_cache_spec(model, **kwargs).bytes_per_token
+
+
+def test_derived_head_dim(write_config):
+    model = load_hf_config(write_config(LLAMA_8B))
+    assert model.head_dim == 4096 // 32 == 128
+    assert bytes_per_token(model) == 2 * 32 * 8 * 128 * 2 == 131072
+    assert model.max_model_len == 131072 and model.weight_dtype == "bf16"
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads(write_config):
+    # Qwen3-0.6B: hidden/heads = 64, but head_dim is 128
+    cfg = {**LLAMA_8B, "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
+    model = load_hf_config(write_config(cfg))
+    assert model.head_dim == 128
+    assert bytes_per_token(model) == 114688
+
+
+def test_missing_num_key_value_heads_means_mha(write_config):
+    cfg = {k: v for k, v in LLAMA_8B.items() if k != "num_key_value_heads"}
+    model = load_hf_config(write_config(cfg))
+    assert model.num_kv_heads == 32
+    assert bytes_per_token(model) == 2 * 32 * 32 * 128 * 2
+
+
+def test_null_num_key_value_heads_means_mha(write_config):
+    model = load_hf_config(write_config({**LLAMA_8B, "num_key_value_heads": None}))
+    assert model.num_kv_heads == 32
+
+
+def test_falcon_multi_query_uses_one_kv_head_whatever_the_head_counts_say(write_config):
+    # The trap: num_kv_heads says 71, but multi_query without new_decoder_architecture means ONE KV head.
+    cfg = {
+        "model_type": "falcon",
+        "num_hidden_layers": 32,
+        "hidden_size": 4544,
+        "num_attention_heads": 71,
+        "num_kv_heads": 71,
+        "multi_query": True,
+        "new_decoder_architecture": False,
+        "max_position_embeddings": 2048,
+    }
+    model = load_hf_config(write_config(cfg))
+    assert model.num_kv_heads == 1 and model.head_dim == 64
+    assert bytes_per_token(model) == 2 * 32 * 1 * 64 * 2 == 8192
+
+
+def test_falcon_new_decoder_architecture_uses_num_kv_heads(write_config):
+    cfg = {
+        "model_type": "falcon",
+        "num_hidden_layers": 60,
+        "hidden_size": 8192,
+        "num_attention_heads": 128,
+        "num_kv_heads": 8,
+        "multi_query": True,
+        "new_decoder_architecture": True,
+        "max_position_embeddings": 2048,
+    }
+    model = load_hf_config(write_config(cfg))
+    assert model.num_kv_heads == 8
+    assert bytes_per_token(model) == 2 * 60 * 8 * 64 * 2
+
+
+def test_mla_stores_one_latent_per_token_per_layer(write_config):
+    cfg = {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+    }
+    model = load_hf_config(write_config(cfg))
+    assert {layer.kind for layer in model.layers} == {LayerKind.MLA}
+    assert bytes_per_token(model) == 61 * (512 + 64) * 2 == 70272
+    assert bytes_per_token(model, tp=8) == 70272  # replicated on every rank
+
+
+def test_mla_without_rope_dim_names_the_field(write_config):
+    cfg = {**LLAMA_8B, "kv_lora_rank": 512}
+    with pytest.raises(KvsimError, match="qk_rope_head_dim"):
+        load_hf_config(write_config(cfg))
+
+
+def test_model_wide_sliding_window_applies_to_every_layer(write_config):
+    model = load_hf_config(write_config({**LLAMA_8B, "max_position_embeddings": 32768, "sliding_window": 4096}))
+    assert model.layer_counts == {"sliding(4096)": 32}
+    spec = kv_cache_spec(model)
+    assert spec.full_bytes_per_token == 0 and spec.bytes_per_token == 131072
+
+
+def test_sliding_window_ignored_when_use_sliding_window_is_false(write_config):
+    # Qwen2/Qwen3 configs carry a sliding_window value but switch it off
+    model = load_hf_config(write_config({**LLAMA_8B, "sliding_window": 4096, "use_sliding_window": False}))
+    assert model.layer_counts == {"full": 32}
+
+
+def test_layer_types_list(write_config):
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+    cfg = {**LLAMA_8B, "num_hidden_layers": 4, "sliding_window": 512, "layer_types": types}
+    model = load_hf_config(write_config(cfg))
+    assert [layer.kind for layer in model.layers] == [LayerKind.SLIDING, LayerKind.FULL, LayerKind.FULL, LayerKind.SLIDING]
+    assert model.layers[0].window == 512
+
+
+def test_layer_types_of_wrong_length_is_an_error(write_config):
+    cfg = {**LLAMA_8B, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 3}
+    with pytest.raises(KvsimError, match="layer_types") as err:
+        load_hf_config(write_config(cfg))
+    assert "config.json" in str(err.value)
+
+
+def test_unknown_layer_type_is_an_error(write_config):
+    cfg = {**LLAMA_8B, "num_hidden_layers": 2, "layer_types": ["full_attention", "banana"]}
+    with pytest.raises(KvsimError, match="banana"):
+        load_hf_config(write_config(cfg))
+
+
+def test_sliding_window_pattern(write_config):
+    # gemma-3-27b: (i+1) % 6 != 0 -> sliding: 52 sliding, 10 full
+    cfg = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 62,
+        "hidden_size": 5376,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+    }
+    model = load_hf_config(write_config(cfg))
+    assert model.layer_counts == {"sliding(1024)": 52, "full": 10}
+    assert model.layers[5].kind == LayerKind.FULL and model.layers[4].kind == LayerKind.SLIDING
+    spec = kv_cache_spec(model)
+    assert spec.full_bytes_per_token == 81920
+    assert spec.bytes_per_token - spec.full_bytes_per_token == 425984
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_family_alternation_starts_with_a_sliding_layer(write_config, model_type):
+    cfg = {**LLAMA_8B, "model_type": model_type, "num_hidden_layers": 6, "sliding_window": 128}
+    model = load_hf_config(write_config(cfg))
+    kinds = [layer.kind for layer in model.layers]
+    assert kinds == [LayerKind.SLIDING, LayerKind.FULL] * 3
+
+
+def test_gemma3_family_default_pattern_is_six(write_config):
+    cfg = {**LLAMA_8B, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 1024}
+    model = load_hf_config(write_config(cfg))
+    assert model.layer_counts == {"sliding(1024)": 10, "full": 2}
+
+
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "max_position_embeddings": 262144,
+    "torch_dtype": "bfloat16",
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+
+
+def test_qwen3_next_gated_delta_net_state(write_config):
+    model = load_hf_config(write_config(QWEN3_NEXT))
+    assert model.layer_counts == {"linear-state": 36, "full": 12}
+    assert [i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.FULL] == list(range(3, 48, 4))
+    # per layer: conv (4-1) x (128*16*2 + 128*32) = 24,576 + recurrent 32*128*128 = 524,288 elements
+    assert model.layers[0].state_elements == 24576 + 524288
+    spec = kv_cache_spec(model)
+    assert spec.bytes_per_token == 12 * 2 * 2 * 256 * 2 == 24576
+    assert spec.state_bytes_per_sequence == 36 * 1097728 == 39518208
+
+
+def test_qwen3_next_missing_linear_dim_names_field_and_file(write_config):
+    cfg = {k: v for k, v in QWEN3_NEXT.items() if k != "linear_value_head_dim"}
+    path = write_config(cfg)
+    with pytest.raises(KvsimError) as err:
+        load_hf_config(path)
+    assert "linear_value_head_dim" in str(err.value) and str(path) in str(err.value)
+
+
+def test_jamba_attention_period_and_mamba_state(write_config):
+    cfg = {
+        "model_type": "jamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 262144,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    }
+    model = load_hf_config(write_config(cfg))
+    assert [i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.FULL] == [4, 12, 20, 28]
+    intermediate = 2 * 4096
+    assert model.layers[0].state_elements == intermediate * (4 - 1) + intermediate * 16 == 155648
+    spec = kv_cache_spec(model)
+    assert spec.bytes_per_token == 4 * 2 * 8 * 128 * 2
+    assert spec.state_bytes_per_sequence == 28 * 155648 * 2
+    assert kv_cache_spec(model, tp=2).state_bytes_per_sequence == 28 * 155648  # channels split across ranks
+
+
+def test_text_config_nesting(write_config):
+    cfg = {"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": {**LLAMA_8B, "num_hidden_layers": 4}}
+    model = load_hf_config(write_config(cfg))
+    assert model.num_layers == 4 and bytes_per_token(model) == 2 * 4 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"])
+def test_missing_needed_field_names_field_and_file(write_config, field):
+    path = write_config({k: v for k, v in LLAMA_8B.items() if k != field})
+    with pytest.raises(KvsimError) as err:
+        load_hf_config(path)
+    assert field in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_sliding_window_for_sliding_layers(write_config):
+    cfg = {**LLAMA_8B, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(KvsimError, match="sliding_window"):
+        load_hf_config(write_config(cfg))
+
+
+def test_underivable_head_dim(write_config):
+    with pytest.raises(KvsimError, match="head_dim"):
+        load_hf_config(write_config({**LLAMA_8B, "num_attention_heads": 30}))
+
+
+def test_non_integer_field(write_config):
+    with pytest.raises(KvsimError, match="num_hidden_layers"):
+        load_hf_config(write_config({**LLAMA_8B, "num_hidden_layers": "32"}))
+
+
+def test_invalid_json(write_config):
+    path = write_config('{"num_hidden_layers": 32,')
+    with pytest.raises(KvsimError, match="invalid JSON") as err:
+        load_hf_config(path)
+    assert str(path) in str(err.value)
+
+
+def test_json_that_is_not_an_object(write_config):
+    with pytest.raises(KvsimError, match="JSON object"):
+        load_hf_config(write_config("[1, 2]"))
+
+
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "missing" / "config.json"
+    with pytest.raises(KvsimError, match="cannot read") as err:
+        load_hf_config(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("dtype, expected", [("float16", "fp16"), ("float32", "fp32"), ("bfloat16", "bf16")])
+def test_torch_dtype_becomes_weight_dtype(write_config, dtype, expected):
+    assert load_hf_config(write_config({**LLAMA_8B, "torch_dtype": dtype})).weight_dtype == expected
