@@ -1,0 +1,209 @@
+"""Integrity mode end to end with the real allocators: every read holds what the reading request's tokens
+wrote, across preemption (recompute), swap into other slots, shared prefix blocks and forks (copy on write);
+and the check is live: it names the first token that is wrong."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.engine.cache import KVCache
+from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.sequence import Sequence
+
+BS = 4
+SPEC = KVCacheSpec.uniform(num_layers=3, num_kv_heads=2, head_dim=8, block_size=BS, dtype="bf16", dtype_bytes=2)
+
+
+def make_paged(num_blocks: int, *, prefix_caching: bool = False) -> PagedAllocator:
+    return PagedAllocator(
+        SPEC, num_blocks * SPEC.block_bytes, max_model_len=256, enable_prefix_caching=prefix_caching, watermark=0.0
+    )
+
+
+def make_cache(alloc, **kwargs) -> KVCache:
+    return KVCache(SPEC, alloc.num_slots, device="cpu", num_layers=2, integrity=True, **kwargs)
+
+
+def make_seq(seq_id: int, token_ids: np.ndarray, num_prompt_tokens: int, cache: KVCache | None = None) -> Sequence:
+    seq = Sequence(seq_id, num_prompt_tokens, len(token_ids) - num_prompt_tokens, token_ids=np.asarray(token_ids))
+    if cache is not None:
+        cache.register(seq_id, seq.token_ids)
+    return seq
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 32000, n, dtype=np.int64)
+
+
+def compute(alloc, cache: KVCache, seq: Sequence, n: int) -> None:
+    """The scheduler's part: write the next n tokens of `seq` through its slot mapping, then advance it."""
+    start = seq.num_computed_tokens
+    slots = alloc.slot_mapping(seq, start, start + n)
+    cache.write(slots, np.full(n, seq.seq_id), np.arange(start, start + n))
+    seq.num_computed_tokens += n
+
+
+def admit(alloc, cache: KVCache, seq: Sequence, n: int) -> int:
+    hit = alloc.allocate(seq, n)
+    assert hit is not None
+    seq.num_computed_tokens = hit
+    compute(alloc, cache, seq, n)
+    return hit
+
+
+def decode(alloc, cache: KVCache, seq: Sequence, steps: int = 1) -> None:
+    for _ in range(steps):
+        assert alloc.append_slots(seq, 1)
+        compute(alloc, cache, seq, 1)
+
+
+def check_reads(alloc: PagedAllocator, cache: KVCache, seqs: list[Sequence]) -> None:
+    """One batched paged read of every sequence's computed tokens, checked token by token."""
+    tables = [np.asarray(alloc.block_table(s), dtype=np.int64) for s in seqs]
+    cache.read_paged(tables, [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
+    for s in seqs:  # and the pool itself, through the slot mapping
+        cache.verify(s.seq_id, alloc.slot_mapping(s, 0, s.num_computed_tokens), np.arange(s.num_computed_tokens))
+
+
+def test_detects_a_token_read_from_the_wrong_slot():
+    alloc = make_paged(8)
+    cache = make_cache(alloc)
+    a = make_seq(1, tokens(1, 12), 10, cache)
+    admit(alloc, cache, a, 10)
+    slots = alloc.slot_mapping(a, 0, 10)
+    cache.verify(1, slots, np.arange(10))
+    swapped = slots.copy()
+    swapped[[3, 6]] = swapped[[6, 3]]
+    with pytest.raises(AssertionError, match=r"seq 1 position 3 \(slot \d+\) layer 0 K"):
+        cache.verify(1, swapped, np.arange(10))
+    with pytest.raises(AssertionError, match=rf"seq 1 position 1 \(slot {slots[0]}\)"):
+        cache.verify(1, slots, np.arange(1, 11))  # positions shifted by one
+
+
+def test_preemption_by_recompute_rewrites_the_same_values():
+    alloc = make_paged(8)
+    cache = make_cache(alloc)
+    a = make_seq(1, tokens(1, 16), 10, cache)
+    admit(alloc, cache, a, 10)
+    decode(alloc, cache, a, 2)
+    old_slots = alloc.slot_mapping(a, 0, 12)
+    check_reads(alloc, cache, [a])
+
+    alloc.free(a)  # preempted: its blocks go to b, which overwrites all of them
+    a.num_computed_tokens = 0
+    b = make_seq(2, tokens(2, 33), 32, cache)
+    admit(alloc, cache, b, 32)
+    with pytest.raises(AssertionError, match="seq 1"):
+        cache.verify(1, old_slots, np.arange(12))  # a's old slots now hold b's tokens
+    alloc.free(b)
+
+    admit(alloc, cache, a, 12)  # recompute prompt and the two generated tokens
+    decode(alloc, cache, a, 1)
+    check_reads(alloc, cache, [a])
+
+
+def test_swap_out_and_back_into_other_blocks():
+    alloc = make_paged(8)
+    cache = make_cache(alloc)
+    a = make_seq(1, tokens(1, 16), 10, cache)
+    admit(alloc, cache, a, 10)
+    old_slots = alloc.slot_mapping(a, 0, 10)
+    handle = cache.swap_out(old_slots)
+    alloc.free(a)
+    a.num_computed_tokens = 0
+
+    filler = make_seq(2, tokens(2, 8), 8, cache)  # takes some blocks first, so a lands elsewhere
+    admit(alloc, cache, filler, 8)
+    b = make_seq(3, tokens(3, 24), 24, cache)
+    admit(alloc, cache, b, 24)  # overwrites every other block, a's old ones included
+    alloc.free(b)
+
+    assert alloc.allocate(a, 10) == 0
+    new_slots = alloc.slot_mapping(a, 0, 10)
+    assert not np.array_equal(new_slots, old_slots)
+    cache.swap_in(handle, new_slots)
+    a.num_computed_tokens = 10
+    decode(alloc, cache, a, 3)
+    check_reads(alloc, cache, [a, filler])
+
+
+@pytest.mark.parametrize("free_first", [False, True])  # a still running, or finished with its blocks cached
+def test_shared_prefix_blocks_read_the_sharers_values(free_first):
+    alloc = make_paged(16, prefix_caching=True)
+    cache = make_cache(alloc)
+    prefix = tokens(7, 8)  # two full blocks
+    a = make_seq(1, np.concatenate([prefix, tokens(1, 5)]), 11, cache)
+    b = make_seq(2, np.concatenate([prefix, tokens(2, 7)]), 13, cache)
+    admit(alloc, cache, a, 11)
+    a_blocks = alloc.block_table(a)
+    if free_first:
+        alloc.free(a)
+        cache.forget(1)
+    assert admit(alloc, cache, b, 5) == 8  # hit: a's two prefix blocks, never written by b
+    assert alloc.block_table(b)[:2] == a_blocks[:2]
+    decode(alloc, cache, b, 2)
+    check_reads(alloc, cache, [b] if free_first else [a, b])
+
+
+def test_shared_prefix_values_must_follow_token_content():
+    """A request whose values were keyed by its id alone would (rightly) fail on blocks another wrote."""
+    alloc = make_paged(16, prefix_caching=True)
+    cache = make_cache(alloc)
+    prefix = tokens(7, 8)
+    a = make_seq(1, np.concatenate([prefix, tokens(1, 3)]), 11, cache)
+    b = make_seq(2, np.concatenate([prefix, tokens(2, 3)]), 11)  # not registered
+    admit(alloc, cache, a, 11)
+    assert admit(alloc, cache, b, 3) == 8
+    with pytest.raises(AssertionError, match="seq 2 position 0 .read."):
+        check_reads(alloc, cache, [b])
+
+
+@pytest.mark.parametrize("copy_on_write", [True, False])
+def test_fork_shares_full_blocks_and_copies_the_partial_one(copy_on_write):
+    alloc = make_paged(16)
+    cache = make_cache(alloc)
+    parent_ids = tokens(1, 12)
+    parent = make_seq(1, parent_ids, 6, cache)
+    admit(alloc, cache, parent, 6)  # block 0 full, block 1 holds 2 tokens
+    child = make_seq(2, np.concatenate([parent_ids[:6], tokens(2, 6)]), 6, cache)
+    assert alloc.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+    assert alloc.append_slots(child, 1)  # the child writes into the shared partial block: copy on write
+    pairs = alloc.pop_copy_on_write()
+    assert len(pairs) == 1 and pairs[0][0] == alloc.block_table(parent)[1]
+    if copy_on_write:
+        cache.copy_blocks(pairs)
+    compute(alloc, cache, child, 1)
+    decode(alloc, cache, parent, 2)
+    decode(alloc, cache, child, 2)
+    assert alloc.block_table(child)[0] == alloc.block_table(parent)[0]  # the full block stays shared
+    if copy_on_write:
+        check_reads(alloc, cache, [parent, child])
+    else:
+        with pytest.raises(AssertionError, match="seq 2 position 4"):
+            check_reads(alloc, cache, [parent, child])
+
+
+def test_flat_slabs_round_trip_and_fork_by_copy():
+    alloc = FlatAllocator(SPEC, 50 * SPEC.bytes_per_token, max_model_len=16, reserve="oracle")
+    cache = make_cache(alloc)
+    assert cache.num_slots == 50 and cache.num_blocks == 13
+    parent_ids = tokens(1, 12)
+    parent = make_seq(1, parent_ids, 7, cache)
+    other = make_seq(3, tokens(3, 10), 9, cache)
+    admit(alloc, cache, other, 9)
+    admit(alloc, cache, parent, 7)
+    child = make_seq(2, np.concatenate([parent_ids[:7], tokens(2, 5)]), 7, cache)
+    assert alloc.fork(parent, child)  # flat engines cannot share: the child's slab gets a copy
+    cache.copy_slots(alloc.slot_mapping(parent, 0, 7), alloc.slot_mapping(child, 0, 7))
+    child.num_computed_tokens = 7
+    for seq in (parent, child, other):
+        decode(alloc, cache, seq, 1)
+    seqs = [parent, child, other]
+    starts = [alloc.slab(s)[0] for s in seqs]
+    cache.read_flat(starts, [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
+    with pytest.raises(AssertionError, match="seq 1 position 0 .read."):
+        cache.read_flat(starts[::-1], [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
