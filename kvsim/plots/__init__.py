@@ -6,6 +6,7 @@ skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.siz
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
@@ -34,10 +35,15 @@ def _replay_charts():
     )
 
 
-def _bench_charts():
+def _bench_charts(report: Report):
+    """Two charts per kernel-bench CSV, named after it: bench-context-<csv>, bench-block-size-<csv>."""
     from kvsim.plots import bench
 
-    return (("bench-context", bench.vs_context), ("bench-block-size", bench.vs_block_size))
+    charts = []
+    for stem in report.bench:
+        charts.append((f"bench-context-{stem}", functools.partial(bench.vs_context, stem=stem)))
+        charts.append((f"bench-block-size-{stem}", functools.partial(bench.vs_block_size, stem=stem)))
+    return tuple(charts)
 
 
 def plot_report(report: Report, fmt: str = "png", *, note: Note = _stderr) -> list[Path]:
@@ -48,7 +54,7 @@ def plot_report(report: Report, fmt: str = "png", *, note: Note = _stderr) -> li
     if report.is_replay:
         charts = _replay_charts()
     elif report.bench:
-        charts = _bench_charts()
+        charts = _bench_charts(report)
     else:
         note(f"{report.path}: skipped: no replay or bench report files")
         return []
