@@ -1,0 +1,127 @@
+"""What `kvsim replay` shows: a rich progress bar while it runs and a summary table, one row per allocator."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvsim.units import format_bytes
+
+
+class ReplayProgress:
+    """One progress bar per allocator, counting requests finished or rejected; a no-op when `enabled` is False."""
+
+    def __init__(self, console: Console, *, enabled: bool = True):
+        self.enabled = enabled
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:<18}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "ReplayProgress":
+        if self.enabled:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._progress.stop()
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        task = self._tasks.get(label)
+        if task is None:
+            task = self._tasks[label] = self._progress.add_task(label, total=total)
+        self._progress.update(task, completed=done)
+
+
+def _fmt(value: float | None, spec: str, *, scale: float = 1.0, suffix: str = "") -> str:
+    """`value * scale` formatted, or '-' for a missing figure (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value * scale, spec) + suffix
+
+
+def summary_table(records: list[dict], *, title: str | None = None) -> Table:
+    """The replay's headline: per allocator, where the budget went (time-averaged %) and what it bought."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("allocator", no_wrap=True)
+    for name in ("tokens%", "reserved%", "internal%", "external%", "free%", "running avg/max", "out tok/s",
+                 "preempt", "TTFT p50/p99 s", "TPOT p50 ms", "prefix hit", "rejected"):
+        table.add_column(name, justify="right")
+    for r in records:
+        table.add_row(
+            r["allocator"],
+            _fmt(r["token_states_pct"], ".1f"),
+            _fmt(r["reservation_pct"], ".1f"),
+            _fmt(r["internal_fragmentation_pct"], ".1f"),
+            _fmt(r["external_fragmentation_pct"], ".1f"),
+            _fmt(r["free_pct"], ".1f"),
+            f"{_fmt(r['mean_running'], '.1f')}/{r['peak_running']}",
+            _fmt(r["throughput_tokens_per_s"], ",.0f"),
+            str(r["preemptions"]),
+            f"{_fmt(r['ttft_p50_s'], '.3f')}/{_fmt(r['ttft_p99_s'], '.3f')}",
+            _fmt(r["tpot_p50_s"], ".2f", scale=1e3),
+            _fmt(r["prefix_hit_rate"], ".1f", scale=100, suffix="%"),
+            str(r["rejected"]),
+        )
+    return table
+
+
+def run_replay_cli(
+    workload_path: Path,
+    *,
+    out: Path | None = None,
+    device: str = "auto",
+    tensors: bool = True,
+    seed: int | None = None,
+    limit: int | None = None,
+    quiet: bool = False,
+    json_out: bool = False,
+    timing: str = "roofline",
+    trace: Path | None = None,
+    csv: bool = False,
+    layers: int = 1,
+    integrity: bool = False,
+    command: str | None = None,
+) -> Path:
+    """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
+
+    With `json_out` the summary goes to stdout as JSON and everything else (progress, paths) to stderr.
+    """
+    from kvsim.replay import ReplayOptions, run_replay
+    from kvsim.reports import jsonable, summary_records, write_reports
+    from kvsim.workload import load_workload
+
+    workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
+    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity)
+    console = Console(stderr=json_out)
+    with ReplayProgress(console, enabled=not quiet) as progress:
+        result = run_replay(workload, options, progress=progress)
+    out_dir = out if out is not None else Path("reports") / workload.name
+    paths = write_reports(result, out_dir, csv=csv, command=command)
+    records = summary_records(result)
+    if json_out:
+        sys.stdout.write(json.dumps(jsonable(records), indent=2) + "\n")
+        return paths.out_dir
+    if not quiet:
+        title = (
+            f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
+            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
+        )
+        console.print(summary_table(records, title=title))
+        console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json)")
+    return paths.out_dir
