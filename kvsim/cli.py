@@ -130,6 +130,35 @@ def plot(
         typer.echo(str(path))
 
 
+@app.command()
+@user_errors
+def replay(
+    workload: Annotated[str, typer.Argument(help="Workload YAML, e.g. workloads/poisson.yaml.")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Report directory (default: reports/<workload name>/).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where the cache tensors live: cpu, cuda or auto.")] = "auto",
+    no_tensors: Annotated[bool, typer.Option("--no-tensors", help="Accounting only: no cache tensors, no kernels.")] = False,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Override the workload's seed.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N requests.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no table.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    timing: Annotated[str, typer.Option("--timing", help="Step clock: roofline (deterministic) or measured (this run's kernel times).")] = "roofline",
+    trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure CSV or JSONL) instead of the workload's requests.")] = None,
+    csv: Annotated[bool, typer.Option("--csv", help="Also write steps.csv next to steps.parquet.")] = False,
+    layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
+    integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
+) -> None:
+    """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
+    from pathlib import Path
+
+    from kvsim.replay_view import run_replay_cli
+
+    run_replay_cli(
+        Path(workload), out=Path(out) if out else None, device=device, tensors=not no_tensors, seed=seed, limit=limit,
+        quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
+        integrity=integrity, command=" ".join(["kvsim", *sys.argv[1:]]),
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
