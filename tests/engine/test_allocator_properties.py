@@ -1,0 +1,260 @@
+"""Random operation sequences (hypothesis) against a reference model, for every allocator configuration.
+
+The model plays scheduler and cache: it admits requests (some sharing prefixes), grows them by prefill
+chunks and batched decode, preempts, forks, finishes, and writes each computed token's id into a numpy
+"pool" at the slots the allocator gave. After every step it checks: slots in range and stable, a slot held
+twice only when both holders hold the same token (a shared prefix or fork), every live token reads back
+intact (so prefix-cache hits and copy-on-write are real), ref counts match the holders, the five byte
+categories sum to the budget (exactly as predicted for flat), and at the end nothing is leaked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsim.engine.factory import AllocatorConfig
+from kvsim.engine.sequence import Sequence
+
+from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, build
+
+NUM_EXAMPLES = 1000
+OPS = ("admit", "admit", "step", "step", "step", "free", "fork")
+FAMILY_PREFIX = 12  # requests of one family share up to this many leading tokens
+
+
+class Model:
+    """The scheduler and cache around one allocator, and the checks run after every step."""
+
+    def __init__(self, config: AllocatorConfig, num_slots_hint: int, extra_bytes: int):
+        self.config = config
+        self.alloc = build(config, num_slots_hint * BPT + extra_bytes)
+        self.pool = np.full(self.alloc.num_slots, -1, dtype=np.int64)  # token id held by each slot
+        self.live: dict[int, Sequence] = {}
+        self.slots: dict[int, np.ndarray] = {}  # seq_id -> slots of its computed tokens, as last seen
+        self.forked: set[int] = set()  # seq ids that share blocks through a fork
+        self.waiting_head: Sequence | None = None
+        self.next_id = 0
+
+    # --- operations -------------------------------------------------------------------------------------
+
+    def admit(self, prompt: int, output: int, c: int) -> None:
+        family, share = c % 3, c % (FAMILY_PREFIX + 1)
+        ids = 10_000 * (self.next_id + 1) + np.arange(prompt + output, dtype=np.int64)
+        k = min(share, len(ids))
+        ids[:k] = 1_000 * (family + 1) + np.arange(k)  # the family's prefix
+        seq = Sequence(self.next_id, prompt, output, token_ids=ids)
+        self.next_id += 1
+        chunk = 1 + (c // 7) % prompt
+        before = self.alloc.breakdown()
+        hit = self.alloc.allocate(seq, chunk)
+        if hit is None:
+            assert self.alloc.breakdown() == before, "a refused admission changed the allocator"
+            self.check_flat_refusal(seq)
+            self.waiting_head = seq
+            return
+        self.waiting_head = None
+        assert 0 <= hit <= prompt - 1 and hit % BLOCK_SIZE == 0
+        if not self.config.prefix_caching:
+            assert hit == 0
+        self.live[seq.seq_id] = seq
+        seq.num_computed_tokens = hit
+        self.slots[seq.seq_id] = self.alloc.slot_mapping(seq, 0, hit)
+        self.compute(seq, min(chunk, prompt - hit))
+
+    def step(self, a: int, c: int) -> None:
+        if not self.live:
+            return
+        seq = self.live[sorted(self.live)[c % len(self.live)]]
+        if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prefill chunk
+            n = min(a, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if not self.alloc.append_slots(seq, n):
+                assert self.config.kind == "paged", "a flat allocator refused growth inside its slab"
+                self.drop(seq)
+                return
+            self.sync(seq)
+            self.compute(seq, n)
+            return
+        batch = [s for s in self.live.values() if s.num_computed_tokens < s.num_final_tokens]
+        failed = self.alloc.append_decode(batch)
+        assert self.config.kind == "paged" or not failed, "a flat allocator refused a decode token"
+        for s in batch:
+            if s in failed:
+                self.drop(s)
+            else:
+                self.sync(s)
+        for s in batch:
+            if s not in failed:
+                self.compute(s, 1)
+
+    def free(self, c: int) -> None:
+        if self.live:
+            self.drop(self.live[sorted(self.live)[c % len(self.live)]])
+
+    def fork(self, output: int, c: int) -> None:
+        if not self.live:
+            return
+        parent = self.live[sorted(self.live)[c % len(self.live)]]
+        done, prompt = parent.num_computed_tokens, parent.num_prompt_tokens
+        max_tokens = max(output, done - prompt)
+        ids = 10_000 * (self.next_id + 1) + np.arange(prompt + max_tokens, dtype=np.int64)
+        keep = max(done, prompt)
+        ids[:keep] = parent.token_ids[:keep]
+        child = Sequence(self.next_id, prompt, max_tokens, token_ids=ids, parent_id=parent.seq_id)
+        self.next_id += 1
+        if not self.alloc.fork(parent, child):
+            return
+        child.num_computed_tokens = done
+        self.live[child.seq_id] = child
+        self.slots[child.seq_id] = child_slots = self.alloc.slot_mapping(child, 0, done)
+        self.pool[child_slots] = self.pool[self.slots[parent.seq_id]]  # the cache copies (flat) or shares
+        self.forked |= {parent.seq_id, child.seq_id}
+
+    def finish(self) -> None:
+        for seq in [s for s in self.live.values() if s.num_computed_tokens == s.num_final_tokens]:
+            self.drop(seq)
+
+    # --- the scheduler and cache side ---------------------------------------------------------------------
+
+    def compute(self, seq: Sequence, n: int) -> None:
+        """Write the ids of tokens [computed, computed + n) at their slots and advance the request."""
+        start = seq.num_computed_tokens
+        new = self.alloc.slot_mapping(seq, start, start + n)
+        self.pool[new] = seq.token_ids[start : start + n]
+        seq.num_computed_tokens += n
+        self.slots[seq.seq_id] = np.concatenate([self.slots[seq.seq_id], new])
+
+    def sync(self, seq: Sequence) -> None:
+        """After an allocator call on `seq`: computed tokens may move only by copy-on-write of a shared block."""
+        old = self.slots[seq.seq_id]
+        now = self.alloc.slot_mapping(seq, 0, len(old))
+        moved = np.flatnonzero(now != old)
+        if len(moved):
+            assert self.config.kind == "paged" and seq.seq_id in self.forked, (seq, old, now)
+            assert moved.min() >= len(old) // BLOCK_SIZE * BLOCK_SIZE, "a full block moved"
+            self.pool[now[moved]] = self.pool[old[moved]]  # the cache layer's copy
+            self.slots[seq.seq_id] = now
+        if hasattr(self.alloc, "pop_copy_on_write"):
+            self.alloc.pop_copy_on_write()
+
+    def drop(self, seq: Sequence) -> None:
+        self.alloc.free(seq)
+        del self.live[seq.seq_id]
+        del self.slots[seq.seq_id]
+
+    # --- checks -------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        alloc = self.alloc
+        b = alloc.breakdown(self.waiting_head)
+        parts = (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes,
+                 b.external_fragmentation_bytes, b.free_bytes)
+        assert min(parts) >= 0 and sum(parts) == alloc.budget_bytes == b.budget_bytes
+        seqs = list(self.live.values())
+        for s in seqs:  # stable: nothing moved behind the model's back
+            assert np.array_equal(alloc.slot_mapping(s, 0, s.num_computed_tokens), self.slots[s.seq_id]), s
+        slots = np.concatenate([self.slots[s.seq_id] for s in seqs] + [np.empty(0, np.int64)])
+        tokens = np.concatenate([s.token_ids[: s.num_computed_tokens] for s in seqs] + [np.empty(0, np.int64)])
+        assert slots.size == 0 or (slots.min() >= 0 and slots.max() < alloc.num_slots)
+        assert np.array_equal(self.pool[slots], tokens), "a live token's KV was overwritten or never copied"
+        distinct, first = np.unique(slots, return_index=True)
+        if len(distinct) < len(slots):  # shared slots hold the same token for every holder
+            assert self.config.kind == "paged"
+            assert np.array_equal(tokens, tokens[first[np.searchsorted(distinct, slots)]])
+        assert b.token_states_bytes == len(distinct) * BPT
+        if self.config.kind == "flat":
+            self.check_flat(b)
+        else:
+            self.check_paged(b)
+
+    def check_flat(self, b) -> None:
+        """The whole breakdown, predicted from the slabs the reserve policy and placement give."""
+        alloc = self.alloc
+        reserved = {sid: alloc.reserved_tokens(s) for sid, s in self.live.items()}
+        footprint = sum(alloc.arena.footprint(r) for r in reserved.values())
+        for sid, s in self.live.items():
+            assert alloc.slab(s)[1] == reserved[sid] >= s.num_final_tokens
+        self.check_disjoint_slabs()
+        assert b.reservation_bytes == sum(s.num_final_tokens - s.num_computed_tokens for s in self.live.values()) * BPT
+        remainder = alloc.budget_bytes - alloc.num_slots * BPT
+        assert b.internal_fragmentation_bytes == (footprint - sum(s.num_final_tokens for s in self.live.values())) * BPT + remainder
+        assert b.free_bytes + b.external_fragmentation_bytes == (alloc.num_slots - footprint) * BPT
+        if b.external_fragmentation_bytes:
+            head = self.waiting_head
+            assert b.free_bytes == 0 and head is not None
+            assert alloc.allocate(head, 1) is None  # truly refused while the free total would fit it
+            assert alloc.arena.footprint(alloc.slab_size(head)) <= alloc.num_slots - footprint
+
+    def check_disjoint_slabs(self) -> list[tuple[int, int]]:
+        alloc = self.alloc
+        slabs = sorted((alloc.slab(s)[0], alloc.arena.footprint(alloc.slab(s)[1])) for s in self.live.values())
+        end = 0
+        for start, size in slabs:
+            assert start >= end and start + size <= alloc.num_slots, slabs
+            end = start + size
+        return slabs
+
+    def check_flat_refusal(self, seq: Sequence) -> None:
+        """A flat refusal means no hole fits the slab (first/best-fit: computed from the live slabs here)."""
+        alloc = self.alloc
+        if self.config.kind != "flat" or alloc.placement == "buddy" or seq.num_final_tokens > alloc.max_model_len:
+            return
+        bounds = [(0, 0)] + self.check_disjoint_slabs() + [(alloc.num_slots, 0)]
+        largest = max(nxt[0] - (cur[0] + cur[1]) for cur, nxt in zip(bounds, bounds[1:]))
+        assert largest < alloc.slab_size(seq), "refused although a hole would fit the slab"
+
+    def check_paged(self, b) -> None:
+        """Ref counts equal the number of live holders; free blocks are exactly the unheld ones."""
+        alloc = self.alloc
+        assert b.external_fragmentation_bytes == 0
+        holders = Counter(bid for s in self.live.values() for bid in alloc.block_table(s) if bid is not None)
+        for block in alloc.pool.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0) >= 0, block
+        assert alloc.num_free_blocks == alloc.pool.num_blocks - len(holders)
+        assert b.free_bytes == alloc.num_free_blocks * alloc.page_bytes
+
+    def finish_all(self) -> None:
+        for seq in list(self.live.values()):
+            self.drop(seq)
+        b = self.alloc.breakdown()
+        assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
+        assert b.internal_fragmentation_bytes == self.alloc.budget_bytes - self.alloc.num_slots * BPT
+        assert b.free_bytes == self.alloc.num_slots * BPT, "bytes leaked after every request finished"
+        if self.config.kind == "paged":
+            assert all(block.ref_count == 0 for block in self.alloc.pool.blocks)
+
+
+operation = st.tuples(
+    st.sampled_from(OPS),
+    st.integers(1, 24),  # prompt length, or prefill chunk
+    st.integers(0, MAX_MODEL_LEN - 24),  # output length
+    st.integers(0, 10_000),  # which request, family, prefix share, first chunk
+)
+
+
+@pytest.mark.parametrize("config", ALLOCATOR_CONFIGS)
+@settings(max_examples=NUM_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_slots=st.integers(40, 160),
+    extra_bytes=st.integers(0, BPT - 1),
+    ops=st.lists(operation, min_size=1, max_size=25),
+)
+def test_random_operations_against_model(config, num_slots, extra_bytes, ops):
+    model = Model(config, num_slots, extra_bytes)
+    model.check()
+    for op, a, b, c in ops:
+        model.finish()
+        if op == "admit":
+            model.admit(a, b, c)
+        elif op == "step":
+            model.step(a, c)
+        elif op == "free":
+            model.free(c)
+        else:
+            model.fork(b, c)
+        model.check()
+    model.finish_all()
