@@ -118,6 +118,7 @@ class PagedAllocator(KVAllocator):
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, _Request] = {}
         self._cow: list[tuple[int, int]] = []  # pending (src_block, dst_block) copies for the cache layer
+        self._fork_partials: dict[int, int] = {}  # block id -> tokens computed in it, for shared partial blocks
         # Running totals over admitted requests, for a cheap breakdown().
         self._sum_cap = 0
         self._sum_used = 0
@@ -193,6 +194,8 @@ class PagedAllocator(KVAllocator):
             self._sum_freed[lane_idx] -= req.freed[lane_idx] * self.block_size
             self.pool.free_blocks(b for b in reversed(req.tables[lane_idx]) if b is not None)
         self.pool.free_blocks(req.state_pages)
+        if self._fork_partials:
+            self._forget_partials(req.tables[0])
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """`child` shares the blocks of `parent`'s computed tokens; a shared partial block is copied on write."""
@@ -210,6 +213,8 @@ class PagedAllocator(KVAllocator):
         req.hit = computed
         self._set_cap(req, len(shared) * self.block_size)
         self._reqs[child] = req
+        if computed % self.block_size:
+            self._fork_partials[shared[-1].block_id] = computed % self.block_size
         parent_req.next_event = req.next_event = 0  # both take the slow path once: copy-on-write check
         return True
 
@@ -261,10 +266,14 @@ class PagedAllocator(KVAllocator):
             token_states += (computed - freed) * lane.bytes_per_token
             reservation += (self._sum_used - computed) * lane.bytes_per_token
             internal += (self._sum_cap - self._sum_used) * lane.bytes_per_token + (self._sum_cap - freed) // bs * lane.pad_bytes
+        # Shared blocks were counted once per holder: take the extra copies out. A shared full block is
+        # token states; a fork's shared partial block is token states up to the fork, reservation after.
         saved = self.pool.num_shared_refs * self.page_bytes
-        dup = saved  # shared blocks were counted once per holder: take the extra copies out
-        for_ts = min(dup, token_states)
-        token_states, dup = token_states - for_ts, dup - for_ts
+        dup_tail = 0
+        for block_id, tokens in self._fork_partials.items():
+            dup_tail += (self.pool.blocks[block_id].ref_count - 1) * (bs - tokens) * self.lanes[0].bytes_per_token
+        for_ts = min(saved - dup_tail, token_states)
+        token_states, dup = token_states - for_ts, saved - for_ts
         for_res = min(dup, reservation)
         reservation, internal = reservation - for_res, internal - (dup - for_res)
         return MemoryBreakdown(
@@ -310,6 +319,12 @@ class PagedAllocator(KVAllocator):
             self.pool.cache_full_block(table[j], h)
         if end > req.num_hashed:
             req.num_hashed = end
+
+    def _forget_partials(self, blocks: list[Block | None]) -> None:
+        """Drop fork-partial records of `blocks` that are no longer shared."""
+        for block in blocks:
+            if block is not None and block.ref_count <= 1:
+                self._fork_partials.pop(block.block_id, None)
 
     def _refresh(self, req: _Request) -> None:
         """The smallest computed + new token count at which an append must do more than compare."""
@@ -361,6 +376,8 @@ class PagedAllocator(KVAllocator):
             (dst,) = pool.get_new_blocks(1)
             pool.free_blocks((src,))
             table0[computed // bs] = dst
+            if src.ref_count <= 1:
+                self._fork_partials.pop(src.block_id, None)
             self._cow.append((src.block_id, dst.block_id))
         if grow_blocks:
             for lane_idx, lane in enumerate(self.lanes):

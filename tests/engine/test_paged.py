@@ -1,0 +1,258 @@
+"""PagedAllocator: hand-computed block tables, slots, prefix hits, eviction, forks, watermark, mixed layers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+
+BS = 4
+# 2 (K,V) * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes per token; a block of 4 tokens = 64 bytes.
+SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BS, dtype_bytes=2)
+BPT, BLOCK = 16, 64
+# Full layer 16 B/token, two sliding layers (window 8) 32 B/token, a 100-byte state: page = 4 x gcd(16, 32) = 64 B.
+MIXED = KVCacheSpec(
+    groups=(
+        KVCacheGroupSpec("full", 1, bytes_per_token=16),
+        KVCacheGroupSpec("sliding", 2, bytes_per_token=32, window=8),
+        KVCacheGroupSpec("state", 1, state_bytes=100),
+    ),
+    block_size=BS,
+    dtype="bf16",
+    dtype_bytes=2,
+    num_kv_heads=1,
+    head_dim=4,
+    num_attention_layers=3,
+)
+
+
+def make_alloc(num_blocks: int, *, extra: int = 0, spec: KVCacheSpec = SPEC, **kwargs) -> PagedAllocator:
+    kwargs.setdefault("watermark", 0.0)
+    return PagedAllocator(spec, num_blocks * BLOCK + extra, max_model_len=256, **kwargs)
+
+
+def make_seq(seq_id: int, prompt: int, output: int, prefix: np.ndarray | None = None) -> Sequence:
+    ids = 1_000_000 + seq_id * 1_000 + np.arange(prompt + output, dtype=np.int64)
+    if prefix is not None:
+        ids[: len(prefix)] = prefix
+    return Sequence(seq_id, prompt, output, token_ids=ids)
+
+
+def admit(alloc: PagedAllocator, seq: Sequence) -> int | None:
+    """Scheduler side: allocate the whole prompt, then mark it computed."""
+    hit = alloc.allocate(seq, seq.num_prompt_tokens)
+    if hit is not None:
+        seq.num_computed_tokens = seq.num_prompt_tokens
+    return hit
+
+
+def decode(alloc: PagedAllocator, seq: Sequence) -> bool:
+    ok = alloc.append_slots(seq, 1)
+    if ok:
+        seq.num_computed_tokens += 1
+    return ok
+
+
+def parts(alloc: PagedAllocator) -> tuple[int, int, int, int, int]:
+    b = alloc.breakdown()
+    return (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes, b.external_fragmentation_bytes, b.free_bytes)
+
+
+def test_num_blocks_tables_slots_and_breakdown():
+    alloc = make_alloc(10, extra=5)
+    assert (alloc.num_blocks, alloc.num_slots, alloc.num_free_blocks) == (10, 40, 10)
+    a, b = make_seq(0, 6, 3), make_seq(1, 5, 1)
+    assert admit(alloc, a) == 0 and admit(alloc, b) == 0
+    assert alloc.block_table(a) == [0, 1] and alloc.block_table(b) == [2, 3]
+    assert alloc.slot_mapping(a, 0, 6).tolist() == [0, 1, 2, 3, 4, 5]
+    assert alloc.slot_mapping(b, 3, 5).tolist() == [11, 12]
+    assert alloc.slot_mapping(b, 3, 5).dtype == np.int64
+    # a: 6 computed, 2 reserved (final 9 > 8 slots). b: 5 computed, 1 reserved, 2 past its final 6.
+    # internal = b's 2 slots + the 5-byte remainder; free = 6 blocks.
+    assert parts(alloc) == (11 * BPT, 3 * BPT, 2 * BPT + 5, 0, 6 * BLOCK)
+    assert decode(alloc, a) and decode(alloc, a) and alloc.block_table(a) == [0, 1]
+    assert decode(alloc, a) and alloc.block_table(a) == [0, 1, 4]  # token 8 opens a third block
+    assert alloc.slot_mapping(a, 7, 9).tolist() == [7, 16]
+    # a: 9 computed of 12 slots, final 9: 3 slots internal.
+    assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + 5, 0, 5 * BLOCK)
+    alloc.free(a)
+    c = make_seq(2, 4, 0)
+    assert admit(alloc, c) == 0 and alloc.block_table(c) == [0]  # a's first block is the head of the free queue
+    alloc.free(b)
+    alloc.free(c)
+    assert alloc.num_free_blocks == 10 and parts(alloc) == (0, 0, 5, 0, 10 * BLOCK)
+
+
+def test_append_decode_batches_and_reports_failures():
+    alloc = make_alloc(3)
+    a, b = make_seq(0, 4, 4), make_seq(1, 4, 4)
+    admit(alloc, a)
+    admit(alloc, b)
+    assert alloc.append_decode([a, b]) == [b]  # a takes the last block, b cannot grow
+    assert alloc.block_table(a) == [0, 2] and alloc.block_table(b) == [1]
+
+
+def test_prefix_hits_share_blocks_and_are_capped():
+    alloc = make_alloc(20, enable_prefix_caching=True)
+    prefix = 500 + np.arange(8, dtype=np.int64)  # two full blocks
+    a, b, c = make_seq(0, 10, 2, prefix), make_seq(1, 10, 2, prefix), make_seq(2, 8, 2, prefix)
+    assert admit(alloc, a) == 0
+    assert admit(alloc, b) == 8
+    assert alloc.block_table(b)[:2] == alloc.block_table(a)[:2]
+    assert alloc.block_table(b)[2:] == [3, 4, 5]  # room for the hit + 10 new tokens: 5 blocks
+    assert admit(alloc, c) == 4  # the whole prompt is cached, but one token must be computed: 1 block
+    assert (alloc.prefix_query_tokens, alloc.prefix_hit_tokens) == (28, 12)
+    first, second = (alloc.pool.blocks[i] for i in alloc.block_table(a)[:2])
+    assert (first.ref_count, second.ref_count) == (3, 2)
+    bd = alloc.breakdown()
+    assert bd.shared_saved_bytes == 3 * BLOCK
+    # unique computed tokens: a's 10, b's 8..9, c's 4..7 in its own block.
+    assert bd.token_states_bytes == 16 * BPT
+    for seq in (a, b, c):
+        alloc.free(seq)
+    assert alloc.num_free_blocks == 20 and alloc.pool.num_shared_refs == 0
+    d = make_seq(3, 10, 2, prefix)
+    assert admit(alloc, d) == 8  # freed cached blocks stay reusable
+
+
+def test_uncached_blocks_reused_first_and_cached_evicted_lru():
+    alloc = make_alloc(6, enable_prefix_caching=True)
+    a, b = make_seq(0, 5, 1), make_seq(1, 5, 1)  # one full (cached) block + one partial each
+    admit(alloc, a)
+    admit(alloc, b)
+    assert alloc.block_table(a) == [0, 1] and alloc.block_table(b) == [2, 3]
+    alloc.free(a)
+    alloc.free(b)
+    assert [blk.block_id for blk in alloc.pool.free_queue.blocks()] == [3, 1, 4, 5, 0, 2]
+    d = make_seq(2, 20, 0)
+    admit(alloc, d)
+    assert alloc.block_table(d) == [3, 1, 4, 5, 0]  # uncached first, then a's cached block (freed first)
+    assert alloc.pool.blocks[2].block_hash is not None and alloc.num_free_blocks == 1  # b's block still cached
+    alloc.free(d)  # d's five full blocks join the cached tail behind b's block 2
+    assert admit(alloc, make_seq(1, 5, 1)) == 4  # b's prefix survived
+    assert admit(alloc, make_seq(0, 5, 1)) == 0  # a's was evicted
+
+
+def test_watermark_refuses_admission_but_not_growth():
+    alloc = make_alloc(100, watermark=0.05)
+    assert alloc.watermark_blocks == 5
+    big = make_seq(0, 384, 30)
+    assert alloc.allocate(big, 384) is None and alloc.num_free_blocks == 100  # would leave 4 < 5 free
+    seq = make_seq(1, 380, 30)
+    assert admit(alloc, seq) == 0 and alloc.num_free_blocks == 5
+    assert alloc.allocate(make_seq(2, 1, 1), 1) is None
+    assert alloc.append_slots(seq, 20) and alloc.num_free_blocks == 0  # growth may use the watermark
+    assert not alloc.append_slots(seq, 21)
+    assert alloc.num_free_blocks == 0 and len(alloc.block_table(seq)) == 100
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    alloc = make_alloc(10)
+    a = make_seq(0, 6, 4)
+    admit(alloc, a)
+    b = make_seq(1, 6, 4)
+    assert alloc.fork(a, b)
+    b.num_computed_tokens = 6
+    assert alloc.block_table(b) == [0, 1]
+    assert [alloc.pool.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    # 6 unique tokens computed; 2 slots of the shared partial block reserved; a's third... none yet.
+    bd = alloc.breakdown()
+    assert bd.shared_saved_bytes == 2 * BLOCK
+    assert parts(alloc) == (6 * BPT, 2 * BPT, 0, 0, 8 * BLOCK)
+    assert decode(alloc, b)  # writing token 6 into the shared block 1: b gets a copy
+    assert alloc.block_table(b) == [0, 2]
+    assert alloc.pop_copy_on_write() == [(1, 2)] and alloc.pop_copy_on_write() == []
+    assert [alloc.pool.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
+    assert decode(alloc, a) and alloc.block_table(a) == [0, 1]  # block 1 is a's alone now: no copy
+    assert alloc.pop_copy_on_write() == []
+    assert alloc.slot_mapping(b, 4, 7).tolist() == [8, 9, 10]
+    assert alloc.breakdown().shared_saved_bytes == BLOCK
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.num_free_blocks == 10 and alloc.pool.num_shared_refs == 0 and not alloc._fork_partials
+
+
+def test_mixed_model_pages_sliding_window_and_state():
+    alloc = PagedAllocator(MIXED, 30 * 64 + 10, max_model_len=64, watermark=0.0)
+    assert (alloc.page_bytes, alloc.num_blocks) == (64, 30)
+    assert [(lane.window, lane.pages_per_block, lane.pad_bytes) for lane in alloc.lanes] == [(None, 1, 0), (8, 2, 0)]
+    seq = make_seq(0, 8, 12)
+    assert admit(alloc, seq) == 0
+    assert alloc.num_free_blocks == 30 - (2 * 1 + 2 * 2 + 2)  # 2 full pages, 4 sliding pages, 2 state pages
+    # token states: 8 tokens x (16 + 32) + 100 state bytes; internal: 28 state padding + 10 remainder.
+    assert parts(alloc) == (8 * 48 + 100, 0, 38, 0, 22 * 64)
+    free_after = []
+    for _ in range(8):  # computed 8 .. 15
+        assert decode(alloc, seq)
+        free_after.append(alloc.num_free_blocks)
+    # token 8 opens block 2 (3 pages); at computed 11 the window [4, 12) leaves sliding block 0 (2 pages);
+    # token 12 opens block 3; at computed 15 sliding block 1 goes.
+    assert free_after == [19, 19, 19, 21, 18, 18, 18, 20]
+    assert alloc._reqs[seq].tables[1][:4] == [None] * 4
+    # the full lane's pages: 0, 1 at admission, 8 for block 2, and page 2 (freed by the window) for block 3
+    assert alloc.block_table(seq) == [0, 1, 8, 2]
+    # 16 computed: full 16 x 16, sliding (16 - 8 freed) x 32, state 100.
+    assert parts(alloc) == (256 + 256 + 100, 0, 38, 0, 20 * 64)
+    other = make_seq(1, 4, 0)
+    assert not alloc.fork(seq, other)
+    alloc.free(seq)
+    assert alloc.num_free_blocks == 30 and parts(alloc) == (0, 0, 10, 0, 30 * 64)
+
+
+def test_mixed_pages_pad_when_the_gcd_is_too_small():
+    spec = KVCacheSpec(
+        groups=(KVCacheGroupSpec("full", 1, bytes_per_token=3000), KVCacheGroupSpec("sliding", 1, bytes_per_token=2048, window=4)),
+        block_size=BS, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=4, num_attention_layers=2,
+    )
+    alloc = PagedAllocator(spec, 100 * 4 * 2048, max_model_len=64, watermark=0.0)
+    assert alloc.page_bytes == 4 * 2048  # gcd(3000, 2048) = 8 would need 375 pages per block
+    assert [(lane.pages_per_block, lane.pad_bytes) for lane in alloc.lanes] == [(2, 2 * 8192 - 12000), (1, 0)]
+    seq = make_seq(0, 4, 0)
+    admit(alloc, seq)
+    bd = alloc.breakdown()
+    assert bd.token_states_bytes == 4 * (3000 + 2048) and bd.internal_fragmentation_bytes == 2 * 8192 - 12000
+
+
+def test_can_ever_fit():
+    alloc = make_alloc(10, watermark=0.1)  # 1 block kept free at admission
+    assert alloc.can_ever_fit(make_seq(0, 36, 4))  # 9 blocks to admit, 10 at the end
+    assert not alloc.can_ever_fit(make_seq(1, 37, 0))  # 10 blocks to admit breaks the watermark
+    assert not alloc.can_ever_fit(make_seq(2, 36, 5))  # 11 blocks at the end
+    assert not make_alloc(100).can_ever_fit(make_seq(3, 250, 7))  # longer than max_model_len 256
+    mixed = PagedAllocator(MIXED, 30 * 64, max_model_len=256, watermark=0.0)
+    # The window keeps the sliding lane at 3 blocks (6 pages) + 2 state pages: 10 full blocks fit, 25 do not.
+    assert mixed.can_ever_fit(make_seq(4, 4, 36)) and not mixed.can_ever_fit(make_seq(5, 4, 96))
+
+
+def test_user_mistakes_raise_kvsim_errors():
+    with pytest.raises(KvsimError, match="prefix_caching"):
+        PagedAllocator(MIXED, 1 << 20, max_model_len=64, enable_prefix_caching=True)
+    with pytest.raises(KvsimError, match="watermark"):
+        make_alloc(10, watermark=1.5)
+
+
+def test_nothing_leaks_after_a_busy_run():
+    from kvsim.bench.allocator import make_trace, run_allocator_bench
+
+    result = run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3)
+    trace = make_trace(40, 3)
+    assert result.prefill_tokens == sum(s.num_prompt_tokens for s in trace)
+    assert result.decode_tokens == sum(s.max_tokens for s in trace)
+    assert result.blocks_allocated == sum(-(-s.num_final_tokens // 16) for s in trace)  # no hits, no preemption
+
+
+def test_bench_cli_json_and_csv(cli, tmp_path):
+    out = tmp_path / "bench.csv"
+    res = cli(["bench", "allocator", "--num-requests", "12", "--max-running", "4", "--seed", "1", "--json", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["num_requests"] == 12 and data["prefix_caching"] is True and data["decode_us_per_token"] > 0
+    assert out.read_text().splitlines()[0].startswith("num_requests,max_running")
+    bad = cli(["bench", "allocator", "--num-requests", "0"])
+    assert bad.exit_code == 2 and "must be positive" in bad.output
