@@ -1,0 +1,147 @@
+"""`kvsim size` and `kvsim models` through the CLI: figures, JSON, and user errors as one line + exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+GiB = 2**30
+
+
+def run_json(cli, args):
+    result = cli(["size", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_size_table_shows_the_figures_and_vllm_concurrency_line(cli):
+    result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "114,688 B" in out and "1,835,008 B" in out  # per token, per block
+    assert "663,690" in out  # max tokens
+    assert "Maximum concurrency for 40,960 tokens per request: 16.20x" in out
+
+
+def test_size_table_labels_capped_and_uncapped(cli):
+    result = cli(["size", "--model", "gemma-2-9b", "--memory", "80GiB"])
+    assert result.exit_code == 0, result.output
+    assert "capped" in result.stdout and "uncapped" in result.stdout
+    assert "sliding(4096)" in result.stdout
+    assert "704,643,072 B" in result.stdout  # the sliding cap per sequence
+
+
+def test_size_json_keys_and_values(cli):
+    out = run_json(cli, ["--model", "google/gemma-2-9b", "--context", "8192", "--gpu", "h100-80gb"])
+    assert out["model"] == "gemma-2-9b" and out["kv_dtype"] == "bf16" and out["tp"] == 1
+    assert out["kv_bytes_per_token"] == 344064
+    assert out["full_attention_bytes_per_token"] == 172032
+    assert out["sliding_window_bytes_per_token"] == 172032
+    assert out["sliding_window_cap_bytes_per_sequence"] == 704643072
+    assert out["state_bytes_per_sequence"] == 0
+    assert out["block_size"] == 16 and out["block_bytes"] == 16 * 344064
+    assert out["context_tokens"] == 8192
+    assert out["bytes_per_sequence"] == 172032 * 8192 + 704643072
+    assert out["bytes_per_sequence_uncapped"] == 344064 * 8192
+    budget = int(80 * GiB * 0.9) - 2 * 9241705984
+    assert out["kv_budget_bytes"] == budget
+    assert out["max_tokens"] == budget // 344064
+    assert out["max_sequences"] == pytest.approx(budget / out["bytes_per_sequence"], abs=1e-4)
+
+
+def test_memory_option_equals_the_gpu_memory(cli):
+    by_gpu = run_json(cli, ["--model", "llama-3.1-8b", "--gpu", "h100-80gb"])
+    by_memory = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "80GiB"])
+    assert by_gpu["kv_budget_bytes"] == by_memory["kv_budget_bytes"]
+    decimal = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "80GB"])
+    assert decimal["kv_budget_bytes"] == int(80e9 * 0.9) - 16060522496
+
+
+def test_tp_dtype_block_size_and_weight_dtype(cli):
+    out = run_json(cli, ["--model", "llama-3.1-70b", "--tp", "8", "--kv-dtype", "fp8", "--block-size", "32",
+                         "--gpu", "h100-80gb", "--weight-dtype", "fp8", "--utilization", "0.95"])
+    assert out["kv_bytes_per_token"] == 80 * 2 * 1 * 128 * 1 == 20480
+    assert out["block_bytes"] == 32 * 20480
+    assert out["weight_bytes"] == -(-70553706496 // 8)
+    assert out["kv_budget_bytes"] == int(80 * GiB * 0.95) - (-(-70553706496 // 8))
+
+
+def test_state_and_mla_through_the_cli(cli):
+    assert run_json(cli, ["--model", "qwen3-next-80b-a3b"])["state_bytes_per_sequence"] == 39518208
+    assert run_json(cli, ["--model", "deepseek-v3", "--tp", "8"])["kv_bytes_per_token"] == 70272
+
+
+def test_config_path_and_params(cli, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                                "num_key_value_heads": 8, "max_position_embeddings": 8192}))
+    out = run_json(cli, ["--config", str(path), "--memory", "24GiB", "--params", "8e9"])
+    assert out["kv_bytes_per_token"] == 131072 and out["context_tokens"] == 8192
+    assert out["weight_bytes"] == 16 * 10**9
+
+
+def test_layout_and_address(cli):
+    result = cli(["size", "--model", "llama-3.1-8b", "--layout", "--num-blocks", "1000", "--address", "1,31,999,15,7,127"])
+    assert result.exit_code == 0, result.output
+    assert "2,097,152,000 B" in result.stdout
+    assert "byte offset: 2,097,151,998" in result.stdout
+    out = run_json(cli, ["--model", "llama-3.1-8b", "--num-blocks", "10", "--address", "0,0,1,0,0,0"])
+    assert out["pool_shape"] == [2, 32, 10, 16, 8, 128] and out["address_byte_offset"] == 16 * 8 * 128 * 2
+
+
+def test_models_command(cli):
+    result = cli(["models"])
+    assert result.exit_code == 0, result.output
+    assert "qwen3-0.6b" in result.stdout and "deepseek-v3" in result.stdout and "70,272" in result.stdout
+    rows = json.loads(cli(["models", "--json"]).stdout)
+    by_name = {r["name"]: r for r in rows}
+    assert len(rows) == 18
+    assert by_name["gemma-2-9b"]["layers"] == {"sliding(4096)": 21, "full": 21}
+    assert by_name["qwen3-0.6b"]["kv_bytes_per_token_bf16"] == 114688
+    assert (by_name["deepseek-v3"]["num_kv_heads"], by_name["deepseek-v3"]["head_dim"]) == (1, 576)
+
+
+def _config(tmp_path, text):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "qwen3-0.5b"], "unknown model 'qwen3-0.5b'"),
+        (["--config", "/nonexistent/config.json"], "cannot read config"),
+        (["--config", "{bad}"], "invalid JSON"),
+        (["--config", "{missing}"], "num_attention_heads"),
+        (["--model", "llama-3.1-8b", "--kv-dtype", "fp4"], "--kv-dtype: unknown dtype 'fp4'"),
+        (["--model", "qwen3-32b", "--gpu", "l4"], "do not fit"),
+        (["--model", "llama-3.1-8b", "--gpu", "h1000"], "unknown GPU"),
+        (["--model", "llama-3.1-8b", "--memory", "lots"], "--memory"),
+        (["--model", "llama-3.1-8b", "--tp", "3"], "--tp 3 does not divide"),
+        (["--model", "llama-3.1-8b", "--layout"], "--num-blocks"),
+        (["--model", "llama-3.1-8b", "--num-blocks", "2", "--address", "0,0,2,0,0,0"], "block index 2 out of range"),
+        ([], "exactly one of --model"),
+        (["--model", "llama-3.1-8b", "--gpu", "h100", "--memory", "1GB"], "not both"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(cli, tmp_path, args, needle):
+    args = [
+        _config(tmp_path, "{not json") if a == "{bad}" else
+        _config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": 64, "max_position_embeddings": 64}') if a == "{missing}" else a
+        for a in args
+    ]
+    result = cli(["size", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvsim: error: "), result.stderr
+    assert needle in lines[0]
+    assert result.stdout == ""
+
+
+def test_missing_field_error_names_the_file(cli, tmp_path):
+    path = _config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}')
+    result = cli(["size", "--config", path])
+    assert result.exit_code == 2
+    assert path in result.stderr and "max_position_embeddings" in result.stderr
