@@ -32,7 +32,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 if hasattr(torch, "float8_e4m3fn"):
     TORCH_DTYPES.update(fp8=torch.float8_e4m3fn, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2)
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # same-width integer view for integrity bits
-_U64 = np.uint64
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,27 +61,6 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return x ^ (x >> _U64(31))
-
-
-def prefix_fingerprints(token_ids: np.ndarray) -> np.ndarray:
-    """(n,) uint64: fingerprint p identifies the whole prefix token_ids[: p + 1] (a chained hash, like a
-    prefix-cache block hash, but per token): XOR-accumulated hashes of (token id, position).
-
-    Two requests that share a prefix get equal fingerprints over it, so a cached or forked block reads the
-    same integrity values whoever wrote it, and differ from the first differing token on.
-    """
-    pos = np.arange(len(token_ids), dtype=_U64)
-    with np.errstate(over="ignore"):
-        per_token = _mix64(np.asarray(token_ids).astype(_U64) * _U64(0x9E3779B97F4A7C15) + pos)
-    return np.bitwise_xor.accumulate(per_token)
 
 
 @dataclass(frozen=True)
@@ -208,7 +186,7 @@ class KVCache:
         then another request reading its blocks through the prefix cache would (rightly) fail `verify`.
         """
         if self.integrity:
-            self._fingerprints[seq_id] = prefix_fingerprints(token_ids)
+            self._fingerprints[seq_id] = kernels.prefix_fingerprints(token_ids)
 
     def forget(self, seq_id: int) -> None:
         """Drop a finished request's fingerprints (its blocks may stay cached for others)."""
@@ -216,13 +194,12 @@ class KVCache:
 
     def _token_fingerprints(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """(N,) int64 on the device: the fingerprint of each (seq_id, position)."""
-        out = np.empty(len(positions), dtype=_U64)
+        out = np.empty(len(positions), dtype=np.uint64)
         for seq_id in np.unique(seq_ids):  # one vectorised lookup per request
             rows = seq_ids == seq_id
             table = self._fingerprints.get(int(seq_id))
             if table is None:
-                with np.errstate(over="ignore"):
-                    out[rows] = _mix64(positions[rows].astype(_U64) + _U64(int(seq_id)) * _U64(0xD6E8FEB86659FD93))
+                out[rows] = kernels.seq_fingerprints(int(seq_id), positions[rows])
             else:
                 out[rows] = table[positions[rows]]
         return torch.from_numpy(out.view(np.int64)).to(self.device)
@@ -307,12 +284,7 @@ class KVCache:
             return None
         lens = np.asarray(seq_lens, dtype=np.int64)
         assert lens.min() >= 1
-        need = -(-lens // self.block_size)  # blocks per sequence
-        table = np.zeros((len(lens), int(need.max())), dtype=np.int64)  # (B, M)
-        flat = np.concatenate([np.asarray(bt[:m], dtype=np.int64) for bt, m in zip(block_tables, need)])
-        assert len(flat) == need.sum(), "a block table is shorter than its sequence"
-        rows = np.repeat(np.arange(len(lens)), need)
-        table[rows, np.arange(len(flat)) - np.repeat(np.cumsum(need) - need, need)] = flat
+        table = kernels.pad_block_tables(block_tables, lens, self.block_size)  # (B, M)
         bt = self._index(table)
         with self.timer.measure("read"):
             kv = kernels.gather_paged(self.kv_cache, bt)  # [2, L, B, M*block_size, H, D]

@@ -9,6 +9,7 @@ timings measure the kernel, not the interpreter. Tensors use nano-vllm's pool la
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +101,20 @@ def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor
     )
 
 
+def pad_block_tables(block_tables: list[np.ndarray], seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """(B, M) int64: each table cut to the blocks its length needs, padded with block 0 to the longest.
+
+    Built with whole-array numpy ops (one concatenate), so a decode batch costs no per-token Python.
+    """
+    need = -(-seq_lens // block_size)  # (B,) blocks per sequence
+    table = np.zeros((len(seq_lens), int(need.max())), dtype=np.int64)
+    flat = np.concatenate([np.asarray(bt[:m], dtype=np.int64) for bt, m in zip(block_tables, need)])
+    assert len(flat) == need.sum(), "a block table is shorter than its sequence"
+    rows = np.repeat(np.arange(len(seq_lens)), need)
+    table[rows, np.arange(len(flat)) - np.repeat(np.cumsum(need) - need, need)] = flat
+    return table
+
+
 def gather_paged(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """Every sequence's blocks, in block-table order, gathered with one `index_select` over blocks.
 
@@ -131,29 +146,64 @@ def slice_run(kv_flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return kv_flat[:, :, start : start + length]
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, *, fold_gqa: bool = True
+) -> torch.Tensor:
     """One decode token per sequence attending to its first `seq_lens[n]` keys, batched with torch SDPA.
 
     q: (N, Hq, D); k, v: (N, T, H, D) padded past each length; seq_lens: (N,) int64, all >= 1.
-    Returns (N, Hq, D). Grouped-query attention (Hq a multiple of H) uses SDPA's `enable_gqa`.
+    Returns (N, Hq, D). Grouped-query attention (Hq = G * H, query head i reads kv head i // G):
+
+    - `fold_gqa=True` (default): the G query heads of a kv head become G query rows of that head, so SDPA
+      sees equal head counts, repeats no K/V, and its fused backends accept the padding mask;
+    - `fold_gqa=False`: SDPA's own `enable_gqa=True` (on CUDA, with a mask, this may fall back to the math
+      backend: the "naive" baseline).
     """
     n, hq, d = q.shape
     t, h = k.shape[1], k.shape[2]
     assert hq % h == 0, (hq, h)
-    mask = torch.arange(t, device=k.device)[None, :] < seq_lens[:, None]  # (N, T)
+    mask = (torch.arange(t, device=k.device)[None, :] < seq_lens[:, None])[:, None, None, :]  # (N, 1, 1, T)
     if k.dtype != q.dtype:  # fp8 / int8 pools: dequantise (unit scale) to the compute dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (N, Hq, 1, D)
-        k.transpose(1, 2),  # (N, H, T, D)
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],  # (N, 1, 1, T)
-        enable_gqa=hq != h,
-    )  # (N, Hq, 1, D)
-    return out.squeeze(2)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, H, T, D)
+    if hq == h or fold_gqa:
+        out = F.scaled_dot_product_attention(q.view(n, h, hq // h, d), k, v, attn_mask=mask)  # (N, H, G, D)
+    else:
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)  # (N, Hq, 1, D)
+    return out.reshape(n, hq, d)
 
 
 # --- integrity values ---------------------------------------------------------------------------------
+_U64 = np.uint64
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return x ^ (x >> _U64(31))
+
+
+def prefix_fingerprints(token_ids: np.ndarray) -> np.ndarray:
+    """(n,) uint64: fingerprint p identifies the whole prefix token_ids[: p + 1] (a chained hash, like a
+    prefix-cache block hash, but per token): XOR-accumulated hashes of (token id, position).
+
+    Two requests that share a prefix get equal fingerprints over it, so a cached or forked block reads the
+    same integrity values whoever wrote it, and differ from the first differing token on.
+    """
+    pos = np.arange(len(token_ids), dtype=_U64)
+    with np.errstate(over="ignore"):
+        per_token = _mix64(np.asarray(token_ids).astype(_U64) * _U64(0x9E3779B97F4A7C15) + pos)
+    return np.bitwise_xor.accumulate(per_token)
+
+
+def seq_fingerprints(seq_id: int, positions: np.ndarray) -> np.ndarray:
+    """(n,) uint64 for a request without token ids: unique per (seq_id, position), shared with nobody."""
+    with np.errstate(over="ignore"):
+        return _mix64(np.asarray(positions).astype(_U64) + _U64(seq_id) * _U64(0xD6E8FEB86659FD93))
+
+
 # 64-bit odd constants (splitmix64 / golden ratio) as signed int64, since torch has no uint64 arithmetic.
 _LANE = 0x9E3779B97F4A7C15 - 2**64
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64

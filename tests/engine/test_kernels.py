@@ -78,14 +78,15 @@ def reference_attention(q, k, v, n_valid):
     return torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v)  # (Hq, D)
 
 
-@pytest.mark.parametrize("hq", [2, 4])  # equal heads, then grouped-query
-def test_decode_attention_masks_padding_and_matches_reference(hq):
+@pytest.mark.parametrize("fold_gqa", [True, False])
+@pytest.mark.parametrize("hq", [2, 4, 6])  # equal heads, then grouped-query
+def test_decode_attention_masks_padding_and_matches_reference(hq, fold_gqa):
     torch.manual_seed(0)
     lens = torch.tensor([3, 7, 1])
     q = torch.randn(3, hq, D)
     k, v = torch.randn(3, 7, H, D), torch.randn(3, 7, H, D)
     k[0, 3:] = 1e4  # garbage in the padding must not leak through the mask
-    out = kernels.decode_attention(q, k, v, lens)
+    out = kernels.decode_attention(q, k, v, lens, fold_gqa=fold_gqa)
     assert out.shape == (3, hq, D)
     for n in range(3):
         ref = reference_attention(q[n], k[n], v[n], int(lens[n]))
