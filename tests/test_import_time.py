@@ -1,0 +1,44 @@
+"""`kvsim --help` and `kvsim size` must not import torch or pandas: they should start in well under a second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+HEAVY = ("torch", "pandas", "matplotlib")
+
+
+def imported_modules(args: list[str]) -> tuple[set[str], subprocess.CompletedProcess]:
+    """Run python -X importtime with `args`; the set of top-level modules it imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    modules = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            modules.add(name.split(".")[0])
+    assert "kvsim" in modules or proc.returncode != 0, proc.stderr[-2000:]
+    return modules, proc
+
+
+def test_importing_the_cli_imports_no_heavy_module():
+    modules, proc = imported_modules(["-c", "import kvsim.cli"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kvsim" in modules and "typer" in modules  # the parse saw real imports
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_size_command_imports_no_heavy_module():
+    modules, proc = imported_modules(["-m", "kvsim", "size", "--model", "gemma-2-9b", "--gpu", "h100-80gb", "--layout", "--num-blocks", "4"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Maximum concurrency for 8,192 tokens per request" in proc.stdout
+    assert "yaml" in modules and "rich" in modules
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_help_imports_no_heavy_module():
+    modules, proc = imported_modules(["-m", "kvsim", "--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "size" in proc.stdout
+    assert not modules & set(HEAVY), modules & set(HEAVY)
