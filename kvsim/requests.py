@@ -24,6 +24,8 @@ VOCAB_SIZE = 2**31
 _ARRIVAL, _PROMPT, _OUTPUT, _PREFIX = range(4)
 # Token-id streams (hash keys): a shared-prefix group's ids, and a request's own ids.
 _GROUP_IDS, _REQUEST_IDS = 1, 2
+_GOLDEN, _C1, _C2, _MASK64 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 2**64 - 1
+_U64 = {k: np.uint64(v) for k, v in {"golden": _GOLDEN, "c1": _C1, "c2": _C2, 27: 27, 30: 30, 31: 31, 33: 33}.items()}
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,11 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
     else:
         rng = [np.random.default_rng([workload.seed, stream]) for stream in range(4)]
         arrival = spec.arrival.times(rng[_ARRIVAL], count=spec.count, duration_s=spec.duration_s)
-        arrival = arrival[: spec.limit]
-        n = len(arrival)
-        prompt = spec.prompt_tokens.sample(rng[_PROMPT], n)
-        output = spec.output_tokens.sample(rng[_OUTPUT], n)
+        prompt = spec.prompt_tokens.sample(rng[_PROMPT], len(arrival))
+        output = spec.output_tokens.sample(rng[_OUTPUT], len(arrival))
         group, prefix = _prefix_groups(spec.shared_prefix, prompt, rng[_PREFIX])
+        # The whole stream is drawn before `limit` cuts it, so a limited run is a prefix of the full one.
+        arrival, prompt, output, group, prefix = (x[: spec.limit] for x in (arrival, prompt, output, group, prefix))
     return [
         RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
         for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
@@ -101,25 +103,38 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
         request 7, group 2:  [ g2[0] g2[1] ... g2[k-1] | r7[k] r7[k+1] ... r7[n-1] ]
         request 9, group 2:  [ g2[0] g2[1] ... g2[k-1] | r9[k] ... ]      k = num_prefix_tokens
     """
-    positions = np.arange(request.num_final_tokens, dtype=np.uint64)  # (n,)
-    ids = _hash_ids(seed, _REQUEST_IDS, request.request_id, positions)
-    if request.prefix_group is not None:
-        k = request.num_prefix_tokens
-        ids[:k] = _hash_ids(seed, _GROUP_IDS, request.prefix_group, positions[:k])
+    k, n = request.num_prefix_tokens, request.num_final_tokens
+    ids = np.empty(n, dtype=np.int64)  # (n,)
+    if k:
+        ids[:k] = _hash_ids(_salt(seed, _GROUP_IDS, request.prefix_group), 0, k)
+    ids[k:] = _hash_ids(_salt(seed, _REQUEST_IDS, request.request_id), k, n)
     return ids
 
 
-def _hash_ids(seed: int, stream: int, key: int, positions: np.ndarray) -> np.ndarray:
-    """splitmix64 of (seed, stream, key, position) for each position, reduced to [0, VOCAB_SIZE): (n,) int64."""
-    salt = np.array([seed], dtype=np.uint64)  # (1,) chained, so (stream, key) = (1, 2) differs from (2, 1)
+def _salt(seed: int, stream: int, key: int) -> int:
+    """One 64-bit key per (seed, stream, key), chained so that (stream, key) = (1, 2) differs from (2, 1)."""
+    salt = seed & _MASK64
     for part in (stream, key):
-        salt = _splitmix64(salt ^ _splitmix64(np.array([part], dtype=np.uint64)))
-    mixed = _splitmix64(salt + positions * np.uint64(0x9E3779B97F4A7C15))  # (n,)
-    return (mixed % np.uint64(VOCAB_SIZE)).astype(np.int64)
+        salt = _splitmix64(salt ^ _splitmix64(part))
+    return salt
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, elementwise on uint64 (wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _hash_ids(salt: int, start: int, stop: int) -> np.ndarray:
+    """Ids of positions [start, stop): the top 31 bits of splitmix64(salt + position * golden), (stop - start,) int64."""
+    x = np.arange(start, stop, dtype=np.uint64)  # (m,) positions; every op below wraps mod 2^64, in place
+    x *= _U64["golden"]
+    x += np.uint64(salt)
+    x ^= x >> _U64[30]
+    x *= _U64["c1"]
+    x ^= x >> _U64[27]
+    x *= _U64["c2"]
+    x ^= x >> _U64[31]
+    x >>= _U64[33]  # the top 31 bits: [0, 2^31) = [0, VOCAB_SIZE)
+    return x.view(np.int64)
+
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finaliser on a Python int (the same steps `_hash_ids` applies to arrays)."""
+    x = ((x ^ (x >> 30)) * _C1) & _MASK64
+    x = ((x ^ (x >> 27)) * _C2) & _MASK64
+    return x ^ (x >> 31)
