@@ -8,6 +8,7 @@ configs nested under `text_config`. A field it needs and cannot find raises Kvsi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,11 @@ def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
         raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
     if not isinstance(data, dict):
         raise KvsimError("expected a JSON object at the top level", source=source)
-    return model_spec_from_config(data, source=source, name=name or Path(path).parent.name or Path(path).stem)
+    spec = model_spec_from_config(data, source=source, name=name or Path(path).parent.name or Path(path).stem)
+    estimate = estimate_num_params(data, spec)
+    if estimate is None:
+        return spec
+    return replace(spec, num_params=estimate, params_source="estimated from config.json tensor shapes")
 
 
 def model_spec_from_config(
@@ -206,3 +211,44 @@ def _state_layer(cfg: _Config, hidden_size: int) -> LayerSpec:
         intermediate = cfg.get_int("mamba_expand") * hidden_size
         elements = intermediate * (d_conv - 1) + intermediate * d_state
     return LayerSpec(LayerKind.LINEAR_STATE, state_elements=elements)
+
+
+# Families whose MLP is two matrices (up, down) rather than gated (gate, up, down).
+_UNGATED_MLP = {"opt", "gpt2", "gpt_neox", "falcon", "gpt_bigcode", "phi", "bloom"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}  # per-head RMSNorm on q and k
+_SANDWICH_NORM = {"gemma2", "gemma3", "gemma3_text"}  # four norms per layer
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text", "opt"}  # transformers class defaults
+
+
+def estimate_num_params(data: dict[str, Any], model: ModelSpec) -> int | None:
+    """Total parameters counted from tensor shapes, for weight memory; None where kvsim can't count them.
+
+    Counts embeddings (and an untied LM head), each layer's q/k/v/o projections, MLP or all MoE experts
+    (plus router and shared expert), and norms; ignores biases. Matches the published totals of Llama 3.x,
+    Mistral, Mixtral and Qwen3 dense models to the parameter. MLA and linear/mamba layers: None.
+    """
+    if isinstance(data.get("text_config"), dict):
+        data = {**data, **data["text_config"]}
+    if any(layer.kind not in (LayerKind.FULL, LayerKind.SLIDING) for layer in model.layers):
+        return None
+    h = model.hidden_size
+    inter = data.get("moe_intermediate_size") or data.get("intermediate_size") or data.get("ffn_dim")
+    vocab = data.get("vocab_size")
+    if not isinstance(inter, int) or not isinstance(vocab, int):
+        return None
+    layer = model.layers[0]
+    q_dim = model.num_attention_heads * layer.head_dim
+    attention = h * q_dim + 2 * h * layer.num_kv_heads * layer.head_dim + q_dim * h
+    family = str(data.get("model_type", "")).lower()
+    if family in _QK_NORM:
+        attention += 2 * layer.head_dim  # q_norm, k_norm
+    norms = 4 if family in _SANDWICH_NORM else 2
+    matrices = 2 if family in _UNGATED_MLP else 3
+    experts = data.get("num_experts") or data.get("num_local_experts") or data.get("n_routed_experts") or 1
+    mlp = matrices * h * inter * experts + (h * experts if experts > 1 else 0)
+    shared = data.get("shared_expert_intermediate_size")
+    if isinstance(shared, int):
+        mlp += 3 * h * shared + h
+    tied = data.get("tie_word_embeddings", family in _TIED_BY_DEFAULT)
+    embeddings = vocab * h * (1 if tied else 2)
+    return model.num_layers * (attention + mlp + norms * h) + h + embeddings

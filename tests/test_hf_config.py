@@ -305,3 +305,29 @@ def test_unreadable_file(tmp_path):
 @pytest.mark.parametrize("dtype, expected", [("float16", "fp16"), ("float32", "fp32"), ("bfloat16", "bf16")])
 def test_torch_dtype_becomes_weight_dtype(write_config, dtype, expected):
     assert load_hf_config(write_config({**LLAMA_8B, "torch_dtype": dtype})).weight_dtype == expected
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "llama-3.1-8b", "llama-3.1-405b", "llama-3.2-1b",
+             "mistral-7b-v0.1", "mixtral-8x7b-v0.1", "gemma-2-9b", "gemma-3-27b"],
+)
+def test_parameter_estimate_from_a_config_file_matches_the_catalogue(write_config, name):
+    from kvsim.catalogue import catalogue_entry
+
+    entry = catalogue_entry(name)
+    model = load_hf_config(write_config(entry["config"]))
+    assert model.num_params == entry["num_params"]
+    assert "estimated" in model.params_source
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-next-80b-a3b"])
+def test_no_parameter_estimate_for_mla_or_hybrids(write_config, name):
+    from kvsim.catalogue import catalogue_entry
+
+    assert load_hf_config(write_config(catalogue_entry(name)["config"])).num_params is None
+
+
+def test_parameter_estimate_needs_vocab_and_mlp_sizes(write_config):
+    assert load_hf_config(write_config(LLAMA_8B)).num_params is None
+    cfg = {**LLAMA_8B, "vocab_size": 128256, "intermediate_size": 14336}
+    assert load_hf_config(write_config(cfg)).num_params == 8030261248
