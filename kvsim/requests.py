@@ -1,4 +1,4 @@
-"""The request stream of a workload: lengths and arrivals (`generate_requests`) and synthetic token ids.
+"""The request stream of a workload: its spec (synthetic or a trace), the requests it generates, and token ids.
 
 Token ids are made lazily, one request at a time (`make_token_ids`), so a replay holds ids only for the
 requests that are live, never for the whole stream.
@@ -7,10 +7,12 @@ requests that are live, never for the whole stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsim.distributions import ArrivalProcess, LengthDistribution
 from kvsim.traces import read_trace
 
 if TYPE_CHECKING:
@@ -26,6 +28,46 @@ _ARRIVAL, _PROMPT, _OUTPUT, _PREFIX = range(4)
 _GROUP_IDS, _REQUEST_IDS = 1, 2
 _GOLDEN, _C1, _C2, _MASK64 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 2**64 - 1
 _U64 = {k: np.uint64(v) for k, v in {"golden": _GOLDEN, "c1": _C1, "c2": _C2, 27: 27, 30: 30, 31: 31, 33: 33}.items()}
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A `fraction` of requests start with one of `groups` shared prefixes (system prompts) of `tokens` tokens.
+
+    The prefix is part of the prompt: a request whose prompt is shorter than `tokens` shares only its prompt.
+    """
+
+    groups: int
+    tokens: int
+    fraction: float
+
+
+@dataclass(frozen=True)
+class SyntheticRequests:
+    """Requests drawn from distributions: `count` of them, or all arriving within `duration_s` seconds."""
+
+    arrival: ArrivalProcess
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    count: int | None = None
+    duration_s: float | None = None
+    shared_prefix: SharedPrefix | None = None
+    limit: int | None = None  # at most this many (the first by arrival)
+
+    def __post_init__(self) -> None:
+        assert (self.count is None) != (self.duration_s is None)
+
+
+@dataclass(frozen=True)
+class TraceRequests:
+    """Requests replayed from a trace file (Vidur CSV, Azure CSV or JSONL; see kvsim.traces).
+
+    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast).
+    """
+
+    path: Path
+    time_scale: float = 1.0
+    limit: int | None = None  # at most this many (the first by arrival)
 
 
 @dataclass(frozen=True)
@@ -60,8 +102,6 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
     Synthetic lengths, arrivals and prefix groups each come from their own stream of the workload seed, so
     changing, say, the arrival rate leaves every request's lengths as they were.
     """
-    from kvsim.workload import TraceRequests
-
     spec = workload.requests
     if isinstance(spec, TraceRequests):
         trace = read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit)

@@ -14,10 +14,13 @@ from typing import Any, Literal
 
 import yaml
 
-from kvsim.distributions import ArrivalProcess, LengthDistribution, arrival_from_fields, length_from_fields
+from kvsim.distributions import arrival_from_fields, length_from_fields
 from kvsim.engine.factory import AllocatorConfig
 from kvsim.errors import KvsimError
+from kvsim.requests import SharedPrefix, SyntheticRequests, TraceRequests
 from kvsim.units import dtype_bytes, parse_bytes
+
+__all__ = ["Fields", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 _REQUIRED: Any = object()  # default for fields that must be given
 
@@ -35,46 +38,6 @@ class SchedulerConfig:
     preemption: Literal["recompute", "swap"] = "recompute"
     watermark: float = 0.01
     swap_space_bytes: int = 4 * 2**30
-
-
-@dataclass(frozen=True)
-class SharedPrefix:
-    """A `fraction` of requests start with one of `groups` shared prefixes (system prompts) of `tokens` tokens.
-
-    The prefix is part of the prompt: a request whose prompt is shorter than `tokens` shares only its prompt.
-    """
-
-    groups: int
-    tokens: int
-    fraction: float
-
-
-@dataclass(frozen=True)
-class SyntheticRequests:
-    """Requests drawn from distributions: `count` of them, or all arriving within `duration_s` seconds."""
-
-    arrival: ArrivalProcess
-    prompt_tokens: LengthDistribution
-    output_tokens: LengthDistribution
-    count: int | None = None
-    duration_s: float | None = None
-    shared_prefix: SharedPrefix | None = None
-    limit: int | None = None  # at most this many (the first by arrival)
-
-    def __post_init__(self) -> None:
-        assert (self.count is None) != (self.duration_s is None)
-
-
-@dataclass(frozen=True)
-class TraceRequests:
-    """Requests replayed from a trace file (Vidur CSV, Azure CSV or JSONL; see kvsim.traces).
-
-    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast).
-    """
-
-    path: Path
-    time_scale: float = 1.0
-    limit: int | None = None  # at most this many (the first by arrival)
 
 
 @dataclass(frozen=True)
@@ -141,29 +104,14 @@ class Fields:
     def int(self, key: str, default: Any = _REQUIRED, *, min: int | None = None) -> int | None:
         if not self.has(key):
             return self.get(key, default)
-        value = self.get(key)
-        number = _as_number(value)
-        if number is None or not number.is_integer():
-            raise self.error(key, f"must be a whole number, got {_show(value)}")
-        if min is not None and number < min:
-            raise self.error(key, f"must be >= {min}, got {_show(value)}")
-        return int(number)
+        return int(self._number(self.get(key), self.path(key), integer=True, min=min))
 
     def float(self, key: str, default: Any = _REQUIRED, *, min: float | None = None, max: float | None = None,
               exclusive: bool = False) -> float | None:
         """A finite number in [min, max]; `exclusive` makes the bounds strict."""
         if not self.has(key):
             return self.get(key, default)
-        value = self.get(key)
-        number = _as_number(value)
-        if number is None:
-            raise self.error(key, f"must be a number, got {_show(value)}")
-        op = ">" if exclusive else ">="
-        if min is not None and (number < min or (exclusive and number == min)):
-            raise self.error(key, f"must be {op} {min:g}, got {_show(value)}")
-        if max is not None and (number > max or (exclusive and number == max)):
-            raise self.error(key, f"must be {'<' if exclusive else '<='} {max:g}, got {_show(value)}")
-        return number
+        return self._number(self.get(key), self.path(key), min=min, max=max, exclusive=exclusive)
 
     def str(self, key: str, default: Any = _REQUIRED) -> str | None:
         if not self.has(key):
@@ -191,10 +139,10 @@ class Fields:
         return parse_bytes(self.get(key), field=self.path(key), source=self.source)
 
     def int_list(self, key: str, *, min: int) -> list[int]:
-        return [self._item(key, i).int("value", min=min) for i in range(len(self._list(key)))]
+        return [int(self._number(v, f"{self.path(key)}[{i}]", integer=True, min=min)) for i, v in enumerate(self._list(key))]
 
     def float_list(self, key: str, *, min: float) -> list[float]:
-        return [self._item(key, i).float("value", min=min) for i in range(len(self._list(key)))]
+        return [self._number(v, f"{self.path(key)}[{i}]", min=min) for i, v in enumerate(self._list(key))]
 
     def sub(self, key: str, default: Any = _REQUIRED) -> Fields | None:
         """A nested mapping, read with its own Fields (field paths continue: `requests.arrival.rate`)."""
@@ -219,8 +167,17 @@ class Fields:
             raise self.error(key, f"must be a non-empty list, got {_show(value)}")
         return value
 
-    def _item(self, key: str, i: int) -> Fields:
-        return Fields({"value": self.raw[key][i]}, source=self.source, prefix=f"{self.path(key)}[{i}]")
+    def _number(self, value: Any, field: str, *, integer: bool = False, min: float | None = None,
+                max: float | None = None, exclusive: bool = False) -> float:
+        number = _as_number(value)
+        if number is None or (integer and not number.is_integer()):
+            kind = "a whole number" if integer else "a number"
+            raise KvsimError(f"must be {kind}, got {_show(value)}", source=self.source, field=field)
+        if min is not None and (number < min or (exclusive and number == min)):
+            raise KvsimError(f"must be {'>' if exclusive else '>='} {min:g}, got {_show(value)}", source=self.source, field=field)
+        if max is not None and (number > max or (exclusive and number == max)):
+            raise KvsimError(f"must be {'<' if exclusive else '<='} {max:g}, got {_show(value)}", source=self.source, field=field)
+        return number
 
 
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:

@@ -229,3 +229,12 @@ def test_missing_file_and_bad_overrides(tmp_path):
         load_workload(path, limit=0)
     with pytest.raises(KvsimError, match="--trace: trace file not found"):
         load_workload(path, trace=str(tmp_path / "none.csv"))
+
+
+def test_list_items_are_named_by_index(tmp_path):
+    bad = with_change("requests.prompt_tokens", {"dist": "empirical", "values": [10, "x"]})
+    with pytest.raises(KvsimError, match=r"w.yaml: requests.prompt_tokens.values\[1\]: must be a whole number, got 'x'$"):
+        load_workload(write(tmp_path, bad))
+    bad = with_change("requests.prompt_tokens", {"dist": "empirical", "values": [10, 20], "weights": [1, -1]})
+    with pytest.raises(KvsimError, match=r"requests.prompt_tokens.weights\[1\]: must be >= 0, got -1$"):
+        load_workload(write(tmp_path, bad))
