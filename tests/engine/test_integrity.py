@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.engine.cache import KVCache
 from kvsim.engine.flat import FlatAllocator
@@ -207,3 +209,80 @@ def test_flat_slabs_round_trip_and_fork_by_copy():
     cache.read_flat(starts, [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
     with pytest.raises(AssertionError, match="seq 1 position 0 .read."):
         cache.read_flat(starts[::-1], [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
+
+
+OPS = st.lists(st.tuples(st.sampled_from("admit decode preempt resume swap unswap fork finish".split()),
+                         st.integers(0, 99), st.integers(1, 14)), min_size=1, max_size=30)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(ops=OPS)
+def test_random_schedules_keep_every_read_intact(ops):
+    """Random admissions (with shared prefixes), decodes, preemptions, swaps, forks and finishes on a tight
+    paged pool with prefix caching: after every operation each running request reads exactly its tokens."""
+    alloc = make_paged(12, prefix_caching=True)
+    cache = KVCache(SPEC, alloc.num_slots, device="cpu", num_layers=1, integrity=True)
+    prefixes = [tokens(100, 24), tokens(101, 24)]
+    running: list[Sequence] = []
+    preempted: list[tuple[Sequence, int]] = []  # (request, tokens to recompute)
+    swapped: list[tuple[Sequence, int, object]] = []  # (request, tokens swapped out, handle)
+    next_id = iter(range(1000))
+
+    def grow(seq: Sequence) -> bool:
+        if seq.num_computed_tokens >= seq.num_final_tokens or not alloc.append_slots(seq, 1):
+            return False
+        cache.copy_blocks(alloc.pop_copy_on_write())
+        compute(alloc, cache, seq, 1)
+        return True
+
+    for op, pick, size in ops:
+        if op == "admit":
+            shared = prefixes[pick % 2][: size + 2]
+            seq = make_seq(next(next_id), np.concatenate([shared, tokens(pick, 6)]), len(shared) + 1, cache)
+            hit = alloc.allocate(seq, seq.num_prompt_tokens)
+            if hit is not None:
+                seq.num_computed_tokens = hit
+                compute(alloc, cache, seq, seq.num_prompt_tokens - hit)
+                running.append(seq)
+        elif op == "resume" and preempted:
+            seq, n = preempted[pick % len(preempted)]
+            hit = alloc.allocate(seq, n)
+            if hit is not None:
+                preempted.remove((seq, n))
+                seq.num_computed_tokens = hit
+                compute(alloc, cache, seq, n - hit)
+                running.append(seq)
+        elif op == "unswap" and swapped:
+            seq, n, handle = entry = swapped[pick % len(swapped)]
+            if alloc.allocate(seq, n) is not None:
+                swapped.remove(entry)
+                cache.swap_in(handle, alloc.slot_mapping(seq, 0, n))  # hit blocks get identical values
+                seq.num_computed_tokens = n
+                running.append(seq)
+        elif not running:
+            continue
+        elif op == "decode":
+            for seq in running:
+                grow(seq)
+        elif op in ("preempt", "swap", "finish"):
+            seq = running.pop(pick % len(running))
+            n = seq.num_computed_tokens
+            if op == "swap":
+                swapped.append((seq, n, cache.swap_out(alloc.slot_mapping(seq, 0, n))))
+            alloc.free(seq)
+            seq.num_computed_tokens = 0
+            if op == "preempt":
+                preempted.append((seq, n))
+            elif op == "finish":
+                cache.forget(seq.seq_id)
+        elif op == "fork":
+            parent = running[pick % len(running)]
+            n = parent.num_computed_tokens
+            ids = np.concatenate([parent.token_ids[:n], tokens(pick + 7, 4)])
+            child = make_seq(next(next_id), ids, min(n, parent.num_prompt_tokens), cache)
+            if alloc.fork(parent, child):
+                child.num_computed_tokens = n
+                running.append(child)
+                grow(child)
+        if running:
+            check_reads(alloc, cache, running)
