@@ -67,6 +67,17 @@ def make_replay_report(directory: Path, *, workload: str = "poisson", allocators
     return directory
 
 
+@pytest.fixture(autouse=True)
+def low_dpi():
+    """Charts saved at 40 dpi: the same figures, a fraction of the rendering time."""
+    import matplotlib
+
+    from kvsim.plots import style  # noqa: F401  (applies kvsim's rcParams first)
+
+    with matplotlib.rc_context({"savefig.dpi": 40}):
+        yield
+
+
 @pytest.fixture
 def report_dir(tmp_path):
     return make_replay_report(tmp_path / "poisson")
@@ -87,4 +98,192 @@ def test_every_replay_chart_is_written_as_a_real_image(report_dir):
                      "(replay a block-size sweep)"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert path.stat().st_size > 10_000
+        assert path.stat().st_size > 2_000
+
+
+def make_bench_dir(directory: Path, *, contexts=(512, 2048, 8192), block_sizes=(8, 16, 32, 64)) -> Path:
+    """A kernel-bench CSV in `kvsim bench kernels`' columns, times chosen so paged is slower than contiguous."""
+    rows = []
+    for context in contexts:
+        base = dict(device="test-gpu", model="qwen3-0.6b", kv_dtype="bf16", batch_size=8, context_len=context)
+        rows.append(dict(base, op="roofline", kernel="copy", block_size=None, status="ok", median_us=context / 100,
+                         pct_of_roofline=100.0))
+        rows.append(dict(base, op="decode", kernel="sdpa_contiguous", block_size=None, status="ok",
+                         median_us=context / 50, pct_of_roofline=80.0))
+        for bs in block_sizes:
+            rows.append(dict(base, op="write", kernel="index_copy", block_size=bs, status="ok",
+                             median_us=context / 40 + 1, pct_of_roofline=60.0 + bs / 8))
+            rows.append(dict(base, op="write", kernel="triton", block_size=bs, status="skipped: needs CUDA and triton",
+                             median_us=None, pct_of_roofline=None))
+            rows.append(dict(base, op="decode", kernel="gather_sdpa", block_size=bs, status="ok",
+                             median_us=context / 20 + 64 / bs, pct_of_roofline=40.0 + bs / 4))
+    directory.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(directory / "kernels-test-gpu.csv", index=False)
+    return directory
+
+
+# --- chart 2: the paper's Figure 2 -------------------------------------------------------------------------
+
+
+def bar_segments(fig) -> dict[str, float]:
+    """{'<bar>:<category>': height} for every stacked segment, and the same for bottoms under 'bottom:'."""
+    ax = fig.axes[0]
+    out = {}
+    for patch in ax.patches:
+        if patch.get_gid():
+            out[patch.get_gid()] = patch.get_height()
+            out["bottom:" + patch.get_gid()] = patch.get_y()
+    return out
+
+
+def test_figure2_bar_heights_are_summary_percentages(report_dir):
+    summary = pd.read_csv(report_dir / "summary.csv")
+    segments = bar_segments(draw(report_dir, "figure2"))
+    assert len(segments) == 2 * len(ALLOCATORS) * len(CATEGORIES)  # no paper bars for a poisson workload
+    for _, row in summary.iterrows():
+        bottom = 0.0
+        for category in CATEGORIES:
+            key = f"{row['allocator']}:{category}"
+            assert segments[key] == pytest.approx(row[f"{category}_pct"])
+            assert segments["bottom:" + key] == pytest.approx(bottom)
+            bottom += row[f"{category}_pct"]
+        assert bottom == pytest.approx(100.0)  # the five categories are the whole budget
+
+
+@pytest.mark.parametrize("workload", ["sharegpt-like", "alpaca_like"])
+def test_figure2_puts_the_papers_bars_beside_ours_for_paper_like_workloads(tmp_path, workload):
+    segments = bar_segments(draw(make_replay_report(tmp_path / "r", workload=workload), "figure2"))
+    # Kwon et al., SOSP 2023, Figure 2
+    assert segments["Orca (Max):token_states"] == pytest.approx(20.4)
+    assert segments["Orca (Max):internal_fragmentation"] == pytest.approx(57.3)
+    assert segments["Orca (Pow2):external_fragmentation"] == pytest.approx(41.6)
+    assert segments["Orca (Oracle):reservation"] == pytest.approx(25.2)
+    assert segments["vLLM:token_states"] == pytest.approx(96.3)
+    # what the paper does not itemise is not drawn
+    assert segments["Orca (Oracle):internal_fragmentation"] == 0.0
+    assert segments["vLLM:reservation"] == 0.0
+    assert segments["bottom:Orca (Pow2):external_fragmentation"] == pytest.approx(26.8 + 17.9 + 13.6)
+
+
+# --- chart 1: waste curves ----------------------------------------------------------------------------------
+
+
+def test_waste_curves_stack_the_steps_bytes_in_gib(report_dir):
+    steps = pd.read_parquet(report_dir / "steps.parquet")
+    fig = draw(report_dir, "waste-curves")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == list(ALLOCATORS)
+    assert len({ax.get_ylim() for ax in panels}) == 1  # one scale for every allocator
+    for ax in panels:
+        rows = steps[steps["allocator"] == ax.get_title()]
+        cumulative = rows[[f"{c}_bytes" for c in CATEGORIES]].cumsum(axis=1) / 2**30
+        assert len(ax.collections) == len(CATEGORIES)
+        for category, collection in zip(CATEGORIES, ax.collections):
+            top = collection.get_paths()[0].vertices[:, 1].max()
+            assert top == pytest.approx(cumulative[f"{category}_bytes"].max())
+        assert ax.collections[-1].get_paths()[0].vertices[:, 1].max() == pytest.approx(1.0)  # the 1 GiB budget
+
+
+def test_binned_means_keep_each_bins_average():
+    from kvsim.plots.waste import binned
+
+    t, v = binned(np.array([0.0, 1.0, 2.0, 3.0]), np.array([[0.0], [2.0], [4.0], [6.0]]), 2)
+    assert t.tolist() == [0.75, 2.25]
+    assert v[:, 0].tolist() == [1.0, 5.0]
+    same_t, same_v = binned(np.array([0.0, 1.0]), np.array([[3.0], [4.0]]), 2)  # few steps: unchanged
+    assert same_t.tolist() == [0.0, 1.0] and same_v[:, 0].tolist() == [3.0, 4.0]
+
+
+# --- chart 3: block sizes -------------------------------------------------------------------------------------
+
+
+def test_block_size_chart_plots_the_sweep_in_block_size_order(tmp_path):
+    labels = ("paged-64", "paged-1", "paged-16", "flat-max", "paged-256")
+    report_dir = make_replay_report(tmp_path / "sweep", workload="block-sizes", allocators=labels)
+    summary = pd.read_csv(report_dir / "summary.csv").set_index("allocator")
+    lines = {line.get_gid(): line for line in draw(report_dir, "block-sizes").axes[0].get_lines()}
+    for category in ("token_states", "internal_fragmentation"):
+        assert lines[category].get_xdata().tolist() == [1, 16, 64, 256]
+        expected = [summary.loc[f"paged-{b}", f"{category}_pct"] for b in (1, 16, 64, 256)]
+        assert lines[category].get_ydata() == pytest.approx(expected)
+
+
+# --- chart 4: timeline ----------------------------------------------------------------------------------------
+
+
+def test_timeline_draws_running_and_waiting_and_marks_each_preemption(report_dir):
+    steps = pd.read_parquet(report_dir / "steps.parquet")
+    fig = draw(report_dir, "timeline")
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.get_lines() if line.get_gid()}
+    for label in ALLOCATORS:
+        rows = steps[steps["allocator"] == label]
+        assert lines[f"running:{label}"].get_ydata().tolist() == rows["num_running"].tolist()
+        assert lines[f"waiting:{label}"].get_ydata().tolist() == rows["num_waiting"].tolist()
+    marked = lines["preemptions:flat-max"]
+    preempted = steps[(steps["allocator"] == "flat-max") & (steps["num_preemptions"] > 0)]
+    assert marked.get_xdata().tolist() == preempted["time_s"].tolist() and len(preempted) == 3
+    assert "preemptions:paged-16" not in lines
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "flat-max (peak 7, 3 preemptions)" in legend
+
+
+# --- chart 5: latency -------------------------------------------------------------------------------------------
+
+
+def test_latency_cdfs_hold_every_finished_request_and_no_rejected_one(report_dir):
+    requests = pd.read_csv(report_dir / "requests.csv")
+    fig = draw(report_dir, "latency")
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.get_lines() if line.get_gid()}
+    for label in ALLOCATORS:
+        rows = requests[requests["allocator"] == label]
+        ttft = lines[f"ttft_s:{label}"]
+        assert ttft.get_xdata().tolist() == sorted(rows["ttft_s"].dropna())  # the rejected request is left out
+        assert len(ttft.get_xdata()) == len(rows) - 1
+        assert ttft.get_ydata()[-1] == 1.0
+        assert lines[f"tpot_s:{label}"].get_xdata() == pytest.approx(sorted(rows["tpot_s"] * 1000))
+    p50 = np.percentile(requests.loc[requests["allocator"] == "paged-16", "ttft_s"].dropna(), 50)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any(text.startswith(f"paged-16: p50 {p50:.3g} s") for text in legend)
+
+
+# --- missing data: skipped with a one-line note -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "missing, expected_notes",
+    [
+        ("steps", ["skipped waste-curves: no steps.parquet", "skipped timeline: no steps.parquet"]),
+        ("requests", ["skipped latency: no requests.csv"]),
+        ("summary", ["skipped figure2: no summary.csv", "skipped block-sizes: no summary.csv"]),
+    ],
+)
+def test_a_chart_without_its_data_is_skipped_with_a_one_line_note(tmp_path, missing, expected_notes):
+    report_dir = make_replay_report(tmp_path / "r", **{f"with_{missing}": False})
+    notes = []
+    paths = plot_report(load_report(report_dir), note=notes.append)
+    skipped = [n.split(": ", 1)[1] for n in notes if "block-sizes: summary.csv" not in n]
+    assert skipped == expected_notes
+    assert all("\n" not in n and n.startswith(str(report_dir)) for n in notes)
+    assert all(p.exists() for p in paths) and len(paths) == 5 - len(notes)
+
+
+def test_a_summary_without_a_category_column_names_it(tmp_path):
+    report_dir = make_replay_report(tmp_path / "r")
+    pd.read_csv(report_dir / "summary.csv").drop(columns=["free_pct"]).to_csv(report_dir / "summary.csv", index=False)
+    notes = []
+    plot_report(load_report(report_dir), note=notes.append)
+    assert f"{report_dir}: skipped figure2: summary.csv lacks column(s) free_pct" in notes
+
+
+def test_a_directory_without_reports_is_noted_not_drawn(tmp_path):
+    notes = []
+    assert plot_report(load_report(tmp_path), note=notes.append) == []
+    assert notes == [f"{tmp_path}: skipped: no replay or bench report files"]
+
+
+def test_same_report_gives_the_same_svg_bytes(report_dir, tmp_path):
+    from kvsim.plots.style import save
+
+    first = save(draw(report_dir, "figure2"), tmp_path / "a.svg").read_bytes()
+    second = save(draw(report_dir, "figure2"), tmp_path / "b.svg").read_bytes()
+    assert first == second and first.lstrip().startswith(b"<?xml")

@@ -46,6 +46,7 @@ RC = {
     "grid.alpha": 0.3,
     "legend.fontsize": 9,
     "legend.frameon": False,
+    "svg.hashsalt": "kvsim",  # stable element ids: the same report gives the same SVG bytes
 }
 
 
