@@ -154,14 +154,16 @@ def _print_report(console: Console, report) -> None:
         style="dim",
     )
     if cap is not None:
-        console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False)
+        console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
+        tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
         console.print(
-            f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x "
-            "(vLLM's block rounding: whole blocks)",
+            f"with vLLM's block rounding: GPU KV cache size: {tokens} tokens, "
+            f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
             highlight=False,
+            soft_wrap=True,
         )
         if cap.max_sequences_uncapped != cap.max_sequences:
-            console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False)
+            console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:
@@ -175,7 +177,7 @@ def _print_layout(console: Console, pool, address: str | None, offset: int | Non
     console.print(table)
     console.print(f"pool bytes: {_b(pool.total_bytes)}")
     if offset is not None:
-        console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False)
+        console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False, soft_wrap=True)
 
 
 def show_models(*, as_json: bool = False) -> None:

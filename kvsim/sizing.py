@@ -167,6 +167,7 @@ class Capacity:
 
     kv_budget_bytes: int
     max_tokens: int | None  # budget / bytes per token, every layer keeping every token; None without per-token KV
+    max_tokens_block_rounded: int | None  # whole blocks x block_size (vLLM's "GPU KV cache size: N tokens")
     max_sequences: float  # budget / capped bytes per sequence
     max_sequences_block_rounded: float  # whole blocks of the budget / whole-block bytes per sequence
     max_sequences_uncapped: float  # budget / uncapped bytes per sequence
@@ -181,6 +182,7 @@ def capacity(spec: KVCacheSpec, budget_bytes: int, context_tokens: int) -> Capac
     return Capacity(
         kv_budget_bytes=budget_bytes,
         max_tokens=budget_bytes // per_token if per_token else None,
+        max_tokens_block_rounded=(budget_bytes // spec.block_bytes) * spec.block_size if per_token else None,
         max_sequences=budget_bytes / bytes_per_sequence(spec, context_tokens),
         max_sequences_block_rounded=usable / block_rounded_bytes_per_sequence(spec, context_tokens),
         max_sequences_uncapped=budget_bytes / bytes_per_sequence(spec, context_tokens, capped=False),
@@ -236,6 +238,7 @@ class SizeReport:
                     "weight_bytes": self.weight_bytes,
                     "kv_budget_bytes": cap.kv_budget_bytes,
                     "max_tokens": cap.max_tokens,
+                    "max_tokens_block_rounded": cap.max_tokens_block_rounded,
                     "max_sequences": round(cap.max_sequences, 4),
                     "max_sequences_block_rounded": round(cap.max_sequences_block_rounded, 4),
                     "max_sequences_uncapped": round(cap.max_sequences_uncapped, 4),

@@ -22,6 +22,7 @@ def test_size_table_shows_the_figures_and_vllm_concurrency_line(cli):
     assert "114,688 B" in out and "1,835,008 B" in out  # per token, per block
     assert "663,690" in out  # max tokens
     assert "Maximum concurrency for 40,960 tokens per request: 16.20x" in out
+    assert "GPU KV cache size: 663,680 tokens, Maximum concurrency for 40,960 tokens per request: 16.20x" in out
 
 
 def test_size_table_labels_capped_and_uncapped(cli):

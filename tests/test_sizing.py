@@ -175,6 +175,7 @@ def test_capacity_matches_vllm_for_a_uniform_model():
     assert budget == 76117311488
     cap = capacity(spec, budget, 40960)
     assert cap.max_tokens == 663690  # budget // 114688
+    assert cap.max_tokens_block_rounded == 41480 * 16 == 663680
     assert cap.max_sequences_block_rounded == 41480 / 2560 == 16.203125  # 41,480 blocks of 1,835,008 B
     assert cap.max_sequences == pytest.approx(76117311488 / (114688 * 40960))
     assert cap.max_sequences_uncapped == cap.max_sequences
