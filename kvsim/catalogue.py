@@ -25,7 +25,7 @@ def _entries() -> dict[str, dict]:
     import yaml
 
     text = resources.files("kvsim").joinpath("data/models.yaml").read_text()
-    entries = yaml.safe_load(text)
+    entries = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     assert isinstance(entries, dict) and entries, "empty model catalogue"
     return {name.lower(): entry for name, entry in entries.items()}
 

@@ -26,12 +26,17 @@ class GPUSpec:
 
 
 @functools.lru_cache(maxsize=1)
-def _catalogue() -> dict[str, GPUSpec]:
+def _raw() -> dict[str, dict]:
     import yaml
 
-    raw = yaml.safe_load(resources.files("kvsim").joinpath("data/hardware.yaml").read_text())
+    text = resources.files("kvsim").joinpath("data/hardware.yaml").read_text()
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=1)
+def _catalogue() -> dict[str, GPUSpec]:
     gpus = {}
-    for key, entry in raw.items():
+    for key, entry in _raw().items():
         source = f"{HARDWARE_FILE} [{key}]"
         gpus[key] = GPUSpec(
             name=entry["name"],
@@ -46,11 +51,8 @@ def _catalogue() -> dict[str, GPUSpec]:
 
 @functools.lru_cache(maxsize=1)
 def _aliases() -> dict[str, str]:
-    import yaml
-
-    raw = yaml.safe_load(resources.files("kvsim").joinpath("data/hardware.yaml").read_text())
     table = {}
-    for key, entry in raw.items():
+    for key, entry in _raw().items():
         table[key] = key
         for alias in entry.get("aliases", []):
             table[str(alias).lower()] = key
