@@ -159,6 +159,28 @@ def replay(
     )
 
 
+@bench_app.command("kernels")
+@user_errors
+def bench_kernels(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model whose first attention layer gives the shapes.")] = "llama-3.1-8b",
+    block_sizes: Annotated[str, typer.Option("--block-sizes", help="Tokens per KV block, comma-separated.")] = "8,16,32,64,128,256",
+    batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help="Decode batch sizes (default: 8,64 on CUDA, 2 on CPU).", show_default=False)] = None,
+    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help="Tokens per sequence (default: 2048,16384 on CUDA, 256 on CPU).", show_default=False)] = None,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16, fp16 or fp32.")] = "bf16",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or auto.")] = "auto",
+    reps: Annotated[Optional[int], typer.Option("--reps", help="Least repetitions per kernel (default: 10 on CUDA, 3 on CPU).", show_default=False)] = None,
+    compile_flex: Annotated[Optional[bool], typer.Option("--compile-flex/--eager-flex", help="Compile FlexAttention (default: on CUDA only).", show_default=False)] = None,
+    out: Annotated[str, typer.Option("--out", help="Directory for kernels-<device>.csv.")] = "reports/bench",
+) -> None:
+    """K/V write and decode-attention kernels, paged vs contiguous, against a copy and a read roofline."""
+    from kvsim.bench.kernels import show_bench_kernels
+
+    show_bench_kernels(
+        model, block_sizes=block_sizes, batch_sizes=batch_sizes, context_lens=context_lens, kv_dtype=kv_dtype,
+        device=device, reps=reps, out_dir=out, compile_flex=compile_flex,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
