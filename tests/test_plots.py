@@ -287,3 +287,121 @@ def test_same_report_gives_the_same_svg_bytes(report_dir, tmp_path):
     first = save(draw(report_dir, "figure2"), tmp_path / "a.svg").read_bytes()
     second = save(draw(report_dir, "figure2"), tmp_path / "b.svg").read_bytes()
     assert first == second and first.lstrip().startswith(b"<?xml")
+
+
+# --- chart 6: kernel bench ------------------------------------------------------------------------------------------
+
+
+def test_bench_charts_draw_each_kernels_csv_numbers(tmp_path):
+    bench_dir = make_bench_dir(tmp_path / "bench")
+    csv = pd.read_csv(bench_dir / "kernels-test-gpu.csv")
+    notes = []
+    paths = plot_report(load_report(bench_dir), note=notes.append)
+    assert [p.name for p in paths] == ["bench-context-kernels-test-gpu.png", "bench-block-size-kernels-test-gpu.png"]
+    assert notes == []
+
+    from kvsim.plots import bench
+
+    report = load_report(bench_dir)
+    fig = bench.vs_context(report, "kernels-test-gpu")
+    lines = {(ax_i, line.get_gid()): line for ax_i, ax in enumerate(fig.axes) for line in ax.get_lines() if line.get_gid()}
+    gather = csv[(csv["kernel"] == "gather_sdpa") & (csv["block_size"] == 16)].sort_values("context_len")
+    decode_time = next(line for (_, gid), line in lines.items() if gid == "time:gather_sdpa")
+    assert decode_time.get_xdata().tolist() == [512, 2048, 8192]
+    assert decode_time.get_ydata().tolist() == gather["median_us"].tolist()
+    assert not any(gid.endswith(":triton") for _, gid in lines)  # skipped rows are not drawn
+    assert next(line for (_, gid), line in lines.items() if gid == "time:sdpa_contiguous").get_linestyle() == "--"
+
+    fig = bench.vs_block_size(report, "kernels-test-gpu")
+    pct = next(line for ax in fig.axes for line in ax.get_lines() if line.get_gid() == "pct:gather_sdpa")
+    at_8k = csv[(csv["kernel"] == "gather_sdpa") & (csv["context_len"] == 8192)].sort_values("block_size")
+    assert pct.get_xdata().tolist() == [8, 16, 32, 64]
+    assert pct.get_ydata().tolist() == at_8k["pct_of_roofline"].tolist()
+
+
+def test_bench_with_one_context_length_skips_the_context_chart(tmp_path):
+    bench_dir = make_bench_dir(tmp_path / "bench", contexts=(512,))
+    notes = []
+    paths = plot_report(load_report(bench_dir), note=notes.append)
+    assert [p.name for p in paths] == ["bench-block-size-kernels-test-gpu.png"]
+    assert notes == [f"{bench_dir}: skipped bench-context-kernels-test-gpu: kernels-test-gpu.csv has one context "
+                     "length (bench with several --context values)"]
+
+
+# --- chart 7: size -------------------------------------------------------------------------------------------------
+
+
+def test_size_curves_are_the_sizing_figures():
+    from kvsim.plots.size import size_curves
+
+    qwen = size_curves("qwen3-0.6b", max_context=4096)
+    # 28 layers x 8 KV heads x head_dim 128 x (K and V) x 2 bytes = 114688 bytes per token, nothing capped
+    i = qwen["tokens"].tolist().index(1024)
+    assert qwen["capped"][i] == 114688 * 1024
+    assert qwen["uncapped"].tolist() == qwen["capped"].tolist()
+    assert qwen["tokens"][0] == 16 and qwen["tokens"][-1] == 4096 and qwen["windows"] == []
+
+    gemma = size_curves("gemma-3-27b")
+    (window,) = gemma["windows"]
+    tokens = gemma["tokens"].tolist()
+    assert window in tokens and tokens[-1] == gemma["max_model_len"]
+    at, after = tokens.index(window), len(tokens) - 1
+    assert gemma["capped"][at] == gemma["uncapped"][at]  # below the window nothing is capped
+    # past the window only the full layers grow: the capped slope is lower than the uncapped one
+    capped_slope = (gemma["capped"][after] - gemma["capped"][at]) / (tokens[after] - window)
+    uncapped_slope = (gemma["uncapped"][after] - gemma["uncapped"][at]) / (tokens[after] - window)
+    assert capped_slope < uncapped_slope
+
+    hybrid = size_curves("qwen3-next-80b-a3b")
+    assert hybrid["state_bytes"] > 0 and hybrid["capped"][0] > hybrid["state_bytes"]
+
+
+def test_size_chart_shows_caps_and_states(tmp_path):
+    from kvsim.plots import plot_size
+    from kvsim.plots.size import bytes_per_sequence, size_curves
+
+    fig = bytes_per_sequence(["qwen3-8b", "gemma-3-27b", "qwen3-next-80b-a3b"])
+    gids = {line.get_gid(): line for line in fig.axes[0].get_lines() if line.get_gid()}
+    assert "uncapped:gemma-3-27b" in gids and "uncapped:qwen3-8b" not in gids  # dashed only where a cap exists
+    state = size_curves("qwen3-next-80b-a3b")["state_bytes"]
+    assert gids["state:qwen3-next-80b-a3b"].get_ydata()[0] == state
+    assert fig.axes[0].get_xscale() == "log" and fig.axes[0].get_yscale() == "log"
+    (path,) = plot_size(["qwen3-0.6b"], "pdf", out_dir=tmp_path)
+    assert path == tmp_path / "size-qwen3-0.6b.pdf" and path.read_bytes()[:5] == b"%PDF-"
+
+
+# --- the command ---------------------------------------------------------------------------------------------------
+
+
+def test_cli_plots_every_report_under_reports_by_default(cli, tmp_path, monkeypatch):
+    make_replay_report(tmp_path / "reports" / "poisson")
+    make_bench_dir(tmp_path / "reports" / "bench")
+    monkeypatch.chdir(tmp_path)
+    result = cli(["plot", "--format", "svg"])
+    assert result.exit_code == 0, result.output
+    written = result.stdout.split()
+    assert "reports/poisson/figure2.svg" in written and "reports/bench/bench-context-kernels-test-gpu.svg" in written
+    assert all((tmp_path / p).is_file() for p in written)
+    assert "skipped block-sizes" in result.stderr
+
+
+def test_cli_plot_size_and_errors(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = cli(["plot", "size", "--model", "qwen3-0.6b", "--model", "llama-3.2-1b"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "reports/size/size-qwen3-0.6b-vs-llama-3.2-1b.png"
+    for args, message in [
+        (["plot"], "no reports found"),
+        (["plot", "nowhere"], "nowhere: not a report directory"),
+        (["plot", "size"], "--model: name at least one model"),
+        (["plot", "size", "--model", "no-such-model"], "no-such-model"),
+        (["plot", "reports/size", "--format", "gif"], "--format: unknown format 'gif'"),
+    ]:
+        result = cli(args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_cli_import_does_not_import_matplotlib():
+    code = "import sys, kvsim.cli; sys.exit(any(m.startswith(('matplotlib', 'pandas')) for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

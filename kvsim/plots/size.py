@@ -17,9 +17,10 @@ MIN_CONTEXT = 16  # tokens: the left edge of the chart
 
 
 def context_points(max_context: int, knees: list[int]) -> np.ndarray:
-    """Token counts to evaluate: a geometric grid plus the exact knees (windows), so bends are sharp."""
+    """Token counts to evaluate: a geometric grid, every power of two, and the exact knees (windows)."""
     grid = np.geomspace(MIN_CONTEXT, max_context, 200).round().astype(int)
-    extra = [k for k in knees if MIN_CONTEXT <= k <= max_context]
+    powers = [2**p for p in range(4, 40) if 2**p <= max_context]
+    extra = [k for k in (*knees, *powers) if MIN_CONTEXT <= k <= max_context]
     return np.unique(np.concatenate([grid, extra, [max_context]]).astype(int))
 
 
