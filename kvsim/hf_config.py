@@ -52,6 +52,7 @@ class _Config:
         raise KvsimError(f"missing field {' / '.join(names)!s}", source=self.source, field=names[0])
 
     def get_int(self, *names: str, default: Any = _MISSING) -> Any:
+        """Like `get`, but a present value must be a positive integer (a default is returned as is)."""
         value = self.get(*names, default=default)
         if value is default and default is not _MISSING:
             return value
@@ -178,6 +179,8 @@ def _layer_kinds(cfg: _Config, num_layers: int) -> list[LayerKind]:
     period = cfg.get_int("attn_layer_period", default=None)
     if period is not None:  # Jamba: attention where i % period == offset, mamba elsewhere
         offset = cfg.get("attn_layer_offset")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+            raise KvsimError(f"expected an integer in [0, {period}), got {offset!r}", source=cfg.source, field="attn_layer_offset")
         return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
     window = cfg.get("sliding_window", default=None)
     if window is None or cfg.get("use_sliding_window", default=True) is False:

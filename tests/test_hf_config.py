@@ -331,3 +331,10 @@ def test_parameter_estimate_needs_vocab_and_mlp_sizes(write_config):
     assert load_hf_config(write_config(LLAMA_8B)).num_params is None
     cfg = {**LLAMA_8B, "vocab_size": 128256, "intermediate_size": 14336}
     assert load_hf_config(write_config(cfg)).num_params == 8030261248
+
+
+@pytest.mark.parametrize("offset", [None, 8, -1, "4"])
+def test_jamba_bad_attention_offset(write_config, offset):
+    cfg = {**LLAMA_8B, "attn_layer_period": 8, "attn_layer_offset": offset, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
+    with pytest.raises(KvsimError, match="attn_layer_offset"):
+        load_hf_config(write_config(cfg))
