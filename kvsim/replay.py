@@ -8,6 +8,9 @@ tensors (`KVCache`), and a loop that jumps the clock over idle gaps and advances
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import queue as queue_module
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable
@@ -122,8 +125,14 @@ class ReplayContext:
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)
 
 
-def run_replay(workload, options: ReplayOptions = ReplayOptions(), *, progress: ProgressFn | None = None) -> ReplayResult:
-    """Replay `workload`'s request stream through each of its allocator configs; see the module docstring."""
+def run_replay(
+    workload, options: ReplayOptions = ReplayOptions(), *, progress: ProgressFn | None = None, workers: int | None = None
+) -> ReplayResult:
+    """Replay `workload`'s request stream through each of its allocator configs; see the module docstring.
+
+    `workers` > 1 runs allocator configs in parallel processes (default: one per CPU when accounting only,
+    else 1); the result is the same either way.
+    """
     from kvsim.catalogue import resolve_model
     from kvsim.hardware import get_gpu
     from kvsim.requests import generate_requests
@@ -159,9 +168,57 @@ def run_replay(workload, options: ReplayOptions = ReplayOptions(), *, progress: 
         num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
         max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
     )
-    for config in workload.allocators:
-        result.runs.append(replay_allocator(config, requests, ctx, options, progress=progress))
+    configs = list(workload.allocators)
+    if workers is None:
+        workers = 1 if options.tensors else min(len(configs), os.cpu_count() or 1)
+    if workers > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        result.runs = _replay_in_processes(configs, requests, ctx, options, progress, workers)
+    else:
+        result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
     return result
+
+
+# Inherited by forked workers (never pickled): the request stream and everything a worker needs.
+_FORK_STATE: tuple | None = None
+
+
+def _replay_in_processes(configs, requests, ctx, options, progress, workers) -> list[AllocatorRun]:
+    """Each allocator config in its own forked process (they share nothing); results come back in order.
+
+    Only for accounting-only replays: the runs are independent and deterministic, so this changes wall time,
+    not a single figure. Workers report progress through a queue that the parent drains while it waits.
+    """
+    global _FORK_STATE
+    mp = multiprocessing.get_context("fork")
+    queue = mp.Queue()
+    _FORK_STATE = (configs, requests, ctx, options, queue)
+    try:
+        with mp.Pool(min(workers, len(configs))) as pool:
+            pending = [pool.apply_async(_replay_worker, (j,)) for j in range(len(configs))]
+            while not all(job.ready() for job in pending):
+                _drain(queue, progress, timeout=0.05)
+            runs = [job.get() for job in pending]
+        _drain(queue, progress, timeout=0)
+    finally:
+        _FORK_STATE = None
+    return runs
+
+
+def _replay_worker(index: int) -> AllocatorRun:
+    configs, requests, ctx, options, queue = _FORK_STATE
+    return replay_allocator(configs[index], requests, ctx, options, progress=lambda *msg: queue.put(msg))
+
+
+def _drain(queue, progress: ProgressFn | None, *, timeout: float) -> None:
+    """Pass queued progress messages on; wait up to `timeout` for the first."""
+    try:
+        msg = queue.get(timeout=timeout) if timeout else queue.get_nowait()
+        while True:
+            if progress is not None:
+                progress(*msg)
+            msg = queue.get_nowait()
+    except queue_module.Empty:
+        pass
 
 
 def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None) -> AllocatorRun:
@@ -212,14 +269,13 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     preemptions = np.zeros(n, dtype=np.int64)
     cached_tokens = np.zeros(n, dtype=np.int64)
     rejected: list[str | None] = [None] * n
-    cols = {name: array(code) for name, code in STEP_COLUMNS}
-    rows = [cols[name] for name, _ in STEP_COLUMNS]  # same order as STEP_COLUMNS, for one append per column
+    rows = array("d")  # every step-record column, row after row (bytes are exact in a double up to 8 PiB)
     timer_steps = array("q")
     roofline = ctx.roofline
     measured = options.timing == "measured"
     scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
     arrivals = [r.arrival_time for r in requests]
-    now, step, i, done, pending_preemptions = 0.0, 0, 0, 0, 0
+    now, step, i, done, pending_preemptions, num_rows = 0.0, 0, 0, 0, 0, 0
     nan = math.nan
     while True:
         while i < n and arrivals[i] <= now:
@@ -262,26 +318,26 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             else:
                 timer_steps.append(cache.timer.num_steps - 1)
         b = out.breakdown
-        values = (
-            step,
-            out.num_steps,
-            now,
-            dt,
-            len(sched.running),
-            len(sched.waiting) + len(sched.swapped),
-            out.num_prefill_tokens,
-            out.num_decode_tokens,
-            b.token_states_bytes,
-            b.reservation_bytes,
-            b.internal_fragmentation_bytes,
-            b.external_fragmentation_bytes,
-            b.free_bytes,
-            b.shared_saved_bytes,
-            pending_preemptions,
-            *kernels,
+        rows.extend(
+            (
+                step,
+                out.num_steps,
+                now,
+                dt,
+                len(sched.running),
+                len(sched.waiting) + len(sched.swapped),
+                out.num_prefill_tokens,
+                out.num_decode_tokens,
+                b.token_states_bytes,
+                b.reservation_bytes,
+                b.internal_fragmentation_bytes,
+                b.external_fragmentation_bytes,
+                b.free_bytes,
+                b.shared_saved_bytes,
+                pending_preemptions,
+                *kernels,
+            )
         )
-        for col, value in zip(rows, values):
-            col.append(value)
         pending_preemptions = 0
         step += out.num_steps
         for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
@@ -295,12 +351,17 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             if cache is not None:
                 cache.forget(seq.seq_id)
         now += dt
-        if progress is not None and len(rows[0]) % PROGRESS_EVERY == 0:
+        num_rows += 1
+        if progress is not None and num_rows % PROGRESS_EVERY == 0:
             progress(config.label, done, n)
     if progress is not None:
         progress(config.label, done, n)
 
-    steps = {name: np.frombuffer(cols[name], dtype=np.int64 if code == "q" else np.float64).copy() for name, code in STEP_COLUMNS}
+    table = np.frombuffer(rows, dtype=np.float64).reshape(num_rows, len(STEP_COLUMNS))  # (rows, columns)
+    steps = {
+        name: table[:, j].astype(np.int64) if code == "q" else table[:, j].copy()
+        for j, (name, code) in enumerate(STEP_COLUMNS)
+    }
     if cache is not None and not measured and len(timer_steps):
         all_times = cache.timer.all_steps()
         for name in KERNEL_COLUMNS:

@@ -102,6 +102,10 @@ class Roofline:
         run of decode steps may only cover steps that start strictly before (a binary search over `decode_run`).
         """
         assert max_steps >= 1
+        # Steps only get longer, so no more than ceil(time_left / first step) of them start in time.
+        first = self.decode_run(num_seqs, ctx_sum, 1)
+        if time_left < math.inf:
+            max_steps = max(1, min(max_steps, math.ceil(time_left / first)))
         lo, hi = 1, max_steps  # step 0 always runs; find the largest k whose last step starts in time
         if self.decode_run(num_seqs, ctx_sum, hi - 1) < time_left:
             lo = hi

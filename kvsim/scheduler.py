@@ -8,7 +8,7 @@ Data flows one way: replay -> scheduler -> allocator (-> cache for swaps) -> bac
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.sequence import Sequence
@@ -30,30 +30,35 @@ class SchedSeq(Sequence):
     num_preemptions: int = 0
     swap_handle: object = None  # the cache's handle of KV swapped to the CPU pool (None: accounting only)
     swap_tokens: int = 0  # computed tokens that sit in the CPU pool while swapped out
+    final_tokens: int = 0  # num_final_tokens as a plain attribute: read on every step
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.prefill_target == 0:
             self.prefill_target = self.num_prompt_tokens
+        self.final_tokens = self.num_prompt_tokens + self.max_tokens
 
 
-@dataclass
 class SchedulerOutput:
     """One scheduled row: `num_steps` steps of the same batch (1 unless a run of pure decode steps).
 
     `prefills` are (seq, start, num_tokens) chunks; `decodes` each compute one token per step starting at
     `seq.num_computed_tokens`. `breakdown` is the memory while the row runs (for a run: at its middle step).
+    A plain class with slots: one is built per row, on the replay's hot path.
     """
 
-    prefills: list[tuple[SchedSeq, int, int]] = field(default_factory=list)
-    decodes: list[SchedSeq] = field(default_factory=list)
-    num_steps: int = 1
-    admitted: list[SchedSeq] = field(default_factory=list)
-    preempted: list[SchedSeq] = field(default_factory=list)
-    swapped_in: list[SchedSeq] = field(default_factory=list)
-    swap_bytes: int = 0
-    breakdown: MemoryBreakdown | None = None
-    run_time_s: float | None = None  # a decode run's roofline time, already computed while sizing it
+    __slots__ = ("prefills", "decodes", "num_steps", "admitted", "preempted", "swapped_in", "swap_bytes", "breakdown", "run_time_s")
+
+    def __init__(self) -> None:
+        self.prefills: list[tuple[SchedSeq, int, int]] = []
+        self.decodes: list[SchedSeq] = []
+        self.num_steps = 1
+        self.admitted: list[SchedSeq] = []
+        self.preempted: list[SchedSeq] = []
+        self.swapped_in: list[SchedSeq] = []
+        self.swap_bytes = 0
+        self.breakdown: MemoryBreakdown | None = None
+        self.run_time_s: float | None = None  # a decode run's roofline time, computed while sizing it
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -229,12 +234,12 @@ class Scheduler:
         finished: list[SchedSeq] = []
         for seq, _, n in out.prefills:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= seq.num_final_tokens:
+            if seq.num_computed_tokens >= seq.final_tokens:
                 finished.append(seq)
         k = out.num_steps
         for seq in out.decodes:
             seq.num_computed_tokens += k
-            if seq.num_computed_tokens >= seq.num_final_tokens:
+            if seq.num_computed_tokens >= seq.final_tokens:
                 finished.append(seq)
         if finished:
             done = {seq.seq_id for seq in finished}
@@ -256,7 +261,7 @@ class Scheduler:
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min(seq.num_final_tokens - seq.num_computed_tokens for seq in decodes))
+        k = min(MAX_DECODE_RUN, min([seq.final_tokens - seq.num_computed_tokens for seq in decodes]))
         if not self._is_flat:
             if not self._free_blocks:
                 return
