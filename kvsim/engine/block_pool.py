@@ -113,16 +113,23 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref_count 1."""
-        assert num_blocks <= self.free_queue.num_free_blocks, (num_blocks, self.free_queue.num_free_blocks)
-        popleft = self.free_queue.popleft
+        queue = self.free_queue
+        assert num_blocks <= queue.num_free_blocks, (num_blocks, queue.num_free_blocks)
+        head = queue._head
         out = []
-        for _ in range(num_blocks):
-            block = popleft()
+        block = head.next_free
+        for _ in range(num_blocks):  # popleft, inlined: this runs once per block of every request
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
+            block.prev_free = None
             out.append(block)
+            block = block.next_free
+        for taken in out:
+            taken.next_free = None
+        head.next_free, block.prev_free = block, head
+        queue.num_free_blocks -= num_blocks
         self.num_blocks_allocated += num_blocks
         return out
 
@@ -150,12 +157,21 @@ class BlockPool:
         A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head.
         """
         queue = self.free_queue
-        for block in blocks:
+        head, tail = queue._head, queue._tail
+        freed = 0
+        for block in blocks:  # append / appendleft, inlined
             block.ref_count -= 1
             if block.ref_count > 0:
                 self.num_shared_refs -= 1
-            elif block.block_hash is None:
-                queue.appendleft(block)
+                continue
+            assert block.ref_count == 0, block
+            if block.block_hash is None:
+                first = head.next_free
+                head.next_free, block.prev_free = block, head
+                block.next_free, first.prev_free = first, block
             else:
-                queue.append(block)
-            assert block.ref_count >= 0, block
+                last = tail.prev_free
+                last.next_free, block.prev_free = block, last
+                block.next_free, tail.prev_free = tail, block
+            freed += 1
+        queue.num_free_blocks += freed

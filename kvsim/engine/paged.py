@@ -35,10 +35,15 @@ class _Lane:
 class _Request:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "tables", "freed", "state_pages", "hashes", "num_hashed", "next_event", "hit", "cap", "used")
+    __slots__ = (
+        "seq", "final", "token_bytes", "tables", "freed", "state_pages", "hashes", "num_hashed", "next_event", "hit",
+        "cap", "used",
+    )
 
-    def __init__(self, seq: Sequence, num_lanes: int):
+    def __init__(self, seq: Sequence, num_lanes: int, token_bytes: bytes | None):
         self.seq = seq
+        self.final = seq.num_final_tokens
+        self.token_bytes = token_bytes  # int64 token ids as bytes, None without prefix caching
         self.tables: list[list[Block | None]] = [[] for _ in range(num_lanes)]  # pages, per lane
         self.freed = [0] * num_lanes  # leading blocks returned to the pool (sliding lanes)
         self.state_pages: list[Block] = []
@@ -123,6 +128,8 @@ class PagedAllocator(KVAllocator):
         self._sum_cap = 0
         self._sum_used = 0
         self._sum_freed = [0] * len(self.lanes)  # tokens of freed leading blocks, per lane
+        one_page_blocks = len(self.lanes) == 1 and self.lanes[0].pages_per_block == 1
+        self._grow_decode = self._grow_uniform if one_page_blocks and self._shareable else self._grow
 
     # --- the KVAllocator protocol -------------------------------------------------------------------------
 
@@ -137,9 +144,10 @@ class PagedAllocator(KVAllocator):
         hit_blocks: list[Block] = []
         hashes: list[int] = []
         query = 0
-        if self.enable_prefix_caching and seq.token_ids is not None:
+        token_bytes = self._token_bytes(seq)
+        if token_bytes is not None:
             query = min(max(seq.num_prompt_tokens, num_new_tokens), seq.num_final_tokens)
-            hashes, hit_blocks = self._lookup(seq.token_ids, (query - 1) // bs)
+            hashes, hit_blocks = self._lookup(token_bytes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         total = hit + num_new_tokens
         num_blocks = -(-total // bs)
@@ -148,7 +156,7 @@ class PagedAllocator(KVAllocator):
         if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
             return None
 
-        req = _Request(seq, len(self.lanes))
+        req = _Request(seq, len(self.lanes), token_bytes)
         req.hashes = hashes
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -173,16 +181,16 @@ class PagedAllocator(KVAllocator):
         total = seq.num_computed_tokens + num_new_tokens
         if total < req.next_event:
             return True
-        return self._grow(req, seq.num_computed_tokens, total)
+        return self._grow_decode(req, seq.num_computed_tokens, total)
 
     def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """One decode token each. The common case (the token lands in the last block) is one compare."""
-        reqs = self._reqs
+        reqs, grow = self._reqs, self._grow_decode
         failed = []
         for seq in seqs:
             req = reqs[seq]
             total = seq.num_computed_tokens + 1
-            if total >= req.next_event and not self._grow(req, total - 1, total):
+            if total >= req.next_event and not grow(req, total - 1, total):
                 failed.append(seq)
         return failed
 
@@ -190,9 +198,10 @@ class PagedAllocator(KVAllocator):
         """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        for lane_idx in range(len(self.lanes)):
+        for lane_idx, lane in enumerate(self.lanes):
             self._sum_freed[lane_idx] -= req.freed[lane_idx] * self.block_size
-            self.pool.free_blocks(b for b in reversed(req.tables[lane_idx]) if b is not None)
+            table = req.tables[lane_idx]
+            self.pool.free_blocks(reversed(table if lane.window is None else [b for b in table if b is not None]))
         self.pool.free_blocks(req.state_pages)
         if self._fork_partials:
             self._forget_partials(req.tables[0])
@@ -206,7 +215,7 @@ class PagedAllocator(KVAllocator):
         computed = parent.num_computed_tokens
         shared = parent_req.tables[0][: -(-computed // self.block_size)]
         self.pool.touch(shared)
-        req = _Request(child, 1)
+        req = _Request(child, 1, self._token_bytes(child))
         req.tables[0] = list(shared)
         req.num_hashed = min(parent_req.num_hashed, computed // self.block_size)
         req.hashes = parent_req.hashes[: req.num_hashed]
@@ -288,14 +297,21 @@ class PagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _lookup(self, token_ids: np.ndarray, max_blocks: int) -> tuple[list[int], list[Block]]:
+    def _token_bytes(self, seq: Sequence) -> bytes | None:
+        """`seq`'s token ids as int64 bytes, sliced per block for hashing; None when nothing is hashed."""
+        if not self.enable_prefix_caching or seq.token_ids is None:
+            return None
+        return np.ascontiguousarray(seq.token_ids[: seq.num_final_tokens], dtype=np.int64).tobytes()
+
+    def _lookup(self, token_bytes: bytes, max_blocks: int) -> tuple[list[int], list[Block]]:
         """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included)."""
-        bs, cached = self.block_size, self.pool.cached_block_hash_to_block
+        cached = self.pool.cached_block_hash_to_block
+        step = self.block_size * 8
         hashes: list[int] = []
         hits: list[Block] = []
         parent = _ROOT_HASH
         for j in range(max_blocks):
-            parent = hash((parent, token_ids[j * bs : (j + 1) * bs].tobytes()))
+            parent = hash((parent, token_bytes[j * step : (j + 1) * step]))
             hashes.append(parent)
             block = cached.get(parent)
             if block is None:
@@ -305,20 +321,27 @@ class PagedAllocator(KVAllocator):
 
     def _register(self, req: _Request, total: int) -> None:
         """Hash and cache every full block whose tokens are all within `total` (computed + scheduled)."""
-        if not self.enable_prefix_caching or req.seq.token_ids is None:
+        token_bytes = req.token_bytes
+        if token_bytes is None:
             return
-        bs, token_ids, hashes = self.block_size, req.seq.token_ids, req.hashes
-        table = req.tables[0]
-        end = min(total, len(token_ids)) // bs
-        for j in range(req.num_hashed, end):
+        bs, hashes, j = self.block_size, req.hashes, req.num_hashed
+        end = min(total, req.final) // bs
+        if j >= end:
+            return
+        step, table, cached = bs * 8, req.tables[0], self.pool.cached_block_hash_to_block
+        h = hashes[j - 1] if j else _ROOT_HASH
+        while j < end:
             if j < len(hashes):
                 h = hashes[j]
             else:
-                h = hash((hashes[j - 1] if j else _ROOT_HASH, token_ids[j * bs : (j + 1) * bs].tobytes()))
+                h = hash((h, token_bytes[j * step : (j + 1) * step]))
                 hashes.append(h)
-            self.pool.cache_full_block(table[j], h)
-        if end > req.num_hashed:
-            req.num_hashed = end
+            block = table[j]
+            if block.block_hash is None and h not in cached:  # as BlockPool.cache_full_block, inlined
+                block.block_hash = h
+                cached[h] = block
+            j += 1
+        req.num_hashed = end
 
     def _forget_partials(self, blocks: list[Block | None]) -> None:
         """Drop fork-partial records of `blocks` that are no longer shared."""
@@ -330,7 +353,7 @@ class PagedAllocator(KVAllocator):
         """The smallest computed + new token count at which an append must do more than compare."""
         bs = self.block_size
         event = req.cap + 1
-        if self.enable_prefix_caching and req.seq.token_ids is not None:
+        if req.token_bytes is not None:
             event = min(event, (req.num_hashed + 1) * bs)
         for lane_idx, lane in enumerate(self.lanes):
             if lane.window is not None:
@@ -338,10 +361,35 @@ class PagedAllocator(KVAllocator):
         req.next_event = event
 
     def _set_cap(self, req: _Request, cap: int) -> None:
-        used = min(cap, req.seq.num_final_tokens)
+        used = min(cap, req.final)
         self._sum_cap += cap - req.cap
         self._sum_used += used - req.used
         req.cap, req.used = cap, used
+
+    def _grow_uniform(self, req: _Request, computed: int, total: int) -> bool:
+        """`_grow` for one lane of one-page blocks with no copy-on-write pending: the decode hot path's slow step."""
+        if req.next_event == 0:  # just forked: the general path checks copy-on-write
+            return self._grow(req, computed, total)
+        bs, cap = self.block_size, req.cap
+        if total > cap:
+            num_new = (total - cap + bs - 1) // bs
+            pool = self.pool
+            if pool.free_queue.num_free_blocks < num_new:
+                return False
+            req.tables[0] += pool.get_new_blocks(num_new)
+            cap += num_new * bs
+            used = cap if cap < req.final else req.final
+            self._sum_cap += cap - req.cap
+            self._sum_used += used - req.used
+            req.cap, req.used = cap, used
+        event = cap + 1
+        if req.token_bytes is not None:
+            if (req.num_hashed + 1) * bs <= total:
+                self._register(req, total)
+            if (req.num_hashed + 1) * bs < event:
+                event = (req.num_hashed + 1) * bs
+        req.next_event = event
+        return True
 
     def _grow(self, req: _Request, computed: int, total: int) -> bool:
         """The slow path of an append: copy-on-write, sliding-window freeing, new blocks, prefix registration."""
