@@ -17,23 +17,25 @@ KINDS = ("write", "read", "attention", "swap", "copy")
 
 
 class StepTimer:
-    """Accumulates kernel times per step: `timer.new_step()` when a step begins, then `with timer.measure("write"): ...`.
+    """Kernel times per step: `timer.new_step()` as a step begins, then `with timer.measure("write"): ...`.
 
     A step's figures are the sum of its measurements of each kind; kinds never measured in a step are absent
     from its dict (so an accounting-only cache, which measures nothing, reports `{}`, never a fake zero).
 
-    CUDA: `step_times()` resolves the latest step only (it waits for that step's last event: one host sync per
-    call); `all_steps()` resolves everything at once. Neither is called inside `measure`, so a replay that
-    reads timings only at the end never syncs inside its loop.
+    CUDA: nothing in `measure` or `new_step` waits for the GPU; `step_times()` waits for one step's last
+    event, `all_steps()` synchronises once at the end. A replay that reads timings only at the end never
+    syncs inside its loop.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True):
         self.device = torch.device(device)
         self.enabled = enabled
         self._cuda = self.device.type == "cuda"
-        # One list per step: (kind, start, end) with start/end ns ints (CPU) or CUDA events (resolved lazily).
-        self._steps: list[list[tuple[str, object, object]]] = [[]]
-        self._resolved: dict[int, dict[str, float]] = {}
+        # Per step: its raw records (kind, start, end) until resolved, then its totals. start/end are ns ints
+        # on CPU and CUDA events on CUDA; a resolved step drops its records (events are a finite resource).
+        self._records: list[list[tuple[str, object, object]]] = [[]]
+        self._totals: list[dict[str, float] | None] = [None]
+        self._unresolved = 0  # first closed step not yet resolved
 
     @contextmanager
     def measure(self, kind: str) -> Iterator[None]:
@@ -52,30 +54,51 @@ class StepTimer:
             start = time.perf_counter_ns()
             yield
             end = time.perf_counter_ns()
-        self._steps[-1].append((kind, start, end))
+        self._records[-1].append((kind, start, end))
 
     def new_step(self) -> None:
-        """Close the current step and open the next one: the replay calls it as each scheduler step begins."""
-        self._steps.append([])
+        """Close the current step and open the next one: the replay calls it as each scheduler step begins.
+
+        Closed steps whose events have already completed are resolved here without waiting (`query`).
+        """
+        self._records.append([])
+        self._totals.append(None)
+        closed = len(self._records) - 1
+        while self._unresolved < closed and self._done(self._unresolved):
+            self._settle(self._unresolved)
+            self._unresolved += 1
 
     @property
     def num_steps(self) -> int:
         """Steps opened so far, the current one included."""
-        return len(self._steps)
+        return len(self._records)
 
     def step_times(self, step: int = -1) -> dict[str, float]:
-        """Microseconds per kind measured in `step` (default: the current step, i.e. since the last `new_step`)."""
+        """Microseconds per kind measured in `step` (default: the current step, i.e. since the last `new_step`).
+
+        On CUDA this waits for that step's last event if it has not completed yet.
+        """
         if step < 0:
-            step += len(self._steps)
-        if step not in self._resolved or step == len(self._steps) - 1:
-            self._resolved[step] = self._resolve(self._steps[step])
-        return dict(self._resolved[step])
+            step += len(self._records)
+        if step == len(self._records) - 1:  # still open: resolve without caching
+            return self._resolve(self._records[step])
+        if self._totals[step] is None:
+            self._settle(step)
+        return dict(self._totals[step])  # type: ignore[arg-type]
 
     def all_steps(self) -> list[dict[str, float]]:
         """Microseconds per kind for every step so far (one host sync on CUDA)."""
-        if self._cuda and any(self._steps):
+        if self._cuda and self.enabled:
             torch.cuda.synchronize(self.device)
-        return [self.step_times(i) for i in range(len(self._steps))]
+        return [self.step_times(i) for i in range(len(self._records))]
+
+    def _done(self, step: int) -> bool:
+        records = self._records[step]
+        return not (self._cuda and records) or bool(records[-1][2].query())  # type: ignore[union-attr]
+
+    def _settle(self, step: int) -> None:
+        self._totals[step] = self._resolve(self._records[step])
+        self._records[step] = []
 
     def _resolve(self, records: list[tuple[str, object, object]]) -> dict[str, float]:
         totals: dict[str, float] = {}
