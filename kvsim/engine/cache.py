@@ -212,7 +212,7 @@ class KVCache:
         vals = kernels.integrity_values(fp, self.num_layers, s.num_kv_heads * s.head_dim, bits)
         return vals.to(self._bits).view(2, self.num_layers, len(positions), s.num_kv_heads, s.head_dim)
 
-    def _check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]) -> None:
+    def _check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]):
         """Raise AssertionError naming the first token of `got` ([2, L, N, H, D], float) that differs."""
         got_bits = got.contiguous().view(_INT_VIEW[got.element_size()])
         bad = (got_bits != self._expected(seq_ids, positions)).flatten(3).any(dim=3)  # [2, L, N]

@@ -54,7 +54,8 @@ def test_flat_arena_slot_count_need_not_be_a_block_multiple():
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)]
+    ("name", "dtype"),
+    [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)],
 )
 def test_kv_dtypes(name, dtype):
     width = torch.empty(0, dtype=dtype).element_size()

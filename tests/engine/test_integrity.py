@@ -25,8 +25,14 @@ def make_paged(num_blocks: int, *, prefix_caching: bool = False) -> PagedAllocat
     )
 
 
-def make_cache(alloc, **kwargs) -> KVCache:
-    return KVCache(SPEC, alloc.num_slots, device="cpu", num_layers=2, integrity=True, **kwargs)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Every scenario runs on the CPU, and again on CUDA where a GPU is present."""
+    return request.param
+
+
+def make_cache(alloc, device: str = "cpu") -> KVCache:
+    return KVCache(SPEC, alloc.num_slots, device=device, num_layers=2, integrity=True)
 
 
 def make_seq(seq_id: int, token_ids: np.ndarray, num_prompt_tokens: int, cache: KVCache | None = None) -> Sequence:
@@ -70,9 +76,9 @@ def check_reads(alloc: PagedAllocator, cache: KVCache, seqs: list[Sequence]) -> 
         cache.verify(s.seq_id, alloc.slot_mapping(s, 0, s.num_computed_tokens), np.arange(s.num_computed_tokens))
 
 
-def test_detects_a_token_read_from_the_wrong_slot():
+def test_detects_a_token_read_from_the_wrong_slot(device):
     alloc = make_paged(8)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     a = make_seq(1, tokens(1, 12), 10, cache)
     admit(alloc, cache, a, 10)
     slots = alloc.slot_mapping(a, 0, 10)
@@ -85,9 +91,9 @@ def test_detects_a_token_read_from_the_wrong_slot():
         cache.verify(1, slots, np.arange(1, 11))  # positions shifted by one
 
 
-def test_preemption_by_recompute_rewrites_the_same_values():
+def test_preemption_by_recompute_rewrites_the_same_values(device):
     alloc = make_paged(8)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     a = make_seq(1, tokens(1, 16), 10, cache)
     admit(alloc, cache, a, 10)
     decode(alloc, cache, a, 2)
@@ -107,9 +113,9 @@ def test_preemption_by_recompute_rewrites_the_same_values():
     check_reads(alloc, cache, [a])
 
 
-def test_swap_out_and_back_into_other_blocks():
+def test_swap_out_and_back_into_other_blocks(device):
     alloc = make_paged(8)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     a = make_seq(1, tokens(1, 16), 10, cache)
     admit(alloc, cache, a, 10)
     old_slots = alloc.slot_mapping(a, 0, 10)
@@ -133,9 +139,9 @@ def test_swap_out_and_back_into_other_blocks():
 
 
 @pytest.mark.parametrize("free_first", [False, True])  # a still running, or finished with its blocks cached
-def test_shared_prefix_blocks_read_the_sharers_values(free_first):
+def test_shared_prefix_blocks_read_the_sharers_values(free_first, device):
     alloc = make_paged(16, prefix_caching=True)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     prefix = tokens(7, 8)  # two full blocks
     a = make_seq(1, np.concatenate([prefix, tokens(1, 5)]), 11, cache)
     b = make_seq(2, np.concatenate([prefix, tokens(2, 7)]), 13, cache)
@@ -150,10 +156,10 @@ def test_shared_prefix_blocks_read_the_sharers_values(free_first):
     check_reads(alloc, cache, [b] if free_first else [a, b])
 
 
-def test_shared_prefix_values_must_follow_token_content():
+def test_shared_prefix_values_must_follow_token_content(device):
     """A request whose values were keyed by its id alone would (rightly) fail on blocks another wrote."""
     alloc = make_paged(16, prefix_caching=True)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     prefix = tokens(7, 8)
     a = make_seq(1, np.concatenate([prefix, tokens(1, 3)]), 11, cache)
     b = make_seq(2, np.concatenate([prefix, tokens(2, 3)]), 11)  # not registered
@@ -164,9 +170,9 @@ def test_shared_prefix_values_must_follow_token_content():
 
 
 @pytest.mark.parametrize("copy_on_write", [True, False])
-def test_fork_shares_full_blocks_and_copies_the_partial_one(copy_on_write):
+def test_fork_shares_full_blocks_and_copies_the_partial_one(copy_on_write, device):
     alloc = make_paged(16)
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     parent_ids = tokens(1, 12)
     parent = make_seq(1, parent_ids, 6, cache)
     admit(alloc, cache, parent, 6)  # block 0 full, block 1 holds 2 tokens
@@ -189,9 +195,9 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(copy_on_write):
             check_reads(alloc, cache, [parent, child])
 
 
-def test_flat_slabs_round_trip_and_fork_by_copy():
+def test_flat_slabs_round_trip_and_fork_by_copy(device):
     alloc = FlatAllocator(SPEC, 50 * SPEC.bytes_per_token, max_model_len=16, reserve="oracle")
-    cache = make_cache(alloc)
+    cache = make_cache(alloc, device)
     assert cache.num_slots == 50 and cache.num_blocks == 13
     parent_ids = tokens(1, 12)
     parent = make_seq(1, parent_ids, 7, cache)
