@@ -1,0 +1,184 @@
+"""`kvsim bench kernels`: byte counts by hand, paged FlexAttention against SDPA, the CSV a tiny CPU run writes."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvsim.bench import flex_paged
+from kvsim.bench.kernels import (
+    COLUMNS,
+    KernelShape,
+    bench_kernels,
+    measure,
+    model_shape,
+    parse_sizes,
+    random_block_tables,
+    slot_mapping,
+)
+from kvsim.engine import kernels
+from kvsim.errors import KvsimError
+
+# Llama 3.1 8B: 32 query heads, 8 KV heads of 128, bf16: one token of one layer is 2 * 8 * 128 * 2 = 4096 bytes.
+LLAMA = KernelShape("llama-3.1-8b", num_kv_heads=8, num_q_heads=32, head_dim=128, kv_dtype="bf16", dtype_bytes=2)
+
+
+def test_model_shape_reads_the_catalogue():
+    assert model_shape("llama-3.1-8b") == LLAMA
+    qwen = model_shape("Qwen/Qwen3-0.6B", "fp32")
+    assert (qwen.num_kv_heads, qwen.num_q_heads, qwen.head_dim, qwen.dtype_bytes) == (8, 16, 128, 4)
+    mla = model_shape("deepseek-v3")  # one latent "head" of kv_lora_rank 512 + rope 64
+    assert (mla.num_kv_heads, mla.head_dim) == (1, 576)
+
+
+def test_model_shape_rejects_dtypes_the_kernels_cannot_compute_in():
+    with pytest.raises(KvsimError, match="--kv-dtype"):
+        model_shape("llama-3.1-8b", "fp8")
+
+
+def test_algorithmic_bytes_by_hand():
+    assert LLAMA.kv_bytes(1) == 4096
+    # a scatter reads and writes 100 tokens of K/V and reads 100 int64 slots
+    assert LLAMA.write_bytes(100) == 2 * 409_600 + 800
+    # decode, batch 2 x 256 tokens: 512 tokens of K/V, plus q in and out: 2 * (2 * 32 * 128 * 2) bytes
+    assert LLAMA.decode_bytes(2, 256) == 2_097_152 + 32_768
+    assert LLAMA.decode_bytes(2, 256, index_bytes=64) == 2_097_152 + 32_768 + 64
+
+
+def test_slot_mapping_by_hand():
+    tables = torch.tensor([[2, 0], [1, 3]])  # block size 2, 3 tokens each
+    assert slot_mapping(tables, 3, 2).tolist() == [4, 5, 0, 2, 3, 6]
+
+
+def test_random_block_tables_use_every_block_once():
+    tables = random_block_tables(3, 50, 16, torch.Generator().manual_seed(1))  # 4 blocks per sequence
+    assert tables.shape == (3, 4)
+    assert sorted(tables.flatten().tolist()) == list(range(12))
+
+
+def test_parse_sizes():
+    assert parse_sizes("8, 16,32", "--block-sizes") == (8, 16, 32)
+    assert parse_sizes(None, "--batch-sizes") is None
+    for bad in ("8,x", "0", ""):
+        with pytest.raises(KvsimError, match="--block-sizes"):
+            parse_sizes(bad, "--block-sizes")
+
+
+def test_measure_on_cpu_orders_its_percentiles():
+    timing = measure(lambda: torch.ones(1000).sum(), torch.device("cpu"), reps=7)
+    assert timing.reps == 7
+    assert 0 < timing.p20_us <= timing.median_us <= timing.p80_us
+
+
+def _paged_problem(block_size: int, seq_lens: list[int], *, num_q_heads=4, num_kv_heads=2, head_dim=16, device="cpu"):
+    """Random K/V scattered into a shuffled pool (plus spare blocks), and the per-sequence reference output."""
+    gen = torch.Generator().manual_seed(block_size)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int64)
+    used = 0
+    for b, m in enumerate(blocks_per_seq):
+        tables[b, :m] = perm[used : used + m]
+        used += m
+    pool = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 100  # garbage everywhere
+    q = torch.randn(len(seq_lens), num_q_heads, 1, head_dim, generator=gen)
+    refs = []
+    for b, n in enumerate(seq_lens):
+        kv = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
+        slots = slot_mapping(tables[b : b + 1, : blocks_per_seq[b]], n, block_size)
+        pool.view(2, -1, num_kv_heads, head_dim)[:, slots] = kv
+        k, v = kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]  # (1, H, n, D)
+        refs.append(F.scaled_dot_product_attention(q[b : b + 1], k, v, enable_gqa=True))
+    to = dict(device=device)
+    return pool.to(**to), tables.to(**to), torch.tensor(seq_lens, **to), q.to(**to), torch.cat(refs).to(**to)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_flex_attention_equals_contiguous_sdpa(block_size):
+    # lengths: shorter than a block, an exact multiple, one past a multiple, and a longer one
+    pool, tables, seq_lens, q, ref = _paged_problem(block_size, [3, 2 * block_size, 2 * block_size + 1, 37])
+    mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, pool.shape[1] * block_size)
+    out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gather_then_sdpa_equals_contiguous_sdpa():
+    pool, tables, seq_lens, q, ref = _paged_problem(4, [3, 8, 9, 37])
+    kv = kernels.gather_paged(pool[:, None], tables)  # [2, 1, B, M * 4, H, D]
+    out = kernels.decode_attention(q[:, :, 0], kv[0, 0], kv[1, 0], seq_lens)
+    torch.testing.assert_close(out[:, :, None], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_mask_lists_full_blocks_and_one_partial_block():
+    tables = torch.tensor([[5, 2, 7], [1, 0, 0]])
+    mask = flex_paged.decode_block_mask(tables, torch.tensor([9, 8]), 4, 32)  # 9 = 2 full + 1; 8 = 2 full
+    assert mask.full_kv_num_blocks.flatten().tolist() == [2, 2]
+    assert mask.full_kv_indices[:, 0, 0, :2].tolist() == [[5, 2], [1, 0]]
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 0]
+    assert int(mask.kv_indices[0, 0, 0, 0]) == 7
+
+
+def test_tiny_cpu_run_writes_the_csv(tmp_path):
+    frame, path = bench_kernels(
+        "llama-3.1-8b", block_sizes=(4, 8), batch_sizes=(2,), context_lens=(12,), device="cpu", reps=1, out_dir=tmp_path
+    )
+    assert path == tmp_path / "kernels-cpu.csv"
+    csv = pd.read_csv(path)
+    assert list(csv.columns) == COLUMNS
+    # 3 rows per case (copy, read, sdpa) + per block size 3 writes + 3 decodes; block 8 does not divide 12,
+    # so its contiguous FlexAttention control is skipped, with a reason
+    assert len(csv) == 3 + 2 * 6
+    assert (csv["device"].str.startswith("cpu")).all() and (csv["torch_version"] == torch.__version__).all()
+    by = {(r.kernel, None if pd.isna(r.block_size) else int(r.block_size)): r for r in csv.itertuples()}
+    kv = 2 * 24 * 8 * 128 * 2  # 2 x 12 tokens of K and V, 8 heads of 128, bf16
+    assert by["copy", None].bytes == 2 * kv and by["read", None].bytes == kv
+    assert by["index_copy", 4].bytes == 2 * kv + 8 * 24
+    assert by["sdpa_contiguous", None].bytes == kv + 2 * 2 * 32 * 128 * 2
+    # gather reads the (2, 3) int64 block table at block 4; FlexAttention its int32 copy
+    assert by["gather_sdpa", 4].bytes == kv + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 8
+    assert by["flex_paged", 4].bytes == kv + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 4
+    assert by["triton", 4].status.startswith("skipped")
+    assert by["flex_contiguous", 8].status.startswith("skipped")
+    ok = csv[csv["status"] == "ok"]
+    assert len(ok) == len(csv) - 3  # two triton rows and one control skipped, nothing failed
+    assert (ok[ok["op"] == "write"]["max_abs_err"] == 0).all()  # the scatter wrote every token exactly
+    assert (ok[ok["op"] == "decode"]["max_abs_err"] < 0.05).all()  # bf16 attention agrees with the baseline
+    bw = ok["bytes"] / (ok["median_us"] * 1e-6) / 1e9
+    assert (abs(bw - ok["bandwidth_gbps"]) <= 1e-9 * bw).all()
+
+
+def test_cli_rejects_bad_sizes_in_one_line(cli):
+    result = cli(["bench", "kernels", "--batch-sizes", "two"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["kvsim: error: --batch-sizes: expected comma-separated whole numbers like 8,16,32, got 'two'"]
+
+
+def test_cli_cpu_run_says_its_numbers_are_not_gpu_numbers(cli, tmp_path):
+    result = cli(["bench", "kernels", "-m", "qwen3-0.6b", "--block-sizes", "16", "--batch-sizes", "1", "--context-lens", "16",
+                  "--reps", "1", "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "not GPU numbers" in result.output
+    assert (tmp_path / "kernels-cpu.csv").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_compiled_paged_flex_attention_equals_sdpa_on_cuda(block_size):
+    pool, tables, seq_lens, q, ref = _paged_problem(block_size, [3, 2 * block_size, 300], head_dim=64, device="cuda")
+    mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, pool.shape[1] * block_size)
+    out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=True)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_tiny_cuda_run_times_every_kernel(tmp_path):
+    frame, _ = bench_kernels(
+        "llama-3.1-8b", block_sizes=(16, 64), batch_sizes=(4,), context_lens=(1024,), device="cuda", out_dir=tmp_path
+    )
+    assert (frame["status"] == "ok").all(), frame[frame["status"] != "ok"][["kernel", "block_size", "status"]]
+    assert (frame[frame["op"] == "write"]["max_abs_err"] == 0).all()
+    assert frame["flex_compiled"].all() and frame["l2_flushed"].all()
