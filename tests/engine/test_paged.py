@@ -256,3 +256,45 @@ def test_bench_cli_json_and_csv(cli, tmp_path):
     assert out.read_text().splitlines()[0].startswith("num_requests,max_running")
     bad = cli(["bench", "allocator", "--num-requests", "0"])
     assert bad.exit_code == 2 and "must be positive" in bad.output
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mixed_model_random_operations_keep_pages_consistent(seed):
+    """Random admissions, chunks, decodes and frees: every page is held once or free, bytes always add up."""
+    rng = np.random.default_rng(seed)
+    alloc = PagedAllocator(MIXED, 60 * 64 + 3, max_model_len=64, watermark=0.05)
+    running: list[Sequence] = []
+    for step in range(300):
+        op = rng.integers(4)
+        if op == 0 and len(running) < 6:
+            seq = make_seq(step, int(rng.integers(1, 24)), int(rng.integers(0, 24)))
+            chunk = int(rng.integers(1, seq.num_prompt_tokens + 1))
+            if alloc.allocate(seq, chunk) is not None:
+                seq.num_computed_tokens = chunk
+                running.append(seq)
+        elif op == 1 and running:
+            active = [s for s in running if s.num_computed_tokens < s.num_final_tokens]
+            failed = alloc.append_decode(active)
+            for seq in active:
+                if seq not in failed:
+                    assert alloc._reqs[seq].cap > seq.num_computed_tokens
+                    seq.num_computed_tokens += 1
+        elif op == 2 and running:
+            seq = running[int(rng.integers(len(running)))]
+            room = seq.num_final_tokens - seq.num_computed_tokens
+            if room > 0 and alloc.append_slots(seq, n := int(rng.integers(1, room + 1))):
+                seq.num_computed_tokens += n
+        elif op == 3 and running:
+            alloc.free(running.pop(int(rng.integers(len(running)))))
+        held = [b.block_id for s in running for t in alloc._reqs[s].tables for b in t if b is not None]
+        held += [b.block_id for s in running for b in alloc._reqs[s].state_pages]
+        assert len(held) == len(set(held)) == alloc.num_blocks - alloc.num_free_blocks
+        bd = alloc.breakdown()  # asserts the five categories sum to the budget
+        assert bd.internal_fragmentation_bytes >= 3 + len(running) * 28
+        for s in running:  # the window's tokens are always held
+            window_start = max(0, s.num_computed_tokens - 8 + 1)
+            assert all(b is not None for b in alloc._reqs[s].tables[1][window_start // BS * 2 :])
+    for seq in running:
+        alloc.free(seq)
+    assert alloc.num_free_blocks == alloc.num_blocks
+    assert parts(alloc) == (0, 0, 3, 0, 60 * 64)
