@@ -32,13 +32,15 @@ def test_same_seed_same_requests_different_seed_different():
 
 
 def test_poisson_workload_stream_matches_its_spec():
-    requests = generate_requests(load_workload(POISSON))
+    w = load_workload(POISSON)
+    requests = generate_requests(w)
     arrival = np.array([r.arrival_time for r in requests])
     prompt = np.array([r.num_prompt_tokens for r in requests])
     output = np.array([r.max_tokens for r in requests])
     assert [r.request_id for r in requests] == list(range(2000))
     assert arrival[0] == 0.0 and np.all(np.diff(arrival) >= 0)
-    assert abs(2000 / arrival[-1] - 10.0) < 1.0  # rate 10/s
+    rate = w.requests.arrival.rate
+    assert abs(2000 / arrival[-1] - rate) < 0.1 * rate
     assert prompt.min() >= 8 and prompt.max() <= 3072 and abs(prompt.mean() - 512) < 25
     assert output.min() >= 16 and output.max() <= 1024 and abs(output.mean() - 520) < 20
     grouped = [r for r in requests if r.prefix_group is not None]
@@ -67,6 +69,7 @@ def test_duration_workload(tmp_path):
     data = yaml.safe_load(POISSON.read_text())
     del data["requests"]["count"]
     data["requests"]["duration_s"] = 30
+    data["requests"]["arrival"]["rate"] = 10.0
     path = tmp_path / "d.yaml"
     path.write_text(yaml.safe_dump(data))
     requests = generate_requests(load_workload(path))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import textwrap
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,8 +71,33 @@ def test_shipped_workload_loads(path, tmp_path):
     assert w.allocators and (w.kv_budget_bytes is None) != (w.gpu_memory_utilization is None)
 
 
-def test_the_issue_example_loads_as_written():
-    w = load_workload(REPO / "workloads" / "poisson.yaml")
+ISSUE_EXAMPLE = """\
+name: poisson                # report folder name
+seed: 0
+model: qwen3-0.6b            # catalogue name, HF id, or a config.json path
+kv_dtype: bf16
+hardware: h100-80gb          # for the time model
+kv_budget: 4GiB              # or: gpu_memory_utilization: 0.9 (weights subtracted)
+max_model_len: 4096
+requests:
+  count: 2000                # or duration_s
+  arrival: {process: poisson, rate: 10.0}          # gamma {rate, cv}; constant; burst {size, every_s}
+  prompt_tokens: {dist: lognormal, mean: 512, sigma: 0.8, min: 8, max: 3072}
+  output_tokens: {dist: uniform, min: 16, max: 1024} # constant, uniform, normal, lognormal, zipf, empirical
+  shared_prefix: {groups: 4, tokens: 256, fraction: 0.5}   # optional
+  # or instead of the above: trace: path/to/file.csv (+ optional time_scale, limit)
+allocators:
+  - {kind: flat, reserve: max}
+  - {kind: flat, reserve: pow2}
+  - {kind: flat, reserve: oracle}
+  - {kind: paged, block_size: 16}
+  - {kind: paged, block_size: 16, prefix_caching: true}
+scheduler: {max_num_seqs: 256, max_num_batched_tokens: 8192, preemption: recompute, watermark: 0.01}
+"""
+
+
+def test_the_issue_example_loads_as_written(tmp_path):
+    w = load_workload(write(tmp_path, ISSUE_EXAMPLE, "issue.yaml"))
     assert (w.name, w.seed, w.model, w.kv_dtype, w.hardware) == ("poisson", 0, "qwen3-0.6b", "bf16", "h100-80gb")
     assert w.kv_budget_bytes == 4 * 2**30 and w.gpu_memory_utilization is None and w.max_model_len == 4096
     r = w.requests
@@ -84,6 +109,15 @@ def test_the_issue_example_loads_as_written():
     assert (r.shared_prefix.groups, r.shared_prefix.tokens, r.shared_prefix.fraction) == (4, 256, 0.5)
     assert [a.label for a in w.allocators] == ["flat-max", "flat-pow2", "flat-oracle", "paged-16", "paged-16+prefix"]
     assert w.scheduler == SchedulerConfig(256, 8192, "recompute", 0.01)
+
+
+def test_shipped_poisson_is_the_issue_example_at_a_higher_rate(tmp_path):
+    shipped = load_workload(REPO / "workloads" / "poisson.yaml")
+    issue = load_workload(write(tmp_path, ISSUE_EXAMPLE, "issue.yaml"))
+    assert shipped.requests.arrival.rate == 50.0
+    same_rate = dataclasses.replace(shipped.requests, arrival=issue.requests.arrival)
+    assert same_rate == issue.requests
+    assert (shipped.allocators, shipped.scheduler, shipped.kv_budget_bytes) == (issue.allocators, issue.scheduler, issue.kv_budget_bytes)
 
 
 def test_allocator_watermark_comes_from_the_scheduler_unless_set(tmp_path):
@@ -216,7 +250,7 @@ def test_malformed_yaml_is_one_clear_line(tmp_path, text, message):
 
 def test_numbers_written_the_yaml_1_1_way_are_accepted(tmp_path):
     # PyYAML reads 1e-2 and 2e3 as strings; they are still numbers to a user.
-    text = textwrap.dedent(yaml.safe_dump(with_change("scheduler", {"watermark": "1e-2"})))
+    text = yaml.safe_dump(with_change("scheduler", {"watermark": "1e-2"}))
     w = load_workload(write(tmp_path, text.replace("count: 10", "count: 2e3")))
     assert w.scheduler.watermark == 0.01 and w.requests.count == 2000
 
