@@ -69,6 +69,11 @@ def test_shipped_workload_loads(path, tmp_path):
     w = load_workload(path, trace=str(trace) if trace else None)
     assert w.name == path.stem and w.path == path and len(w.sha256) == 64
     assert w.allocators and (w.kv_budget_bytes is None) != (w.gpu_memory_utilization is None)
+    # The names the replay will resolve exist in the catalogues (this module itself never checks them).
+    from kvsim.catalogue import resolve_model
+    from kvsim.hardware import get_gpu
+
+    assert resolve_model(w.model) and get_gpu(w.hardware)
 
 
 ISSUE_EXAMPLE = """\
