@@ -19,7 +19,6 @@ from kvsim.errors import KvsimError
 
 _ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
 _MAX_PAGES_PER_BLOCK = 64  # beyond this a gcd page is too small to be worth it: pad instead
-_NEVER = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -280,7 +279,7 @@ class PagedAllocator(KVAllocator):
         saved = self.pool.num_shared_refs * self.page_bytes
         dup_tail = 0
         for block_id, tokens in self._fork_partials.items():
-            dup_tail += (self.pool.blocks[block_id].ref_count - 1) * (bs - tokens) * self.lanes[0].bytes_per_token
+            dup_tail += max(0, self.pool.blocks[block_id].ref_count - 1) * (bs - tokens) * self.lanes[0].bytes_per_token
         for_ts = min(saved - dup_tail, token_states)
         token_states, dup = token_states - for_ts, saved - for_ts
         for_res = min(dup, reservation)
