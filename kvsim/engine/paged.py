@@ -7,6 +7,7 @@ sliding-window groups free blocks that fall wholly outside the window, state gro
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
 _ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
+_BLOCK_ID = operator.attrgetter("block_id")
 _MAX_PAGES_PER_BLOCK = 64  # beyond this a gcd page is too small to be worth it: pad instead
 
 
@@ -247,8 +249,10 @@ class PagedAllocator(KVAllocator):
 
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of `seq`'s primary lane (first page of each block); None where a sliding block was freed."""
-        k = self.lanes[0].pages_per_block
-        return [None if b is None else b.block_id for b in self._reqs[seq].tables[0][::k]]
+        lane, table = self.lanes[0], self._reqs[seq].tables[0]
+        if lane.window is None and lane.pages_per_block == 1:
+            return list(map(_BLOCK_ID, table))  # every decode step of a replay with tensors reads this
+        return [None if b is None else b.block_id for b in table[:: lane.pages_per_block]]
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         bs, k = self.block_size, self.lanes[0].pages_per_block
