@@ -67,9 +67,9 @@ class FlatAllocator(KVAllocator):
         self.num_state_slots = -(-spec.state_bytes_per_sequence // self.bytes_per_token)
         self.state_padding_bytes = self.num_state_slots * self.bytes_per_token - spec.state_bytes_per_sequence
         self.arena = Arena(self.num_slots, placement)
-        # seq_id -> (sequence, slab start, reserved tokens); running totals over these, in tokens
-        self._live: dict[int, tuple[Sequence, int, int]] = {}
-        self._seqs: dict[int, Sequence] = {}  # the same requests, for one fast pass in breakdown()
+        # Live requests by seq_id: their slab (start, reserved tokens), and running totals over them, in tokens.
+        self._live: dict[int, tuple[int, int]] = {}
+        self._seqs: dict[int, Sequence] = {}
         self._reserved_tokens = 0
         self._final_tokens = 0
 
@@ -105,11 +105,11 @@ class FlatAllocator(KVAllocator):
         return 0
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return seq.num_computed_tokens + num_new_tokens <= self._live[seq.seq_id][2]
+        return seq.num_computed_tokens + num_new_tokens <= self._live[seq.seq_id][1]
 
     def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
         live = self._live
-        return [seq for seq in seqs if seq.num_computed_tokens >= live[seq.seq_id][2]]
+        return [seq for seq in seqs if seq.num_computed_tokens >= live[seq.seq_id][1]]
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give `child` its own slab holding a copy of `parent`'s computed tokens; False if no hole fits.
@@ -128,7 +128,7 @@ class FlatAllocator(KVAllocator):
         return True
 
     def free(self, seq: Sequence) -> None:
-        _, start, reserved = self._live.pop(seq.seq_id)
+        start, reserved = self._live.pop(seq.seq_id)
         del self._seqs[seq.seq_id]
         self.arena.release(start)
         self._reserved_tokens -= reserved
@@ -136,7 +136,7 @@ class FlatAllocator(KVAllocator):
 
     def _admit(self, seq: Sequence, start: int, reserved: int) -> None:
         assert seq.num_final_tokens <= reserved
-        self._live[seq.seq_id] = (seq, start, reserved)
+        self._live[seq.seq_id] = (start, reserved)
         self._seqs[seq.seq_id] = seq
         self._reserved_tokens += reserved
         self._final_tokens += seq.num_final_tokens
@@ -145,11 +145,11 @@ class FlatAllocator(KVAllocator):
 
     def slab(self, seq: Sequence) -> tuple[int, int]:
         """(start_slot, num_slots) of `seq`'s slab: tokens at [start, start + reserved), then state slots."""
-        _, start, reserved = self._live[seq.seq_id]
+        start, reserved = self._live[seq.seq_id]
         return start, reserved + self.num_state_slots
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        base, reserved = self._live[seq.seq_id][1:]
+        base, reserved = self._live[seq.seq_id]
         assert 0 <= start <= end <= reserved, (seq, start, end)
         return np.arange(base + start, base + end, dtype=np.int64)  # (end - start,)
 
