@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -65,6 +66,36 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
         form, rows = _csv_rows(text, source)
     if not rows:
         raise KvsimError("trace has no requests", source=source)
+    columns = _columns_fast(form, rows) if form != "jsonl" else None
+    arrival, prompt, output = columns if columns is not None else _columns_by_row(form, rows, source)
+    if form == "azure":
+        arrival -= arrival.min()  # absolute date-times -> seconds from the first request
+    order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
+    return Trace(path, form, arrival[order] * time_scale, prompt[order], output[order])
+
+
+def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Whole columns parsed by numpy at once (a CSV's cells are strings); None if any cell is not clean, so
+    that `_columns_by_row` finds and names the bad one."""
+    _, times, prompts, outputs = zip(*rows)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. numpy's warning on a timezone offset: take the slow path
+            if form == "azure":
+                arrival = (np.array(times, dtype="datetime64[ns]") - np.datetime64(0, "ns")) / np.timedelta64(1, "s")
+            else:
+                arrival = np.array(times, dtype=np.float64)  # (n,)
+            prompt, output = np.array(prompts, dtype=np.float64), np.array(outputs, dtype=np.float64)  # (n,)
+    except (ValueError, TypeError, Warning):
+        return None
+    counts_ok = np.all(prompt >= 1) and np.all(output >= 0) and np.all(prompt % 1 == 0) and np.all(output % 1 == 0)
+    if not (np.all(np.isfinite(arrival)) and np.all(arrival >= 0) and np.all(np.isfinite(prompt + output)) and counts_ok):
+        return None
+    return arrival.astype(np.float64), prompt.astype(np.int64), output.astype(np.int64)
+
+
+def _columns_by_row(form: TraceForm, rows: list, source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Columns parsed cell by cell; the first bad cell raises a KvsimError naming its line and column."""
     arrival_col, prompt_col, output_col = COLUMNS[form]
     arrival = np.empty(len(rows), dtype=np.float64)
     prompt = np.empty(len(rows), dtype=np.int64)
@@ -75,10 +106,7 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
         arrival[i] = parse_time(t, source, where + arrival_col)
         prompt[i] = _parse_count(p, source, where + prompt_col, minimum=1)
         output[i] = _parse_count(o, source, where + output_col, minimum=0)
-    if form == "azure":
-        arrival -= arrival.min()  # absolute date-times -> seconds from the first request
-    order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
-    return Trace(path, form, arrival[order] * time_scale, prompt[order], output[order])
+    return arrival, prompt, output
 
 
 def _csv_rows(text: str, source: str) -> tuple[TraceForm, list[tuple[int, object, object, object]]]:
@@ -91,14 +119,15 @@ def _csv_rows(text: str, source: str) -> tuple[TraceForm, list[tuple[int, object
     else:
         known = "; ".join(",".join(cols) for cols in COLUMNS.values())
         raise KvsimError(f"unrecognised trace header {','.join(header)!r} (expected columns {known})", source=source, field="line 1")
-    index = [header.index(col) for col in COLUMNS[form]]
+    a, p, o = (header.index(col) for col in COLUMNS[form])
+    need = max(a, p, o) + 1
     rows = []
     for lineno, row in enumerate(reader, start=2):
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        if len(row) <= max(index):
+        if len(row) < need:
+            if not any(cell.strip() for cell in row):
+                continue  # a blank line
             raise KvsimError(f"expected {len(header)} columns, got {len(row)}", source=source, field=f"line {lineno}")
-        rows.append((lineno, row[index[0]], row[index[1]], row[index[2]]))
+        rows.append((lineno, row[a], row[p], row[o]))
     return form, rows
 
 
