@@ -94,7 +94,7 @@ class Arena:
     def holes(self) -> list[tuple[int, int]]:
         """Free ranges as (start, size) in address order (buddy: free blocks, adjacent ones not merged)."""
         if self.placement == "buddy":
-            return sorted(self._free_order_at_items())
+            return sorted((s, 1 << k) for s, k in self._free_order.items())
         return [(s, self._hole_at[s]) for s in self._starts]
 
     # --- alloc / release ----------------------------------------------------------------------------
@@ -164,9 +164,6 @@ class Arena:
                 self._push_free(offset, order)
                 offset += 1 << order
         self._region_starts = [s for s, _ in self._regions]
-
-    def _free_order_at_items(self) -> list[tuple[int, int]]:
-        return [(s, 1 << k) for s, k in self._free_order.items()]
 
     def _push_free(self, start: int, order: int) -> None:
         insort(self._free[order], start)
