@@ -181,6 +181,29 @@ def bench_kernels(
     )
 
 
+@app.command()
+@user_errors
+def profile(
+    workload: Annotated[str, typer.Argument(help="Workload YAML whose request stream and KV budget to use.")] = "workloads/poisson.yaml",
+    reserve: Annotated[str, typer.Option("--reserve", help="Per-request tensor size: max, pow2 or oracle (the flat reserve policies).")] = "max",
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per block of the paged pool.")] = 16,
+    settings: Annotated[str, typer.Option("--settings", help="Allocator settings to run, comma-separated: default, expandable (expandable_segments:True).")] = "default,expandable",
+    step_ms: Annotated[float, typer.Option("--step-ms", help="Simulated time of one decode step.")] = 20.0,
+    sample_every: Annotated[int, typer.Option("--sample-every", help="Timeline row every N steps (and at every refusal).")] = 50,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Override the workload's seed.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N requests.")] = None,
+    snapshot: Annotated[bool, typer.Option("--snapshot", help="Also dump a CUDA memory snapshot per run (for pytorch.org/memory_viz).")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default: reports/profile/<device>/).")] = None,
+) -> None:
+    """PyTorch's CUDA caching allocator under the workload: torch.empty per request vs one paged pool (needs CUDA)."""
+    from kvsim.profile import show_profile
+
+    show_profile(
+        workload, reserve=reserve, block_size=block_size, settings=tuple(s.strip() for s in settings.split(",") if s.strip()),
+        step_ms=step_ms, sample_every=sample_every, seed=seed, limit=limit, snapshot=snapshot, out_dir=out,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,362 @@
+"""`kvsim profile`: PyTorch's CUDA caching allocator under a request stream, per-request tensors vs one paged pool.
+
+Seed 001's naive cache for real: each admitted request gets `torch.empty` of its flat reservation, freed when it
+finishes; beside it, the whole budget as one pre-allocated pool managed by kvsim's paged allocator. Both see the
+same stream and the same budget (`torch.cuda.set_per_process_memory_fraction`), once per allocator setting
+(default, `expandable_segments:True`), each in its own process because PYTORCH_CUDA_ALLOC_CONF is read at CUDA
+initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+
+SETTINGS = {"default": None, "expandable": "expandable_segments:True"}
+MODES = ("per-request", "paged-pool")
+GRANULE = 2 * 2**20  # the caching allocator rounds large blocks to 2 MiB: the budget's slack for the pool
+TORCH_STATS = {  # timeline column <- torch.cuda.memory_stats() key
+    "memory_allocated": "allocated_bytes.all.current",
+    "memory_reserved": "reserved_bytes.all.current",
+    "inactive_split_bytes": "inactive_split_bytes.all.current",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+}
+
+
+class PerRequestTensors:
+    """Each admitted request owns one tensor of its flat reservation (`slab_size` tokens of the flat
+    allocator's reserve policy), allocated through `empty(nbytes)`; an out-of-memory error refuses it."""
+
+    def __init__(self, flat, empty: Callable[[int], object]):
+        self.flat = flat  # kvsim.engine.flat.FlatAllocator: used for its reservation sizes only
+        self.empty = empty
+        self.tensors: dict[int, object] = {}
+        self.in_use_bytes = 0
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        return self.flat.can_ever_fit(seq)
+
+    def admit(self, seq: Sequence) -> str:
+        """'ok', or 'oom' when the device allocator raised out-of-memory."""
+        import torch
+
+        nbytes = self.flat.slab_size(seq) * self.flat.bytes_per_token
+        try:
+            self.tensors[seq.seq_id] = self.empty(nbytes)
+        except torch.OutOfMemoryError:
+            return "oom"
+        self.in_use_bytes += nbytes
+        seq.num_computed_tokens = seq.num_prompt_tokens  # the prompt is computed at admission
+        return "ok"
+
+    def decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """A reservation covers the request's final length: nobody ever needs to be preempted."""
+        return []
+
+    def free(self, seq: Sequence) -> None:
+        self.in_use_bytes -= self.flat.slab_size(seq) * self.flat.bytes_per_token
+        del self.tensors[seq.seq_id]
+
+
+class PagedPool:
+    """The whole budget allocated once (`empty(pool_bytes)`) and handed out in blocks by the paged allocator.
+
+    A request that cannot grow by a block is preempted for recompute: its blocks are freed and it is
+    re-admitted later with room for everything it had computed.
+    """
+
+    def __init__(self, paged, pool_bytes: int, empty: Callable[[int], object]):
+        self.paged = paged  # kvsim.engine.paged.PagedAllocator
+        self.pool = empty(pool_bytes)  # (pool_bytes,) uint8: never freed, never grown
+        self.block_bytes = paged.spec.block_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        return (self.paged.num_blocks - self.paged.num_free_blocks) * self.block_bytes
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        return self.paged.can_ever_fit(seq)
+
+    def admit(self, seq: Sequence) -> str:
+        """'ok', or 'full' when the free blocks (minus the watermark) cannot hold what it must compute."""
+        target = seq.extra.pop("recompute", seq.num_prompt_tokens)
+        if self.paged.allocate(seq, target) is None:
+            seq.extra["recompute"] = target
+            return "full"
+        seq.num_computed_tokens = target
+        return "ok"
+
+    def decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        failed = self.paged.append_decode(seqs)
+        for seq in failed:
+            self.paged.free(seq)
+            seq.extra["recompute"] = seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+        return failed
+
+    def free(self, seq: Sequence) -> None:
+        self.paged.free(seq)
+
+
+def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int, step_s: float, sample_every: int,
+                  stats: Callable[[], dict] = dict) -> tuple[list[dict], dict]:  # fmt: skip
+    """Feed `requests` (kvsim.requests.RequestSpec, by arrival) to `backend`, one decode token per running request
+    per step of `step_s` simulated seconds; FCFS admission up to `max_num_seqs`.
+
+    After a refusal (OOM or no room) admission waits until something is freed: retrying an allocation that
+    just failed would only add OOMs. Returns the timeline (a row every `sample_every` steps and at every
+    refusal) and the run's totals, including how many requests were admitted before the first OOM.
+    """
+    seqs = [Sequence(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time) for r in requests]
+    waiting: deque[Sequence] = deque()
+    running: list[Sequence] = []
+    totals = dict(admitted=0, finished=0, rejected=0, ooms=0, refusals=0, preemptions=0, peak_running=0,
+                  running_steps=0, admitted_before_first_oom=None, first_oom_step=None)  # fmt: skip
+    rows: list[dict] = []
+    step = nxt = 0
+    blocked = False
+    while nxt < len(seqs) or waiting or running:
+        if not waiting and not running:  # idle: jump to the next arrival
+            step = max(step, math.ceil(seqs[nxt].arrival_time / step_s))
+        while nxt < len(seqs) and seqs[nxt].arrival_time <= step * step_s:
+            waiting.append(seqs[nxt])
+            nxt += 1
+        refused = False
+        while waiting and not blocked and len(running) < max_num_seqs:
+            seq = waiting[0]
+            if not backend.can_ever_fit(seq):
+                waiting.popleft()
+                totals["rejected"] += 1
+                continue
+            outcome = backend.admit(seq)
+            if outcome != "ok":
+                blocked = refused = True
+                totals["refusals"] += 1
+                if outcome == "oom":
+                    totals["ooms"] += 1
+                    if totals["admitted_before_first_oom"] is None:
+                        totals["admitted_before_first_oom"], totals["first_oom_step"] = totals["admitted"], step
+                break
+            waiting.popleft()
+            running.append(seq)
+            totals["admitted"] += 1
+        totals["peak_running"] = max(totals["peak_running"], len(running))
+        totals["running_steps"] += len(running)
+        preempted = backend.decode(running)
+        waiting.extendleft(reversed(preempted))  # they go first again, in their admission order
+        still = []
+        for seq in running:
+            if seq in preempted:
+                continue
+            seq.num_computed_tokens += 1
+            if seq.num_computed_tokens >= seq.num_final_tokens:
+                backend.free(seq)
+                totals["finished"] += 1
+            else:
+                still.append(seq)
+        blocked = blocked and len(still) == len(running)  # anything freed (finished or preempted) unblocks
+        totals["preemptions"] += len(preempted)
+        running = still
+        if refused or step % sample_every == 0:
+            rows.append(dict(
+                step=step, time_s=step * step_s, running=len(running), waiting=len(waiting), **{
+                    k: totals[k] for k in ("admitted", "finished", "rejected", "ooms", "refusals", "preemptions")},
+                kv_in_use_bytes=backend.in_use_bytes,
+                token_bytes=sum(s.num_computed_tokens for s in running) * bytes_per_token, **stats(),
+            ))  # fmt: skip
+        step += 1
+    totals.update(steps=step, sim_time_s=step * step_s, mean_running=totals.pop("running_steps") / max(step, 1))
+    return rows, totals
+
+
+def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int = 16, settings: tuple[str, ...] = tuple(SETTINGS),
+                step_ms: float = 20.0, sample_every: int = 50, seed: int | None = None, limit: int | None = None,
+                snapshot: bool = False, out_dir: str | Path | None = None, progress: Callable[[str], None] | None = None):
+    """Both modes under each allocator setting, a child process each; returns (timeline, summary, out dir).
+
+    Writes timeline.csv, summary.csv, memory.png (and snapshot-<setting>-<mode>.pickle, loadable by PyTorch's
+    memory_viz, with `snapshot`) to `out_dir`, by default reports/profile/<device>/.
+    """
+    import shutil
+    import tempfile
+
+    import pandas as pd
+    import torch
+
+    from kvsim.engine.flat import RESERVES
+    from kvsim.workload import load_workload
+
+    if not torch.cuda.is_available():
+        raise KvsimError("needs a CUDA device: it measures PyTorch's CUDA caching allocator, and torch sees no GPU here",
+                         field="kvsim profile")  # fmt: skip
+    for name in settings:
+        if name not in SETTINGS:
+            raise KvsimError(f"unknown setting {name!r} (choose from {', '.join(SETTINGS)})", field="--settings")
+    if reserve not in RESERVES:
+        raise KvsimError(f"unknown reserve {reserve!r} (choose from {', '.join(RESERVES)})", field="--reserve")
+    for field, value in (("--block-size", block_size), ("--sample-every", sample_every)):
+        if value < 1:
+            raise KvsimError(f"must be >= 1, got {value}", field=field)
+    if not step_ms > 0:
+        raise KvsimError(f"must be > 0, got {step_ms}", field="--step-ms")
+    load_workload(workload, seed=seed, limit=limit)  # a bad file fails here, in one line, not in every child
+    timelines, summaries = [], []
+    with tempfile.TemporaryDirectory(prefix="kvsim-profile-") as tmp:
+        for setting in settings:
+            for mode in MODES:
+                if progress:
+                    progress(f"{setting} allocator, {mode}")
+                prefix = str(Path(tmp) / f"{setting}-{mode}")
+                job = dict(workload=str(workload), seed=seed, limit=limit, mode=mode, reserve=reserve, block_size=block_size,
+                           step_s=step_ms / 1e3, sample_every=sample_every, prefix=prefix,
+                           snapshot=prefix + ".pickle" if snapshot else None)  # fmt: skip
+                env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+                if SETTINGS[setting]:
+                    env["PYTORCH_CUDA_ALLOC_CONF"] = SETTINGS[setting]
+                proc = subprocess.run([sys.executable, "-m", "kvsim.profile", json.dumps(job)], env=env, capture_output=True, text=True)
+                label = dict(setting=setting, alloc_conf=SETTINGS[setting] or "", mode=mode,
+                             reserve=reserve if mode == "per-request" else "", block_size=block_size if mode == "paged-pool" else None)  # fmt: skip
+                if proc.returncode != 0:
+                    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                    summaries.append({**label, "status": f"failed (exit {proc.returncode}): {last[:200]}"})
+                    continue
+                totals = json.loads(Path(prefix + ".json").read_text())
+                summaries.append({**label, "status": "ok", **totals})
+                timelines.append(pd.read_csv(prefix + ".csv").assign(**label))
+        summary = pd.DataFrame(summaries)
+        ok = summary[summary["status"] == "ok"]
+        slug = ok["device"].iat[0] if len(ok) else "cuda"
+        out = Path(out_dir) if out_dir else Path("reports/profile") / "".join(c if c.isalnum() else "-" for c in slug.lower())
+        out.mkdir(parents=True, exist_ok=True)
+        for pickle in Path(tmp).glob("*.pickle"):
+            shutil.move(str(pickle), out / f"snapshot-{pickle.name}")
+    timeline = pd.concat(timelines, ignore_index=True) if timelines else pd.DataFrame()
+    timeline.to_csv(out / "timeline.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    if len(timeline):
+        _chart(timeline, out / "memory.png")
+    return timeline, summary, out
+
+
+def _chart(timeline, path: Path) -> None:
+    """memory_reserved (solid) and memory_allocated (dashed) over simulated time, a panel per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(timeline["setting"]))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), sharey=True, squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for mode, rows in timeline[timeline["setting"] == setting].groupby("mode"):
+            line = ax.plot(rows["time_s"], rows["memory_reserved"] / 2**30, label=f"{mode} reserved")[0]
+            ax.plot(rows["time_s"], rows["memory_allocated"] / 2**30, "--", color=line.get_color(), label=f"{mode} allocated")
+        ax.set(title=f"{setting} allocator", xlabel="simulated time (s)", ylabel="GiB")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def show_profile(workload: str, **options) -> Path:
+    """The `kvsim profile` command: run, print a rich summary table, say where the files are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvsim.units import format_bytes
+
+    console = Console()
+    with console.status("profiling") as status:
+        _, summary, out = run_profile(workload, progress=lambda text: status.update(f"profiling: {text}"), **options)
+    table = Table(title="PyTorch's CUDA caching allocator: per-request tensors vs one paged pool")
+    for col in ("setting", "mode", "admitted before 1st OOM", "OOMs", "alloc retries", "preemptions", "peak running",
+                "mean running", "peak reserved", "peak inactive split", "sim time (s)"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in summary.to_dict("records"):
+        if r["status"] != "ok":
+            table.add_row(r["setting"], r["mode"], r["status"])
+            continue
+        first = r["admitted_before_first_oom"]
+        table.add_row(
+            r["setting"], r["mode"], "no OOM" if first is None or first != first else str(int(first)), str(r["ooms"]),
+            str(r["num_alloc_retries"]), str(r["preemptions"]), str(r["peak_running"]),
+            f"{r['mean_running']:.1f}", format_bytes(r["peak_reserved_bytes"]),
+            format_bytes(r["peak_inactive_split_bytes"]), f"{r['sim_time_s']:.0f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {out}/")
+    return out
+
+
+# --- one run per process: `python -m kvsim.profile JOB_JSON` ---------------------------------------------
+
+
+def _run_job(job: dict) -> None:
+    """The child process: one (setting, mode) on CUDA; writes <prefix>.csv (timeline) and <prefix>.json (totals)."""
+    import time
+
+    import pandas as pd
+    import torch
+
+    from kvsim.catalogue import resolve_model
+    from kvsim.engine.factory import AllocatorConfig, make_allocator
+    from kvsim.requests import generate_requests
+    from kvsim.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+    from kvsim.workload import load_workload
+
+    workload = load_workload(job["workload"], seed=job["seed"], limit=job["limit"])
+    model = resolve_model(workload.model)
+    total_memory = torch.cuda.get_device_properties(0).total_memory
+    budget = workload.kv_budget_bytes or kv_budget_bytes(
+        total_memory, utilization=workload.gpu_memory_utilization, weight_bytes=weight_bytes(model)
+    )
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + GRANULE) / total_memory))
+    spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=job["block_size"])
+
+    def empty(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    if job["snapshot"]:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    if job["mode"] == "per-request":
+        flat = make_allocator(AllocatorConfig("flat", reserve=job["reserve"]), spec, budget, max_model_len=workload.max_model_len)
+        backend = PerRequestTensors(flat, empty)
+    else:
+        config = AllocatorConfig("paged", block_size=job["block_size"], watermark=workload.scheduler.watermark)
+        backend = PagedPool(make_allocator(config, spec, budget, max_model_len=workload.max_model_len), budget, empty)
+
+    def stats() -> dict:
+        s = torch.cuda.memory_stats()
+        return {column: s.get(key, 0) for column, key in TORCH_STATS.items()}
+
+    requests = generate_requests(workload)
+    start = time.perf_counter()
+    rows, totals = replay_stream(
+        requests, backend, bytes_per_token=spec.bytes_per_token,
+        max_num_seqs=workload.scheduler.max_num_seqs, step_s=job["step_s"], sample_every=job["sample_every"], stats=stats,
+    )  # fmt: skip
+    totals.update(wall_s=time.perf_counter() - start, device=torch.cuda.get_device_name(0), torch_version=torch.__version__,
+                  model=model.name, budget_bytes=budget, requests=len(requests))  # fmt: skip
+    final = torch.cuda.memory_stats()
+    for column in ("allocated_bytes", "reserved_bytes", "inactive_split_bytes"):
+        totals[f"peak_{column}"] = final.get(f"{column}.all.peak", 0)
+    totals.update(torch_num_ooms=final.get("num_ooms", 0), num_alloc_retries=final.get("num_alloc_retries", 0))
+    if job["snapshot"]:
+        torch.cuda.memory._dump_snapshot(job["snapshot"])
+        torch.cuda.memory._record_memory_history(enabled=None)
+    pd.DataFrame(rows).to_csv(job["prefix"] + ".csv", index=False)
+    Path(job["prefix"] + ".json").write_text(json.dumps(totals))
+
+
+if __name__ == "__main__":
+    _run_job(json.loads(sys.argv[1]))

@@ -1,0 +1,148 @@
+"""`kvsim profile`: the request-stream loop checked by hand on a fake device, and the command on CPU and CUDA."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.profile import PagedPool, PerRequestTensors, replay_stream
+from kvsim.requests import RequestSpec
+
+# One layer, one KV head of dim 1, bf16: 2 (K, V) x 2 bytes = 4 bytes per token.
+BYTES_PER_TOKEN = 4
+
+
+def spec(block_size: int = 2) -> KVCacheSpec:
+    return KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size)
+
+
+class FakeDevice:
+    """A device of `limit` bytes whose `empty` raises torch's OOM error like the caching allocator would."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.calls = limit, 0, 0
+
+    def empty(self, nbytes: int):
+        self.calls += 1
+        if self.used + nbytes > self.limit:
+            raise torch.OutOfMemoryError(f"tried to allocate {nbytes} bytes")
+        return _Buffer(self, nbytes)
+
+
+class _Buffer:
+    def __init__(self, device: FakeDevice, nbytes: int):
+        self.device, self.nbytes = device, nbytes
+        device.used += nbytes
+
+    def __del__(self):
+        self.device.used -= self.nbytes
+
+
+def requests(*lengths: tuple[int, int]) -> list[RequestSpec]:
+    return [RequestSpec(i, 0.0, prompt, out) for i, (prompt, out) in enumerate(lengths)]
+
+
+def run(reqs, backend, **kw):
+    options = dict(bytes_per_token=BYTES_PER_TOKEN, max_num_seqs=8, step_s=0.02, sample_every=1) | kw
+    return replay_stream(reqs, backend, **options)
+
+
+def test_per_request_tensors_count_admissions_before_the_first_oom():
+    # oracle reserve: 5, 4 and 5 tokens = 20, 16 and 20 bytes on a 40-byte device
+    device = FakeDevice(40)
+    flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=100)
+    rows, totals = run(requests((3, 2), (2, 2), (4, 1)), PerRequestTensors(flat, device.empty))
+    # step 0: r0 and r1 fit (36 bytes), r2 raises OOM; step 1: both finish, nothing retried meanwhile; step 2: r2 runs
+    assert totals["admitted_before_first_oom"] == 2 and totals["first_oom_step"] == 0
+    assert (totals["ooms"], totals["admitted"], totals["finished"], totals["steps"]) == (1, 3, 3, 3)
+    assert device.calls == 4  # one failed attempt, not one per blocked step
+    assert totals["peak_running"] == 2 and totals["mean_running"] == pytest.approx(5 / 3)
+    assert device.used == 0  # every tensor was freed
+    assert [(r["step"], r["running"], r["waiting"], r["kv_in_use_bytes"]) for r in rows] == [
+        (0, 2, 1, 36),  # sampled after the step's decode token
+        (1, 0, 1, 0),
+        (2, 0, 0, 0),
+    ]
+    # token bytes after step 0: r0 holds 3 + 1 tokens, r1 2 + 1
+    assert rows[0]["token_bytes"] == (4 + 3) * BYTES_PER_TOKEN
+
+
+def test_max_reserve_holds_max_model_len_per_request():
+    device = FakeDevice(1000)
+    flat = make_allocator(AllocatorConfig("flat", reserve="max"), spec(), 1000, max_model_len=100)
+    rows, totals = run(requests((3, 2), (2, 2), (4, 1)), PerRequestTensors(flat, device.empty))
+    assert rows[0]["kv_in_use_bytes"] == 2 * 100 * BYTES_PER_TOKEN  # 400 each: only two fit in 1000 bytes
+    assert totals["admitted_before_first_oom"] == 2
+
+
+def test_a_request_that_can_never_fit_is_rejected_not_waited_for():
+    device = FakeDevice(10**6)
+    flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=8)
+    _, totals = run(requests((6, 5), (2, 1)), PerRequestTensors(flat, device.empty))  # 11 tokens > max_model_len 8
+    assert (totals["rejected"], totals["finished"], totals["ooms"]) == (1, 1, 0)
+
+
+def test_paged_pool_preempts_instead_of_failing_allocations():
+    # 40 bytes of 8-byte blocks (block_size 2) = 5 blocks, no watermark
+    device = FakeDevice(40)
+    paged = make_allocator(AllocatorConfig("paged", block_size=2, watermark=0.0), spec(), 40, max_model_len=100)
+    backend = PagedPool(paged, 40, device.empty)
+    assert device.used == 40 and device.calls == 1  # the whole budget, once
+    rows, totals = run(requests((3, 3), (3, 2)), backend)
+    # step 0: both admitted with 2 blocks each, both grow to 4 tokens in place;
+    # step 1: r0 takes the last block, r1 cannot grow -> preempted (recompute 4 tokens);
+    # step 2: r1 re-admitted (2 blocks), r0 finishes but frees only after the step, so r1 is preempted again;
+    # step 3: r1 re-admitted, grows into a third block, finishes.
+    assert (totals["preemptions"], totals["admitted"], totals["finished"], totals["steps"]) == (2, 4, 2, 4)
+    assert totals["ooms"] == 0 and totals["admitted_before_first_oom"] is None
+    assert [r["kv_in_use_bytes"] for r in rows] == [4 * 8, 3 * 8, 0, 0]
+    assert paged.num_free_blocks == 5 and device.calls == 1
+
+
+def test_profile_on_cpu_says_it_needs_cuda_in_one_line(cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = cli(["profile", "workloads/poisson.yaml"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA device" in lines[0]
+
+
+TINY_WORKLOAD = """
+name: tiny-profile
+seed: 1
+model: qwen3-0.6b
+kv_dtype: bf16
+hardware: h100-80gb
+kv_budget: 512MiB
+max_model_len: 2048
+requests:
+  count: 60
+  arrival: {process: poisson, rate: 200.0}
+  prompt_tokens: {dist: uniform, min: 64, max: 1024}
+  output_tokens: {dist: uniform, min: 16, max: 256}
+allocators:
+  - {kind: paged, block_size: 16}
+"""
+
+
+@pytest.mark.gpu
+def test_profile_on_cuda_runs_both_modes_under_both_settings(tmp_path):
+    from kvsim.profile import run_profile
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(textwrap.dedent(TINY_WORKLOAD))
+    timeline, summary, out = run_profile(path, reserve="max", out_dir=tmp_path / "out", snapshot=True)
+    assert (summary["status"] == "ok").all(), summary["status"].tolist()
+    assert len(summary) == 4 and (out / "timeline.csv").is_file() and (out / "memory.png").is_file()
+    assert len(list(out.glob("snapshot-*.pickle"))) == 4
+    per_request = summary[summary["mode"] == "per-request"]
+    paged = summary[summary["mode"] == "paged-pool"]
+    # 2048 tokens x 114688 B = 224 MiB per request: only two fit in 512 MiB, so the third raised OOM
+    assert (per_request["admitted_before_first_oom"] == 2).all() and (per_request["torch_num_ooms"] >= 1).all()
+    assert (paged["ooms"] == 0).all() and (paged["finished"] == 60).all()
+    assert (summary["peak_reserved_bytes"] <= 512 * 2**20 + 2 * 2**20).all()
