@@ -138,7 +138,9 @@ def length_from_fields(f: Fields, *, base_dir: Path) -> LengthDistribution:
     hi = f.int("max", min=lo) if needs_max else f.int("max", None, min=lo)
     kw: dict = {}
     if dist == "constant":
-        kw["value"] = f.int("value", min=1)
+        kw["value"] = f.int("value", min=lo)
+        if hi is not None and kw["value"] > hi:
+            raise f.error("value", f"must be <= max ({hi}), got {kw['value']}")
     elif dist == "normal":
         kw["mean"] = f.float("mean", min=0, exclusive=True)
         kw["std"] = f.float("std", min=0)

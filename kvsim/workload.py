@@ -97,7 +97,8 @@ class Fields:
         value = self.raw.get(key)
         if value is None:
             if default is _REQUIRED:
-                raise self.error(key, "is required")
+                given = f" (given here: {', '.join(map(str, self.raw))})" if self.raw else ""
+                raise self.error(key, f"is required{given}")  # names the keys present, to show a typo
             return default
         return value
 
