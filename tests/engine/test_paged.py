@@ -252,7 +252,7 @@ def test_bench_cli_json_and_csv(cli, tmp_path):
     res = cli(["bench", "allocator", "--num-requests", "12", "--max-running", "4", "--seed", "1", "--json", "--out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["num_requests"] == 12 and data["prefix_caching"] is True and data["decode_us_per_token"] > 0
+    assert data["num_requests"] == 12 and data["prefix_caching"] is True and data["decode_us_per_token"] > 0 < data["decode_cpu_us_per_token"]
     assert out.read_text().splitlines()[0].startswith("num_requests,max_running")
     bad = cli(["bench", "allocator", "--num-requests", "0"])
     assert bad.exit_code == 2 and "must be positive" in bad.output
