@@ -201,8 +201,9 @@ def test_block_size_chart_plots_the_sweep_in_block_size_order(tmp_path):
     labels = ("paged-64", "paged-1", "paged-16", "flat-max", "paged-256")
     report_dir = make_replay_report(tmp_path / "sweep", workload="block-sizes", allocators=labels)
     summary = pd.read_csv(report_dir / "summary.csv").set_index("allocator")
-    lines = {line.get_gid(): line for line in draw(report_dir, "block-sizes").axes[0].get_lines()}
-    for category in ("token_states", "internal_fragmentation"):
+    fig = draw(report_dir, "block-sizes")
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.get_lines()}
+    for category in ("token_states", "free", "reservation", "internal_fragmentation"):
         assert lines[category].get_xdata().tolist() == [1, 16, 64, 256]
         expected = [summary.loc[f"paged-{b}", f"{category}_pct"] for b in (1, 16, 64, 256)]
         assert lines[category].get_ydata() == pytest.approx(expected)
@@ -222,9 +223,9 @@ def test_timeline_draws_running_and_waiting_and_marks_each_preemption(report_dir
     marked = lines["preemptions:flat-max"]
     preempted = steps[(steps["allocator"] == "flat-max") & (steps["num_preemptions"] > 0)]
     assert marked.get_xdata().tolist() == preempted["time_s"].tolist() and len(preempted) == 3
-    assert "preemptions:paged-16" not in lines
-    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "flat-max (peak 7, 3 preemptions)" in legend
+    assert len(lines["preemptions:paged-16"].get_xdata()) == 0
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "flat-max (peak 7 running, 3 preemptions)" in legend
 
 
 # --- chart 5: latency -------------------------------------------------------------------------------------------
@@ -405,3 +406,11 @@ def test_cli_plot_size_and_errors(cli, tmp_path, monkeypatch):
 def test_cli_import_does_not_import_matplotlib():
     code = "import sys, kvsim.cli; sys.exit(any(m.startswith(('matplotlib', 'pandas')) for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_binned_weights_rows_by_their_duration():
+    from kvsim.plots.waste import binned
+
+    # one bin over [0, 3]: values 0 (for 1 s) and 6 (for 2 s) and 3 (for 0 s) average to 4
+    t, v = binned(np.array([0.0, 1.0, 3.0]), np.array([[0.0], [6.0], [3.0]]), 1, np.array([1.0, 2.0, 0.0]))
+    assert t.tolist() == [1.5] and v[:, 0].tolist() == [4.0]

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvsim.plots.report import PREEMPTIONS_CUMULATIVE, Report
 from kvsim.plots.style import allocator_colors, new_figure, titles
+from kvsim.plots.waste import MAX_POINTS, binned
 
 
 def preemptions_per_step(values: np.ndarray) -> np.ndarray:
@@ -20,35 +21,43 @@ def preemptions_per_step(values: np.ndarray) -> np.ndarray:
 
 
 def timeline(report: Report):
-    """Two panels sharing the time axis: running requests (with preemptions marked) and waiting requests."""
+    """Three panels sharing the time axis: running requests, waiting requests, and a raster of preemptions.
+
+    Running and waiting are time-weighted means over at most MAX_POINTS bins (exact for shorter replays).
+    """
     steps = report.table("steps", ("allocator", "time_s", "num_running", "num_waiting"))
-    colors = allocator_colors(report.allocators)
-    fig, axes = new_figure(9.0, 6.2, nrows=2, sharex=True)
-    running_ax, waiting_ax = axes[0, 0], axes[1, 0]
-    for label in report.allocators:
+    labels = report.allocators
+    colors = allocator_colors(labels)
+    fig, axes = new_figure(9.5, 7.6, nrows=3, sharex=True, height_ratios=(3, 3, 0.35 * len(labels) + 0.6))
+    running_ax, waiting_ax, preempt_ax = axes[:, 0]
+    for lane, label in enumerate(labels):
         rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
         t = rows["time_s"].to_numpy(float)
-        running = rows["num_running"].to_numpy(float)
+        weights = rows["step_time_s"].to_numpy(float) if "step_time_s" in rows.columns else None
+        counts = rows[["num_running", "num_waiting"]].to_numpy(float)
+        bt, bv = binned(t, counts, MAX_POINTS, weights)
         preempted = (preemptions_per_step(rows["num_preemptions"].to_numpy())
                      if "num_preemptions" in rows.columns else np.zeros(len(rows)))
-        total = int(preempted.sum())
-        running_ax.plot(t, running, drawstyle="steps-post", color=colors[label], linewidth=1.2, gid=f"running:{label}",
-                        label=f"{label} (peak {int(running.max())}, {total} preemptions)")
-        waiting_ax.plot(t, rows["num_waiting"].to_numpy(float), drawstyle="steps-post", color=colors[label],
-                        linewidth=1.2, gid=f"waiting:{label}", label=label)
+        legend = f"{label} (peak {int(counts[:, 0].max())} running, {int(preempted.sum())} preemptions)"
+        running_ax.plot(bt, bv[:, 0], color=colors[label], linewidth=1.2, gid=f"running:{label}", label=legend)
+        waiting_ax.plot(bt, bv[:, 1], color=colors[label], linewidth=1.2, gid=f"waiting:{label}")
         marks = preempted > 0
-        if marks.any():
-            running_ax.plot(t[marks], running[marks], linestyle="none", marker="v", markersize=5,
-                            color=colors[label], markeredgecolor="black", markeredgewidth=0.5,
-                            gid=f"preemptions:{label}")
+        preempt_ax.plot(t[marks], np.full(marks.sum(), lane), linestyle="none", marker="|", markersize=9,
+                        color=colors[label], gid=f"preemptions:{label}")
     running_ax.set_ylabel("running requests")
-    running_ax.set_ylim(bottom=0)
-    running_ax.set_title("Requests in the running batch (▼ = a step with preemptions)", loc="left")
-    waiting_ax.set_ylabel("waiting requests (queue)")
-    waiting_ax.set_ylim(bottom=0)
-    waiting_ax.set_title("Requests waiting for admission", loc="left")
-    waiting_ax.set_xlabel("simulated time (s)")
-    running_ax.margins(x=0)
-    running_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the panel, never over a line
-    titles(fig, "Concurrency per allocator: running batch and admission queue over time", report.subtitle())
+    running_ax.set_title("Requests in the running batch", loc="left")
+    waiting_ax.set_ylabel("waiting requests")
+    waiting_ax.set_title("Requests waiting for admission (the queue)", loc="left")
+    for ax in (running_ax, waiting_ax):
+        ax.set_ylim(bottom=0)
+    preempt_ax.set_title("Preemptions (a mark per step that preempted)", loc="left")
+    preempt_ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    preempt_ax.set_ylim(-0.6, len(labels) - 0.4)
+    preempt_ax.invert_yaxis()
+    preempt_ax.grid(axis="y", visible=False)
+    preempt_ax.set_xlabel("simulated time (s)")
+    preempt_ax.set_xlim(0, float(steps["time_s"].max()) or 1)
+    fig.legend(*running_ax.get_legend_handles_labels(), loc="outside lower center", ncols=2)
+    titles(fig, "Concurrency per allocator: running batch, admission queue and preemptions over time",
+           report.subtitle())
     return fig

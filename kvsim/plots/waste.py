@@ -26,7 +26,7 @@ PAPER_FIGURE2: dict[str, dict[str, float | None]] = {
              "external_fragmentation": None},
 }
 PAPER_WORKLOADS = ("sharegpt", "alpaca")  # the paper's datasets: its bars are drawn beside ours for these
-MAX_POINTS = 1500  # time bins per allocator in the waste curves (a replay can have 10^5 steps)
+MAX_POINTS = 800  # time bins per allocator in the waste curves (a replay can have 10^5 steps)
 
 _BYTE_COLUMNS = tuple(f"{c}_bytes" for c in CATEGORIES)
 _PCT_COLUMNS = tuple(f"{c}_pct" for c in CATEGORIES)
@@ -38,20 +38,22 @@ def is_paper_like(report: Report) -> bool:
     return any(w in name for w in PAPER_WORKLOADS)
 
 
-def binned(times: np.ndarray, values: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean of `values` (steps, k) over `num_bins` equal time bins; unchanged when there are fewer steps.
+def binned(times: np.ndarray, values: np.ndarray, num_bins: int, weights: np.ndarray | None = None):
+    """Weighted mean of `values` (rows, k) over `num_bins` equal time bins; unchanged with fewer rows.
 
-    The mean keeps each category's share of the budget over the bin, so the picture stays honest.
+    Weights are each row's duration (`step_time_s`: a row may cover several identical decode steps), so a
+    bin shows each category's time-averaged share of the budget, as summary.csv computes it.
     """
     if len(times) <= num_bins:
         return times, values
+    w = np.ones(len(times)) if weights is None else weights.astype(float)
     edges = np.linspace(times[0], times[-1], num_bins + 1)
     index = np.clip(np.searchsorted(edges, times, side="right") - 1, 0, num_bins - 1)
-    counts = np.bincount(index, minlength=num_bins)
-    keep = counts > 0
-    sums = np.stack([np.bincount(index, weights=values[:, j], minlength=num_bins) for j in range(values.shape[1])], 1)
+    totals = np.bincount(index, weights=w, minlength=num_bins)
+    keep = totals > 0
+    sums = np.stack([np.bincount(index, weights=values[:, j] * w, minlength=num_bins) for j in range(values.shape[1])], 1)
     centres = (edges[:-1] + edges[1:]) / 2
-    return centres[keep], sums[keep] / counts[keep, None]
+    return centres[keep], sums[keep] / totals[keep, None]
 
 
 def waste_curves(report: Report):
@@ -64,20 +66,24 @@ def waste_curves(report: Report):
     top = 0.0
     for ax, label in zip(axes.flat, allocators):
         rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
-        t, v = binned(rows["time_s"].to_numpy(float), rows[list(_BYTE_COLUMNS)].to_numpy(float) / GIB, MAX_POINTS)
+        weights = rows["step_time_s"].to_numpy(float) if "step_time_s" in rows.columns else None
+        t, v = binned(rows["time_s"].to_numpy(float), rows[list(_BYTE_COLUMNS)].to_numpy(float) / GIB, MAX_POINTS,
+                      weights)
         ax.stackplot(t, v.T, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
                      labels=[CATEGORY_LABELS[c] for c in CATEGORIES], linewidth=0)
         top = max(top, float(v.sum(axis=1).max()) if len(v) else 0.0)
         ax.set_title(label)
-        ax.margins(x=0)
     for ax in axes.flat[len(allocators):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
         ax.set_ylabel("KV memory (GiB)")
-    for ax in axes[-1, :]:
-        ax.set_xlabel("simulated time (s)")
+    for col in range(ncols):  # the lowest panel drawn in each column carries the time axis
+        lowest = axes[(len(allocators) - 1 - col) // ncols, col]
+        lowest.set_xlabel("simulated time (s)")
+        lowest.xaxis.set_tick_params(labelbottom=True)
     for ax in axes.flat:
         ax.set_ylim(0, top * 1.02 or 1)
+        ax.set_xlim(0, float(steps["time_s"].max()) or 1)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(CATEGORIES))
     titles(fig, "Where the KV budget goes over time, per allocator", report.subtitle())
@@ -136,7 +142,12 @@ def _block_size_of(label: str) -> int | None:
 
 
 def block_sizes(report: Report):
-    """Chart 3: internal fragmentation and token states (% of budget) against the paged block size."""
+    """Chart 3: % of the budget against the paged block size; useful bytes on the left (0-100%), the block
+    tail's waste on the right on its own scale (it is a few % at most, invisible on a 0-100 axis).
+
+    A paged request's last block is part reservation (slots its own future tokens will fill) and part
+    internal fragmentation (slots past its final token), so both are drawn.
+    """
     summary = report.table("summary", ("allocator", "token_states_pct", "internal_fragmentation_pct"))
     if "block_size" in summary.columns:
         paged = summary[summary["allocator"].astype(str).str.startswith("paged")].copy()
@@ -147,20 +158,28 @@ def block_sizes(report: Report):
     paged = paged.drop_duplicates("block_size").sort_values("block_size")
     if len(paged) < 2:
         raise MissingData("summary.csv has fewer than two paged block sizes (replay a block-size sweep)")
-    fig, axes = new_figure(6.4, 4.2)
-    ax = axes[0, 0]
+    fig, axes = new_figure(11.0, 4.4, ncols=2, sharex=True)
+    useful_ax, waste_ax = axes[0]
     sizes = paged["block_size"].to_numpy(int)
-    for category, marker in (("token_states", "o"), ("internal_fragmentation", "s")):
-        ax.plot(sizes, paged[f"{category}_pct"].to_numpy(float), marker=marker, color=CATEGORY_COLORS[category],
-                label=f"{CATEGORY_LABELS[category]}", linewidth=2, gid=category)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.minorticks_off()
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("block size (tokens per KV block, log scale)")
-    ax.set_ylabel("time-averaged share of the KV budget (%)")
-    ax.legend(loc="center left")
-    titles(fig, "Paged allocator: token states and internal fragmentation vs block size", report.subtitle())
+    panels = ((useful_ax, ("token_states", "free")), (waste_ax, ("reservation", "internal_fragmentation")))
+    for ax, categories in panels:
+        for category, marker in zip(categories, ("o", "s")):
+            if f"{category}_pct" not in paged.columns:
+                continue
+            ax.plot(sizes, paged[f"{category}_pct"].to_numpy(float), marker=marker, linewidth=2, gid=category,
+                    color=CATEGORY_COLORS[category] if category != "free" else "#8c8c8c",
+                    label=CATEGORY_LABELS[category])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("block size (tokens per KV block, log scale)")
+        ax.set_ylabel("time-averaged share of the KV budget (%)")
+        ax.legend(loc="best")
+    useful_ax.set_ylim(0, 100)
+    useful_ax.set_title("Token states and free memory", loc="left")
+    waste_ax.set_ylim(bottom=0)
+    waste_ax.set_title("Reservation and internal fragmentation (own scale)", loc="left")
+    titles(fig, "Paged allocator: where the budget goes vs block size", report.subtitle())
     return fig
 
 
