@@ -193,6 +193,7 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     import pandas as pd
     import torch
 
+    from kvsim.bench.kernels import slugify
     from kvsim.engine.flat import RESERVES
     from kvsim.workload import load_workload
 
@@ -236,7 +237,7 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
         summary = pd.DataFrame(summaries)
         ok = summary[summary["status"] == "ok"]
         slug = ok["device"].iat[0] if len(ok) else "cuda"
-        out = Path(out_dir) if out_dir else Path("reports/profile") / "".join(c if c.isalnum() else "-" for c in slug.lower())
+        out = Path(out_dir) if out_dir else Path("reports/profile") / slugify(slug)
         out.mkdir(parents=True, exist_ok=True)
         for pickle in Path(tmp).glob("*.pickle"):
             shutil.move(str(pickle), out / f"snapshot-{pickle.name}")

@@ -153,11 +153,14 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def slugify(name: str) -> str:
+    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def device_slug(device: torch.device) -> str:
-    """A file-name-safe device name: 'nvidia-h100-80gb-hbm3', or 'cpu'."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    """`slugify` of the CUDA device's name, or 'cpu'."""
+    return slugify(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
 
 
 def parse_sizes(text: str | None, field: str) -> tuple[int, ...] | None:
@@ -282,7 +285,7 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
             timing, out, status = _time(fn, device, reps)
             err = float((out.float() - ref.float()).abs().max()) if timing else None
             row("decode", name, bs, shape.decode_bytes(batch, context_len, index_bytes), timing, status, read_bw, err)
-        del kv_cache, kv_flat, paged_mask
+        del kv_cache, kv_flat, paged_mask, decoders, gather_sdpa  # free this pool before the next one
     return rows
 
 
@@ -340,11 +343,14 @@ def render_table(frame, console) -> None:
     def fmt(value, spec="{:.0f}"):
         return "-" if value is None or value != value else spec.format(value)
 
+    def us(value):  # 3 significant digits up to 999, whole microseconds above
+        return fmt(value, "{:.3g}" if value is not None and value < 1000 else "{:.0f}")
+
     title = f"{frame['model'].iat[0]} on {frame['device'].iat[0]}"
     writes = Table(title=f"K/V write, % of copy bandwidth: {title}")
     decode = Table(title=f"Decode attention, us per step: {title}")
     for table, cols in ((writes, ("batch", "context", "block", "copy GB/s", *WRITE_KERNELS)),
-                        (decode, ("batch", "context", "block", "sdpa", "gather+sdpa", "flex paged", "flex contig",
+                        (decode, ("batch", "context", "block", "sdpa", "gather", "flex paged", "flex contig",
                                   "paged/contig", "best % read"))):  # fmt: skip
         for col in cols:
             table.add_column(col, justify="right")
@@ -357,8 +363,8 @@ def render_table(frame, console) -> None:
             paged, contig = pick(rows, "flex_paged", "median_us"), pick(rows, "flex_contiguous", "median_us")
             ok = group[(group["op"] == "decode") & (group["status"] == "ok") & (group["block_size"].isna() | (group["block_size"] == bs))]
             decode.add_row(
-                *key, fmt(pick(shared, "sdpa_contiguous", "median_us"), "{:.1f}"), fmt(pick(rows, "gather_sdpa", "median_us"), "{:.1f}"),
-                fmt(paged, "{:.1f}"), fmt(contig, "{:.1f}"), fmt(paged / contig if paged and contig else None, "{:.3f}"),
+                *key, us(pick(shared, "sdpa_contiguous", "median_us")), us(pick(rows, "gather_sdpa", "median_us")),
+                us(paged), us(contig), fmt(paged / contig if paged and contig else None, "{:.3f}"),
                 fmt(ok["pct_of_roofline"].max() if len(ok) else None),
             )  # fmt: skip
     console.print(writes)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU step of kvsim in one command, outputs named by device under reports/:
+#   scripts/gpu_run.sh                 all steps: env tests bench profile replay
+#   scripts/gpu_run.sh bench profile   only those steps (split the run when one call has a time limit)
+# Writes reports/gpu-<device>/{env.txt,<step>.log}, reports/bench/kernels-<device>.csv,
+# reports/profile/<device>/ and reports/poisson-<device>/. A failing step is logged and the next one runs;
+# the exit status is the number of failed steps. When $OUT is set (the device tool's return folder), the
+# outputs are copied there as well. Env: BENCH_ARGS / PROFILE_ARGS / REPLAY_ARGS add options to a step;
+# SNAPSHOT=1 dumps CUDA memory snapshots in the profile; STEP_TIMEOUT (s, default 540) caps each step.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env tests bench profile replay)
+
+slug=$($PY -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))" 2>/dev/null) || {
+  echo "gpu_run: torch sees no CUDA device" >&2
+  exit 1
+}
+logs="reports/gpu-$slug"
+mkdir -p "$logs"
+failed=0
+outputs=("$logs")
+
+run_step() {  # name, command...: run with a time cap, tee to the step's log, count failures
+  local name=$1
+  shift
+  echo "== $name: $*" | tee "$logs/$name.log"
+  local start=$SECONDS
+  timeout "${STEP_TIMEOUT:-540}" "$@" 2>&1 | tee -a "$logs/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$logs/$name.log"
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    env)
+      run_step env bash -c "nvidia-smi; $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__); print(torch.cuda.get_device_properties(0))'"
+      ;;
+    tests)  # the GPU-marked tests only; modules needing a package the image lacks are reported, not fatal
+      run_step tests $PY -m pytest -q -m gpu --continue-on-collection-errors -p no:cacheprovider tests/
+      ;;
+    bench)
+      run_step bench $PY -m kvsim bench kernels --model llama-3.1-8b --device cuda --out reports/bench ${BENCH_ARGS:-}
+      outputs+=("reports/bench/kernels-$slug.csv")
+      ;;
+    profile)
+      run_step profile $PY -m kvsim profile workloads/poisson.yaml --out "reports/profile/$slug" \
+        ${SNAPSHOT:+--snapshot} ${PROFILE_ARGS:-}
+      outputs+=("reports/profile/$slug")
+      ;;
+    replay)
+      run_step replay $PY -m kvsim replay workloads/poisson.yaml --device cuda --timing measured --csv \
+        --out "reports/poisson-$slug" ${REPLAY_ARGS:-}
+      outputs+=("reports/poisson-$slug")
+      ;;
+    *)
+      echo "gpu_run: unknown step '$step' (env, tests, bench, profile, replay)" >&2
+      failed=$((failed + 1))
+      ;;
+  esac
+done
+
+if [ -n "${OUT:-}" ]; then
+  for path in "${outputs[@]}"; do
+    [ -e "$path" ] && cp -r --parents "$path" "$OUT/"
+  done
+fi
+echo "gpu_run: ${#steps[@]} step(s), $failed failed; outputs: ${outputs[*]}"
+exit "$failed"
