@@ -28,7 +28,6 @@ DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 # GPU sizes reach KV reads of GiBs (>> L2); CPU sizes keep the whole run to seconds.
 DEFAULT_SIZES = {"cuda": ((8, 64), (2048, 16384)), "cpu": ((2,), (256,))}
 WRITE_KERNELS = ("index_copy", "index_put", "triton")
-DECODE_KERNELS = ("sdpa_contiguous", "gather_sdpa", "flex_paged", "flex_contiguous")
 COLUMNS = [
     "device", "torch_version", "triton_version", "model", "kv_dtype", "num_kv_heads", "num_q_heads", "head_dim",
     "block_size", "batch_size", "context_len", "op", "kernel", "status", "num_tokens", "bytes", "median_us",
@@ -219,13 +218,14 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
     rows: list[dict] = []
 
     def row(op, kernel, block_size, nbytes, timing, status, roofline=None, err=None):
+        """Append one row; a roofline row (op 'roofline') is its own roofline. Returns the achieved GB/s."""
         bw = nbytes / (timing.median_us * 1e-6) / 1e9 if timing else None
+        roofline = bw if op == "roofline" else roofline
         rows.append(dict(
             block_size=block_size, op=op, kernel=kernel, status=status, num_tokens=n, bytes=nbytes,
             median_us=timing.median_us if timing else None, p20_us=timing.p20_us if timing else None,
             p80_us=timing.p80_us if timing else None, reps=timing.reps if timing else None, bandwidth_gbps=bw,
-            roofline_gbps=roofline if roofline else bw,
-            pct_of_roofline=100 * bw / roofline if bw and roofline else (100.0 if bw else None),
+            roofline_gbps=roofline, pct_of_roofline=100 * bw / roofline if bw and roofline else None,
             max_abs_err=err, working_set_bytes=shape.kv_bytes(n),
         ))  # fmt: skip
         return bw
