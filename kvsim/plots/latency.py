@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import offset_copy
 
 from kvsim.plots.report import Report
@@ -16,10 +17,14 @@ def ecdf(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _log_scale_if_wide(ax, values: list[np.ndarray]) -> None:
-    """Log x when the data span more than 50x, so short and long tails both stay readable."""
+    """Log x when the data span more than 10x, so the bulk and a long tail both stay readable."""
     positive = np.concatenate([v[v > 0] for v in values]) if values else np.array([])
-    if len(positive) and positive.max() / positive.min() > 50:
+    if len(positive) and positive.max() / positive.min() > 10:
         ax.set_xscale("log")
+        decades = np.log10(positive.max() / positive.min())
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades > 2.5 else (1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def latency(report: Report):

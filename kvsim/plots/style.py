@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 
@@ -54,8 +55,17 @@ matplotlib.rcParams.update(RC)  # only the plot command path imports this module
 
 
 def allocator_colors(labels: list[str]) -> dict[str, str]:
-    """A colour per allocator label, by position, cycling after ten."""
-    return {label: _ALLOCATOR_PALETTE[i % len(_ALLOCATOR_PALETTE)] for i, label in enumerate(labels)}
+    """A colour per allocator label: by position for up to ten; beyond that (a block-size sweep) the paged
+    allocators take a dark-to-light viridis ramp in report order and the others stay in warm colours."""
+    if len(labels) <= len(_ALLOCATOR_PALETTE):
+        return {label: _ALLOCATOR_PALETTE[i] for i, label in enumerate(labels)}
+    paged = [label for label in labels if label.startswith("paged")]
+    ramp = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(paged)))
+    warm = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+    colors = {label: matplotlib.colors.to_hex(c) for label, c in zip(paged, ramp)}
+    others = [label for label in labels if label not in colors]
+    colors.update({label: warm[i % len(warm)] for i, label in enumerate(others)})
+    return colors
 
 
 def new_figure(width: float, height: float, *, nrows: int = 1, ncols: int = 1, **kwargs):
