@@ -116,11 +116,12 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
     After a refusal (OOM or no room) admission waits until something is freed: retrying an allocation that
     just failed would only add OOMs. Returns the timeline (a row every `sample_every` steps and at every
     refusal) and the run's totals, including how many requests were admitted before the first OOM.
+    `admissions` counts re-admissions after a preemption too (only the paged pool preempts).
     """
     seqs = [Sequence(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time) for r in requests]
     waiting: deque[Sequence] = deque()
     running: list[Sequence] = []
-    totals = dict(admitted=0, finished=0, rejected=0, ooms=0, refusals=0, preemptions=0, peak_running=0,
+    totals = dict(admissions=0, finished=0, rejected=0, ooms=0, refusals=0, preemptions=0, peak_running=0,
                   running_steps=0, admitted_before_first_oom=None, first_oom_step=None)  # fmt: skip
     rows: list[dict] = []
     step = nxt = 0
@@ -145,11 +146,11 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
                 if outcome == "oom":
                     totals["ooms"] += 1
                     if totals["admitted_before_first_oom"] is None:
-                        totals["admitted_before_first_oom"], totals["first_oom_step"] = totals["admitted"], step
+                        totals["admitted_before_first_oom"], totals["first_oom_step"] = totals["admissions"], step
                 break
             waiting.popleft()
             running.append(seq)
-            totals["admitted"] += 1
+            totals["admissions"] += 1
         totals["peak_running"] = max(totals["peak_running"], len(running))
         totals["running_steps"] += len(running)
         preempted = backend.decode(running)
@@ -170,7 +171,7 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
         if refused or step % sample_every == 0:
             rows.append(dict(
                 step=step, time_s=step * step_s, running=len(running), waiting=len(waiting), **{
-                    k: totals[k] for k in ("admitted", "finished", "rejected", "ooms", "refusals", "preemptions")},
+                    k: totals[k] for k in ("admissions", "finished", "rejected", "ooms", "refusals", "preemptions")},
                 kv_in_use_bytes=backend.in_use_bytes,
                 token_bytes=sum(s.num_computed_tokens for s in running) * bytes_per_token, **stats(),
             ))  # fmt: skip

@@ -58,7 +58,7 @@ def test_per_request_tensors_count_admissions_before_the_first_oom():
     rows, totals = run(requests((3, 2), (2, 2), (4, 1)), PerRequestTensors(flat, device.empty))
     # step 0: r0 and r1 fit (36 bytes), r2 raises OOM; step 1: both finish, nothing retried meanwhile; step 2: r2 runs
     assert totals["admitted_before_first_oom"] == 2 and totals["first_oom_step"] == 0
-    assert (totals["ooms"], totals["admitted"], totals["finished"], totals["steps"]) == (1, 3, 3, 3)
+    assert (totals["ooms"], totals["admissions"], totals["finished"], totals["steps"]) == (1, 3, 3, 3)
     assert device.calls == 4  # one failed attempt, not one per blocked step
     assert totals["peak_running"] == 2 and totals["mean_running"] == pytest.approx(5 / 3)
     assert device.used == 0  # every tensor was freed
@@ -97,7 +97,7 @@ def test_paged_pool_preempts_instead_of_failing_allocations():
     # step 1: r0 takes the last block, r1 cannot grow -> preempted (recompute 4 tokens);
     # step 2: r1 re-admitted (2 blocks), r0 finishes but frees only after the step, so r1 is preempted again;
     # step 3: r1 re-admitted, grows into a third block, finishes.
-    assert (totals["preemptions"], totals["admitted"], totals["finished"], totals["steps"]) == (2, 4, 2, 4)
+    assert (totals["preemptions"], totals["admissions"], totals["finished"], totals["steps"]) == (2, 4, 2, 4)
     assert totals["ooms"] == 0 and totals["admitted_before_first_oom"] is None
     assert [r["kv_in_use_bytes"] for r in rows] == [4 * 8, 3 * 8, 0, 0]
     assert paged.num_free_blocks == 5 and device.calls == 1
