@@ -203,7 +203,7 @@ class Scheduler:
                 if seq.token_ids is None and self.make_token_ids is not None:
                     seq.token_ids = self.make_token_ids(seq)
                 n = min(seq.prefill_target, budget)
-                hit = alloc.allocate(seq, n)
+                hit = alloc.allocate(seq, n, num_tokens=seq.prefill_target)
                 if hit is None:
                     if not running and not self.swapped:  # fits nowhere, even alone: reject, don't hang
                         self.waiting.popleft()
@@ -329,7 +329,7 @@ class Scheduler:
         """Bring a swapped request back if room for its KV fits now; its KV returns from the CPU pool."""
         computed = seq.swap_tokens
         seq.num_computed_tokens = 0
-        hit = self.allocator.allocate(seq, computed)
+        hit = self.allocator.allocate(seq, computed, num_tokens=computed)
         if hit is None:
             seq.num_computed_tokens = computed
             return False

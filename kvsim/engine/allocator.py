@@ -68,9 +68,13 @@ class KVAllocator(ABC):
     num_slots: int  # size of the token-slot space the cache tensors must index
 
     @abstractmethod
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
         """Admit `seq` with room for `num_new_tokens` past its prefix-cache hit.
 
+        `num_tokens` is how many leading tokens the request needs computed now (its prompt, or everything it
+        had computed when it was preempted); the hit is looked up within them, capped so that at least one is
+        computed, and `num_new_tokens` is clamped to what remains after the hit (vLLM: the scheduler's token
+        budget never buys slots past the tokens to compute). Default: max(prompt, num_new_tokens).
         Returns the prefix-cache hit in tokens (0 without caching), or None when it does not fit now,
         in which case nothing changed.
         """

@@ -93,7 +93,7 @@ class FlatAllocator(KVAllocator):
 
     # --- admission and growth -----------------------------------------------------------------------
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
         assert seq.seq_id not in self._live, seq
         reserved = self.reserved_tokens(seq)
         if seq.num_final_tokens > self.max_model_len or seq.num_computed_tokens + num_new_tokens > reserved:

@@ -138,19 +138,21 @@ class PagedAllocator(KVAllocator):
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
         """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`; None if it would break the watermark."""
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[Block] = []
         hashes: list[int] = []
         query = 0
+        if num_tokens is None:
+            num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
         token_bytes = self._token_bytes(seq)
         if token_bytes is not None:
-            query = min(max(seq.num_prompt_tokens, num_new_tokens), seq.num_final_tokens)
+            query = min(num_tokens, seq.num_final_tokens)
             hashes, hit_blocks = self._lookup(token_bytes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
-        total = hit + num_new_tokens
+        total = hit + min(num_new_tokens, num_tokens - hit)
         num_blocks = -(-total // bs)
         revived = sum(1 for b in hit_blocks if b.ref_count == 0)
         new_pages = (num_blocks - len(hit_blocks)) * self._pages_per_block + sum(self._state_pages)

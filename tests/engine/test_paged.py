@@ -105,7 +105,9 @@ def test_prefix_hits_share_blocks_and_are_capped():
     assert admit(alloc, a) == 0
     assert admit(alloc, b) == 8
     assert alloc.block_table(b)[:2] == alloc.block_table(a)[:2]
-    assert alloc.block_table(b)[2:] == [3, 4, 5]  # room for the hit + 10 new tokens: 5 blocks
+    # Asked for 10 new tokens, but only 2 of the 10-token prompt are left past the 8-token hit: the request
+    # gets room for its prompt (3 blocks), not for hit + 10 (which would strand 8 slots).
+    assert alloc.block_table(b)[2:] == [3]
     assert admit(alloc, c) == 4  # the whole prompt is cached, but one token must be computed: 1 block
     assert (alloc.prefix_query_tokens, alloc.prefix_hit_tokens) == (28, 12)
     first, second = (alloc.pool.blocks[i] for i in alloc.block_table(a)[:2])
