@@ -11,8 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvsim.errors import KvsimError
-from kvsim.plots import plot_report, plot_reports
+from kvsim.plots import plot_report
 from kvsim.plots.report import CATEGORIES, load_report
 
 BUDGET = 2**30  # 1 GiB

@@ -6,7 +6,6 @@ import math
 import re
 
 import numpy as np
-import pandas as pd
 
 from kvsim.plots.report import CATEGORIES, CATEGORY_LABELS, MissingData, Report
 from kvsim.plots.style import CATEGORY_COLORS, GIB, new_figure, titles
@@ -181,9 +180,3 @@ def block_sizes(report: Report):
     waste_ax.set_title("Reservation and internal fragmentation (own scale)", loc="left")
     titles(fig, "Paged allocator: where the budget goes vs block size", report.subtitle())
     return fig
-
-
-def waste_frame(report: Report) -> pd.DataFrame:
-    """The per-allocator % table chart 2 draws (ours only), for tests and READMEs."""
-    summary = report.table("summary", ("allocator", *_PCT_COLUMNS))
-    return summary.set_index(summary["allocator"].astype(str))[list(_PCT_COLUMNS)]
