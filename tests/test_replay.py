@@ -1,0 +1,185 @@
+"""Whole replays of tiny workloads: every request accounted for, preemption, determinism, tensors vs accounting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsim.replay import ReplayOptions, run_replay
+from kvsim.workload import load_workload
+
+BYTE_COLUMNS = (
+    "token_states_bytes", "reservation_bytes", "internal_fragmentation_bytes",
+    "external_fragmentation_bytes", "free_bytes", "shared_saved_bytes",
+)
+
+# A 2-layer model with 2 KV heads of 16: 256 bytes of KV per token, so tensors stay tiny and fast on a CPU.
+TINY_MODEL = """\
+{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000,
+ "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+"""
+BPT = 256
+TINY = """\
+name: tiny
+seed: 3
+model: tiny-model.json
+kv_dtype: bf16
+hardware: h100-80gb
+kv_budget: {budget}
+max_model_len: 512
+requests:
+  count: {count}
+  arrival: {{process: poisson, rate: 1.0e+7}}   # a burst: everything queues at once
+  prompt_tokens: {{dist: uniform, min: 16, max: 160}}
+  output_tokens: {{dist: uniform, min: 8, max: 200}}
+  shared_prefix: {{groups: 2, tokens: 48, fraction: 0.5}}
+allocators:
+  - {{kind: flat, reserve: oracle}}
+  - {{kind: paged, block_size: 16}}
+  - {{kind: paged, block_size: 16, prefix_caching: true}}
+scheduler: {{max_num_seqs: 16, max_num_batched_tokens: 256, preemption: {preemption}, swap_space: 1GiB}}
+"""
+
+
+def write_tiny(
+    tmp_path: Path, *, budget_tokens: int = 1024, count: int = 24, preemption: str = "recompute", max_output: int = 200
+) -> Path:
+    (tmp_path / "tiny-model.json").write_text(TINY_MODEL)
+    path = tmp_path / "tiny.yaml"
+    text = TINY.format(budget=budget_tokens * BPT, count=count, preemption=preemption)
+    path.write_text(text.replace("max: 200}", f"max: {max_output}}}"))
+    return path
+
+
+def tiny_workload(tmp_path: Path, **kwargs):
+    return load_workload(write_tiny(tmp_path, **kwargs))
+
+
+def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path):
+    result = run_replay(tiny_workload(tmp_path), ReplayOptions(tensors=False), workers=1)
+    assert [run.label for run in result.runs] == ["flat-oracle", "paged-16", "paged-16+prefix"]
+    for run in result.runs:
+        assert not np.isnan(run.finished_s).any(), run.label
+        assert all(reason is None for reason in run.rejected_reason)
+        # Causality per request: arrival <= admission <= first token <= finish.
+        assert (result.arrival_s <= run.admitted_s).all()
+        assert (run.admitted_s < run.first_token_s).all() and (run.first_token_s <= run.finished_s).all()
+        st = run.steps
+        total = sum(st[c] for c in BYTE_COLUMNS[:5])
+        assert (total == result.budget_bytes).all()
+        # Rows tile the clock: each starts where the previous ended, and steps are numbered without gaps.
+        ends = st["time_s"] + st["step_time_s"]
+        assert (st["time_s"][1:] >= ends[:-1] - 1e-12).all()
+        assert (st["step"][1:] == st["step"][:-1] + st["num_steps"][:-1]).all()
+        # Every prompt token and every output token is computed (at least once).
+        assert st["num_prefill_tokens"].sum() >= result.num_prompt_tokens.sum()
+        assert st["num_decode_tokens"].sum() == result.max_tokens.sum()
+
+
+def test_paged_beats_flat_oracle_on_admission_under_a_tight_budget(tmp_path):
+    result = run_replay(tiny_workload(tmp_path, budget_tokens=440, count=32), ReplayOptions(tensors=False), workers=1)
+    flat, paged, prefix = result.runs
+    assert paged.steps["num_running"].max() >= flat.steps["num_running"].max()
+    assert flat.steps["num_preemptions"].sum() == 0  # a flat slab never grows
+    assert paged.steps["num_preemptions"].sum() > 0
+    assert prefix.prefix_hit_tokens > 0 and prefix.num_cached_tokens.sum() > 0
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_under_a_tight_budget_recovers(tmp_path, preemption):
+    result = run_replay(tiny_workload(tmp_path, budget_tokens=440, count=32, preemption=preemption), ReplayOptions(tensors=False), workers=1)
+    paged = result.runs[1]
+    assert paged.num_preemptions.sum() > 0
+    assert not np.isnan(paged.finished_s).any()
+    recomputed = paged.steps["num_prefill_tokens"].sum() - result.num_prompt_tokens.sum()
+    if preemption == "swap":
+        assert recomputed == 0
+    else:
+        assert recomputed > 0
+
+
+def test_a_request_longer_than_max_model_len_is_rejected_with_a_reason(tmp_path):
+    path = write_tiny(tmp_path, count=12)
+    path.write_text(path.read_text().replace("max: 200}", "max: 480}"))
+    result = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    too_long = result.num_prompt_tokens + result.max_tokens > 512
+    assert too_long.any()
+    for run in result.runs:
+        reasons = np.array([r is not None for r in run.rejected_reason])
+        assert (reasons == too_long).all()
+        assert all("max_model_len 512" in r for r in run.rejected_reason if r is not None)
+        assert np.isnan(run.finished_s[too_long]).all() and not np.isnan(run.finished_s[~too_long]).any()
+
+
+def test_parallel_workers_change_nothing(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=440)
+    one = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    two = run_replay(workload, ReplayOptions(tensors=False), workers=2)
+    for a, b in zip(one.runs, two.runs):
+        for name in a.steps:
+            np.testing.assert_array_equal(a.steps[name], b.steps[name])
+        np.testing.assert_array_equal(a.finished_s, b.finished_s)
+
+
+def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40)
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu"))
+    assert on.device == "cpu"
+    for a, b in zip(off.runs, on.runs):
+        for name in BYTE_COLUMNS + ("num_running", "num_steps", "num_prefill_tokens", "num_decode_tokens"):
+            np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
+        assert np.isnan(a.steps["write_us"]).all()
+        assert (b.steps["write_us"] > 0).all()  # every row writes new tokens
+        decoding = b.steps["num_decode_tokens"] > 0
+        assert (b.steps["read_us"][decoding] > 0).all() and np.isnan(b.steps["read_us"][~decoding]).all()
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption):
+    """Every decode reads back, through block tables or slabs, exactly what its own tokens wrote."""
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption=preemption)
+    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2))
+    paged, prefix = result.runs[1], result.runs[2]
+    assert paged.num_preemptions.sum() > 0  # the checks did cover preemption ...
+    assert prefix.prefix_hit_tokens > 0  # ... and shared prefix blocks
+
+
+def test_measured_timing_drives_the_clock_with_kernel_times(tmp_path):
+    workload = tiny_workload(tmp_path, count=6, max_output=30)
+    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", timing="measured"))
+    for run in result.runs:
+        st = run.steps
+        assert (st["num_steps"] == 1).all()  # no decode runs: each step has its own kernel times
+        kernels = np.nan_to_num(st["write_us"]) + np.nan_to_num(st["read_us"]) + np.nan_to_num(st["attention_us"])
+        scale = 2 / 1  # the model's attention layers over the one materialised
+        assert st["step_time_s"] == pytest.approx(kernels * 1e-6 * scale, rel=1e-6, abs=1e-7)
+
+
+def test_options_that_need_tensors_say_so():
+    from kvsim.errors import KvsimError
+
+    with pytest.raises(KvsimError, match="--timing"):
+        ReplayOptions(tensors=False, timing="measured")
+    with pytest.raises(KvsimError, match="--integrity"):
+        ReplayOptions(tensors=False, integrity=True)
+    with pytest.raises(KvsimError, match="roofline or measured"):
+        ReplayOptions(timing="wall")
+
+
+def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):
+    """The check above can fail: swap KV back in reversed order and the next read of that request trips it."""
+    from kvsim.engine.cache import KVCache
+
+    original = KVCache.swap_in
+
+    def reversed_swap_in(self, handle, slots):
+        return original(self, handle, slots[::-1].copy())
+
+    monkeypatch.setattr(KVCache, "swap_in", reversed_swap_in)
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
+    with pytest.raises(AssertionError, match="integrity"):
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True))
