@@ -413,3 +413,13 @@ def test_binned_weights_rows_by_their_duration():
     # one bin over [0, 3]: values 0 (for 1 s) and 6 (for 2 s) and 3 (for 0 s) average to 4
     t, v = binned(np.array([0.0, 1.0, 3.0]), np.array([[0.0], [6.0], [3.0]]), 1, np.array([1.0, 2.0, 0.0]))
     assert t.tolist() == [1.5] and v[:, 0].tolist() == [4.0]
+
+
+def test_other_commands_csvs_are_not_taken_for_reports(tmp_path):
+    profile = tmp_path / "profile"  # what `kvsim profile` writes: its own summary.csv and timeline.csv
+    profile.mkdir()
+    pd.DataFrame({"setting": ["default"], "admitted": [3]}).to_csv(profile / "summary.csv", index=False)
+    pd.DataFrame({"step": [0], "memory_allocated": [1]}).to_csv(profile / "timeline.csv", index=False)
+    notes = []
+    assert plot_report(load_report(profile), note=notes.append) == []
+    assert notes == [f"{profile}: skipped: no replay or bench report files"]

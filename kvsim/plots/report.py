@@ -83,7 +83,7 @@ class Report:
     requests: pd.DataFrame | None = None
     summary: pd.DataFrame | None = None
     meta: dict = field(default_factory=dict)
-    bench: dict[str, pd.DataFrame] = field(default_factory=dict)  # CSV stem -> kernel benchmark rows
+    bench: dict[str, pd.DataFrame] = field(default_factory=dict)  # CSV stem -> `kvsim bench kernels` rows
 
     @property
     def name(self) -> str:
@@ -91,7 +91,10 @@ class Report:
 
     @property
     def is_replay(self) -> bool:
-        return any(t is not None for t in (self.steps, self.requests, self.summary))
+        """Replay files present (another command's summary.csv, e.g. `kvsim profile`'s, does not count)."""
+        replay_summary = self.summary is not None and "allocator" in self.summary.columns and any(
+            f"{c}_pct" in self.summary.columns for c in CATEGORIES)
+        return self.steps is not None or self.requests is not None or replay_summary
 
     @property
     def allocators(self) -> list[str]:
@@ -166,7 +169,8 @@ def load_report(path: str | Path) -> Report:
         except (OSError, json.JSONDecodeError) as exc:
             raise KvsimError(f"cannot read meta.json: {exc}", source=str(path / "meta.json")) from None
     if not report.is_replay:
-        report.bench = {p.stem: _read_table(p) for p in sorted(path.glob("*.csv"))}
+        tables = {p.stem: _read_table(p) for p in sorted(path.glob("*.csv"))}
+        report.bench = {stem: t for stem, t in tables.items() if {"op", "kernel"} <= set(t.columns)}
     return report
 
 
