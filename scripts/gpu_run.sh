@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU step of kvsim in one command, outputs named by device under reports/:
-#   scripts/gpu_run.sh                 all steps: env tests bench profile replay
+#   scripts/gpu_run.sh                 all steps: env tests bench profile replay plot
 #   scripts/gpu_run.sh bench profile   only those steps (split the run when one call has a time limit)
-# Writes reports/gpu-<device>/{env.txt,<step>.log}, reports/bench/kernels-<device>.csv,
+# Writes reports/gpu-<device>/<step>.log, reports/bench/kernels-<device>.csv (+ its charts),
 # reports/profile/<device>/ and reports/poisson-<device>/. A failing step is logged and the next one runs;
 # the exit status is the number of failed steps. When $OUT is set (the device tool's return folder), the
 # outputs are copied there as well. Env: BENCH_ARGS / PROFILE_ARGS / REPLAY_ARGS add options to a step;
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests bench profile replay)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests bench profile replay plot)
 
 slug=$($PY -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))" 2>/dev/null) || {
   echo "gpu_run: torch sees no CUDA device" >&2
@@ -21,7 +21,6 @@ slug=$($PY -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get
 logs="reports/gpu-$slug"
 mkdir -p "$logs"
 failed=0
-outputs=("$logs")
 
 run_step() {  # name, command...: run with a time cap, tee to the step's log, count failures
   local name=$1
@@ -44,28 +43,34 @@ for step in "${steps[@]}"; do
       ;;
     bench)
       run_step bench $PY -m kvsim bench kernels --model llama-3.1-8b --device cuda --out reports/bench ${BENCH_ARGS:-}
-      outputs+=("reports/bench/kernels-$slug.csv")
       ;;
     profile)
       run_step profile $PY -m kvsim profile workloads/poisson.yaml --out "reports/profile/$slug" \
         ${SNAPSHOT:+--snapshot} ${PROFILE_ARGS:-}
-      outputs+=("reports/profile/$slug")
       ;;
     replay)
       run_step replay $PY -m kvsim replay workloads/poisson.yaml --device cuda --timing measured --csv \
         --out "reports/poisson-$slug" ${REPLAY_ARGS:-}
-      outputs+=("reports/poisson-$slug")
+      ;;
+    plot)  # charts next to the kernel CSVs and the replay report (those that exist)
+      dirs=()
+      for dir in reports/bench "reports/poisson-$slug"; do [ -d "$dir" ] && dirs+=("$dir"); done
+      run_step plot $PY -m kvsim plot "${dirs[@]}"
       ;;
     *)
-      echo "gpu_run: unknown step '$step' (env, tests, bench, profile, replay)" >&2
+      echo "gpu_run: unknown step '$step' (env, tests, bench, profile, replay, plot)" >&2
       failed=$((failed + 1))
       ;;
   esac
 done
 
+outputs=()
+for path in "$logs" reports/bench/*"kernels-$slug".* "reports/profile/$slug" "reports/poisson-$slug"; do
+  [ -e "$path" ] && outputs+=("$path")
+done
 if [ -n "${OUT:-}" ]; then
   for path in "${outputs[@]}"; do
-    [ -e "$path" ] && cp -r --parents "$path" "$OUT/"
+    cp -r --parents "$path" "$OUT/"
   done
 fi
 echo "gpu_run: ${#steps[@]} step(s), $failed failed; outputs: ${outputs[*]}"
