@@ -6,6 +6,7 @@ What paging buys is concurrency: the same budget runs more requests at once, so 
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from kvsim.plots.report import PREEMPTIONS_CUMULATIVE, Report
 from kvsim.plots.style import allocator_colors, new_figure, titles
@@ -50,6 +51,10 @@ def timeline(report: Report):
     waiting_ax.set_title("Requests waiting for admission (the queue)", loc="left")
     for ax in (running_ax, waiting_ax):
         ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    if not any(len(line.get_xdata()) for line in preempt_ax.get_lines()):
+        preempt_ax.text(0.5, 0.5, "no preemptions", transform=preempt_ax.transAxes, ha="center", va="center",
+                        color="#777777")
     preempt_ax.set_title("Preemptions (a mark per step that preempted)", loc="left")
     preempt_ax.set_yticks(range(len(labels)), labels, fontsize=8)
     preempt_ax.set_ylim(-0.6, len(labels) - 0.4)
