@@ -89,16 +89,18 @@ def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Tim
 
     CUDA: CUDA events around each call, L2 flushed before each by zeroing a buffer twice its size (as
     triton.testing.do_bench does), and repetitions added until they span about 100 ms.
-    CPU: a perf_counter loop of `reps` calls.
+    CPU: a perf_counter loop of at least `reps` calls, more (up to 1000) until they span 0.2 s, so that a
+    shared machine's scheduler preempting one call does not move the median.
     """
     import time
 
     if device.type != "cuda":
-        times = []
-        for _ in range(reps):
+        times: list[float] = []
+        while len(times) < reps or (sum(times) < 2e5 and len(times) < 1000):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e6)
+        reps = len(times)
     else:
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         flush = torch.empty(max(2 * l2, 2**28) // 4, dtype=torch.int32, device=device)
@@ -296,7 +298,8 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
     """Run the sweep and write `out_dir/kernels-<device>.csv`; returns (DataFrame, csv path).
 
     Defaults follow the device (DEFAULT_SIZES). `compile_flex` None compiles FlexAttention on CUDA only:
-    compiling on CPU costs seconds per shape, so CPU runs the exact but unfused eager FlexAttention.
+    compiling on CPU costs seconds per shape, so CPU runs the exact but unfused eager FlexAttention, on
+    one thread.
     """
     import pandas as pd
 
@@ -315,14 +318,20 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
         l2_flushed=dev.type == "cuda", flex_compiled=compiled,
     )  # fmt: skip
     rows = []
-    for batch in batch_sizes or default_batches:
-        for context_len in context_lens or default_contexts:
-            if progress:
-                progress(f"batch {batch}, context {context_len}")
-            for r in bench_case(shape, batch, context_len, block_sizes, dev, reps=reps, compiled=compiled):
-                rows.append({**context, "batch_size": batch, "context_len": context_len, **r})
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":  # one thread: on a busy machine every multi-threaded op waits for a time slice
+        torch.set_num_threads(1)
+    try:
+        for batch in batch_sizes or default_batches:
+            for context_len in context_lens or default_contexts:
+                if progress:
+                    progress(f"batch {batch}, context {context_len}")
+                for r in bench_case(shape, batch, context_len, block_sizes, dev, reps=reps, compiled=compiled):
+                    rows.append({**context, "batch_size": batch, "context_len": context_len, **r})
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        torch.set_num_threads(threads)
     frame = pd.DataFrame(rows, columns=COLUMNS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -370,7 +379,7 @@ def render_table(frame, console) -> None:
     console.print(writes)
     console.print(decode)
     if frame["device"].iat[0].startswith("cpu"):
-        console.print("[yellow]CPU run: eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
+        console.print("[yellow]CPU run: one thread, eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
 
 
 def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,
