@@ -181,7 +181,7 @@ def test_compiled_paged_flex_attention_equals_sdpa_on_cuda(block_size):
     pool, tables, seq_lens, q, ref = _paged_problem(block_size, [3, 2 * block_size, 300], head_dim=64, device="cuda")
     mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, pool.shape[1] * block_size)
     out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=True)
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)  # TF32 dots; a masking bug reads x100 garbage
 
 
 @pytest.mark.gpu
