@@ -114,7 +114,7 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
     per step of `step_s` simulated seconds; FCFS admission up to `max_num_seqs`.
 
     After a refusal (OOM or no room) admission waits until something is freed: retrying an allocation that
-    just failed would only add OOMs. Returns the timeline (a row every `sample_every` steps and at every
+    just failed would only add OOMs. A refusal with nothing running rejects the request (it never fits). Returns the timeline (a row every `sample_every` steps and at every
     refusal) and the run's totals, including how many requests were admitted before the first OOM.
     `admissions` counts re-admissions after a preemption too (only the paged pool preempts).
     """
@@ -141,12 +141,17 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
                 continue
             outcome = backend.admit(seq)
             if outcome != "ok":
-                blocked = refused = True
+                refused = True
                 totals["refusals"] += 1
                 if outcome == "oom":
                     totals["ooms"] += 1
                     if totals["admitted_before_first_oom"] is None:
                         totals["admitted_before_first_oom"], totals["first_oom_step"] = totals["admissions"], step
+                if not running:  # refused on an idle device: waiting would never help
+                    waiting.popleft()
+                    totals["rejected"] += 1
+                    continue
+                blocked = True
                 break
             waiting.popleft()
             running.append(seq)

@@ -86,6 +86,15 @@ def test_a_request_that_can_never_fit_is_rejected_not_waited_for():
     assert (totals["rejected"], totals["finished"], totals["ooms"]) == (1, 1, 0)
 
 
+def test_an_oom_on_an_idle_device_rejects_the_request():
+    # the flat budget admits 20 bytes, the device holds 12: the first request can never be allocated
+    device = FakeDevice(12)
+    flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=100)
+    _, totals = run(requests((3, 2), (1, 1)), PerRequestTensors(flat, device.empty))
+    assert (totals["ooms"], totals["rejected"], totals["finished"]) == (1, 1, 1)
+    assert totals["admitted_before_first_oom"] == 0
+
+
 def test_paged_pool_preempts_instead_of_failing_allocations():
     # 40 bytes of 8-byte blocks (block_size 2) = 5 blocks, no watermark
     device = FakeDevice(40)
