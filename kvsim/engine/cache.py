@@ -137,6 +137,7 @@ class KVCache:
         self.num_q_heads = num_q_heads or spec.num_kv_heads
         self.timer = StepTimer(self.device, enabled=num_layers > 0)
         self._fingerprints: dict[int, np.ndarray] = {}
+        self._lanes: torch.Tensor | None = None  # [2, L, H * D] integrity patterns, made on first use
         self._src = torch.empty(0)  # [2, L, cap, H, D] write data, grown on demand
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self.write_kernel = self._pick_write_kernel(write_kernel)
@@ -207,10 +208,12 @@ class KVCache:
     def _expected(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """[2, L, N, H, D] in the pool's integer view: what those tokens must hold."""
         fp = self._token_fingerprints(seq_ids, positions)
-        s = self.spec
-        bits = 8 * self.kv_cache.element_size()
-        vals = kernels.integrity_values(fp, self.num_layers, s.num_kv_heads * s.head_dim, bits)
-        return vals.to(self._bits).view(2, self.num_layers, len(positions), s.num_kv_heads, s.head_dim)
+        if self._lanes is None:
+            s = self.spec
+            bits = 8 * self.kv_cache.element_size()
+            self._lanes = kernels.integrity_lanes(self.num_layers, s.num_kv_heads * s.head_dim, bits, self.device)
+        vals = kernels.integrity_values(fp, self._lanes)  # [2, L, N, H * D]
+        return vals.view(2, self.num_layers, len(positions), self.spec.num_kv_heads, self.spec.head_dim)
 
     def _check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]):
         """Raise AssertionError naming the first token of `got` ([2, L, N, H, D], float) that differs."""

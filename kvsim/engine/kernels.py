@@ -167,7 +167,7 @@ def decode_attention(
         k, v = k.to(q.dtype), v.to(q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, H, T, D)
     if hq == h or fold_gqa:
-        out = F.scaled_dot_product_attention(q.view(n, h, hq // h, d), k, v, attn_mask=mask)  # (N, H, G, D)
+        out = F.scaled_dot_product_attention(q.reshape(n, h, hq // h, d), k, v, attn_mask=mask)  # (N, H, G, D)
     else:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)  # (N, Hq, 1, D)
     return out.reshape(n, hq, d)
@@ -205,23 +205,34 @@ def seq_fingerprints(seq_id: int, positions: np.ndarray) -> np.ndarray:
 
 
 # 64-bit odd constants (splitmix64 / golden ratio) as signed int64, since torch has no uint64 arithmetic.
-_LANE = 0x9E3779B97F4A7C15 - 2**64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
+_INT_DTYPES = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 
 
-def integrity_values(fingerprints: torch.Tensor, num_layers: int, row: int, bits: int) -> torch.Tensor:
-    """Token-unique element bit patterns: [2, L, N, row] int64 holding signed `bits`-wide integers.
-
-    fingerprints: (N,) int64, one per token (see `KVCache.register`). Element e of layer l, side kv (K/V)
-    is a splitmix64-style hash of (fingerprint, kv, l, e), truncated to the element width. Bit `bits - 2`
-    (the top exponent bit of bf16/fp16/fp32/fp8) is cleared so every pattern is a finite float.
-    """
-    lanes = torch.arange(2 * num_layers * row, device=fingerprints.device, dtype=torch.int64)
-    x = fingerprints.view(1, 1, -1, 1) ^ (lanes.view(2, num_layers, 1, row) * _LANE)  # [2, L, N, row]
-    x = x * _MIX1
-    x = x ^ (x >> 31)
-    x = x * _MIX2
-    x = x ^ (x >> 29)
+def _to_width(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Low `bits` bits of int64 `x`, bit `bits - 2` cleared (the top exponent bit of bf16/fp16/fp32/fp8, so
+    every pattern is a finite float), as a signed integer tensor of that width."""
     x = x & ((1 << bits) - 1) & ~(1 << (bits - 2))
-    return x - ((x >> (bits - 1)) << bits)  # two's complement of the low `bits` bits
+    return (x - ((x >> (bits - 1)) << bits)).to(_INT_DTYPES[bits])  # two's complement
+
+
+def integrity_lanes(num_layers: int, row: int, bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[2, L, row] fixed pseudo-random patterns, one per (K/V side, layer, element), `bits`-wide ints."""
+    lane = torch.from_numpy(_mix64(np.arange(1, 2 * num_layers * row + 1, dtype=_U64)).view(np.int64))
+    return _to_width(lane, bits).view(2, num_layers, row).to(device)
+
+
+def integrity_values(fingerprints: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    """Token-unique element bit patterns: [2, L, N, row] in the lanes' integer dtype.
+
+    fingerprints: (N,) int64, one per token; lanes: [2, L, row] from `integrity_lanes`. The fingerprint is
+    cut into W = 64 / bits words and element e holds lane[e] XOR word[e % W]: every element of a token
+    depends on it, tokens with different fingerprints differ (in 60+ bits), and K/V sides and layers differ
+    by their lanes. Built in the element width, so checking a read costs one tensor the size of the read.
+    """
+    bits = 8 * lanes.element_size()
+    num_words = 64 // bits
+    shifts = torch.arange(num_words, device=fingerprints.device) * bits  # (W,)
+    words = _to_width(fingerprints[:, None] >> shifts, bits)  # (N, W)
+    which = torch.arange(lanes.shape[-1], device=fingerprints.device) % num_words  # (row,)
+    per_element = words.index_select(1, which)  # (N, row)
+    return lanes[:, :, None, :] ^ per_element[None, None]  # [2, L, N, row]

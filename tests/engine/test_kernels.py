@@ -94,16 +94,18 @@ def test_decode_attention_masks_padding_and_matches_reference(hq, fold_gqa):
 
 
 def test_integrity_values_are_deterministic_unique_and_in_range():
-    fps = torch.tensor([11, 12, -5, 2**62], dtype=torch.int64)
-    for bits in (8, 16, 32):
-        vals = kernels.integrity_values(fps, L, H * D, bits)
-        assert vals.shape == (2, L, 4, H * D)
-        assert torch.equal(vals, kernels.integrity_values(fps, L, H * D, bits))
-        assert vals.min() >= -(2 ** (bits - 1)) and vals.max() < 2 ** (bits - 1)
-        rows = vals.permute(2, 0, 1, 3).reshape(4, -1)  # one row per token
-        assert len({tuple(r.tolist()) for r in rows}) == 4
+    fps = torch.tensor([11, 12, -5, 2**62, 11 + 2**40], dtype=torch.int64)  # the last differs only in high bits
+    for bits, dtype in ((8, torch.int8), (16, torch.int16), (32, torch.int32)):
+        lanes = kernels.integrity_lanes(L, H * D, bits)
+        assert lanes.shape == (2, L, H * D) and lanes.dtype == dtype
+        vals = kernels.integrity_values(fps, lanes)
+        assert vals.shape == (2, L, 5, H * D) and vals.dtype == dtype
+        assert torch.equal(vals, kernels.integrity_values(fps, kernels.integrity_lanes(L, H * D, bits)))
+        rows = vals.permute(2, 0, 1, 3).reshape(5, -1)  # one row per token
+        assert len({tuple(r.tolist()) for r in rows}) == 5
         assert not torch.equal(vals[0], vals[1])  # K and V differ
         assert not torch.equal(vals[:, 0], vals[:, 1])  # layers differ
+        assert torch.equal(kernels.integrity_values(fps[2:3], lanes)[:, :, 0], vals[:, :, 2])  # per token
 
 
 @pytest.mark.parametrize(
@@ -111,9 +113,9 @@ def test_integrity_values_are_deterministic_unique_and_in_range():
     [(16, torch.bfloat16), (16, torch.float16), (32, torch.float32), (8, torch.float8_e4m3fn)],
 )
 def test_integrity_values_are_finite_floats(bits, dtype):
-    fps = torch.arange(-500, 500, dtype=torch.int64) * 7919
-    ints = kernels.integrity_values(fps, 3, 64, bits).to({8: torch.int8, 16: torch.int16, 32: torch.int32}[bits])
-    assert torch.isfinite(ints.view(dtype).float()).all()
+    fps = torch.arange(-500, 500, dtype=torch.int64) * 0x9E3779B97F4A7
+    vals = kernels.integrity_values(fps, kernels.integrity_lanes(3, 64, bits))
+    assert torch.isfinite(vals.view(dtype).float()).all()
 
 
 @pytest.mark.gpu
