@@ -111,6 +111,22 @@ def test_paged_flex_attention_equals_contiguous_sdpa(block_size):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_flex_attention_reads_a_block_two_sequences_share():
+    # prefix caching: both sequences start with physical block 2; the inverse table is per sequence
+    gen = torch.Generator().manual_seed(3)
+    block_size, tables, seq_lens = 4, torch.tensor([[2, 0], [2, 1]]), torch.tensor([7, 8])
+    pool = torch.randn(2, 3, block_size, 2, 16, generator=gen)  # (K/V, blocks, block_size, H, D)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    ref = torch.cat([
+        F.scaled_dot_product_attention(q[b : b + 1], *(pool[i][tables[b]].reshape(-1, 2, 16)[:n].transpose(0, 1)[None] for i in (0, 1)),
+                                       enable_gqa=True)
+        for b, n in enumerate(seq_lens.tolist())
+    ])  # fmt: skip
+    mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, 3 * block_size)
+    out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_gather_then_sdpa_equals_contiguous_sdpa():
     pool, tables, seq_lens, q, ref = _paged_problem(4, [3, 8, 9, 37])
     kv = kernels.gather_paged(pool[:, None], tables)  # [2, 1, B, M * 4, H, D]

@@ -26,8 +26,9 @@ def decode_block_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_
     Full blocks skip the mask function in the compiled kernel, which evaluates it only on a sequence's last,
     partial block. Eager FlexAttention ignores the block lists and evaluates the mask everywhere, so the mask
     is complete on its own: a slot is valid for sequence b iff its block is one of b's (through the inverse
-    table `logical[b, physical]`, -1 elsewhere) and its logical position is below b's length. Padding entries
-    of `block_tables` beyond a sequence's blocks are never read.
+    table `logical[b, physical]`, -1 elsewhere) and its logical position is below b's length. The table is per
+    sequence, so a block that several sequences share (prefix caching) is read by each. Padding entries of
+    `block_tables` beyond a sequence's blocks are never read.
 
     block_tables: (B, max_blocks_per_seq) int, physical block ids; seq_lens: (B,) int, tokens per sequence.
     """
