@@ -24,6 +24,8 @@ PAPER_FIGURE2: dict[str, dict[str, float | None]] = {
     "vLLM": {"token_states": 96.3, "reservation": None, "internal_fragmentation": None,
              "external_fragmentation": None},
 }
+PAPER_ANALOGUES = {"flat-max": "Orca (Max)", "flat-pow2": "Orca (Pow2)", "flat-oracle": "Orca (Oracle)",
+                   "paged-16": "vLLM"}  # our allocator that plays each of the paper's systems
 PAPER_WORKLOADS = ("sharegpt", "alpaca")  # the paper's datasets: its bars are drawn beside ours for these
 MAX_POINTS = 800  # time bins per allocator in the waste curves (a replay can have 10^5 steps)
 
@@ -117,7 +119,8 @@ def figure2(report: Report):
                 box = dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.75, linewidth=0) if name in paper else None
                 ax.text(bar.get_x() + bar.get_width() / 2, bar.get_y() + bar.get_height() / 2,
                         f"{bar.get_height():.1f}", ha="center", va="center", fontsize=8, color="#111111", bbox=box)
-    ax.set_xticks(x, names, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ticks = [f"{n}\n≈ {PAPER_ANALOGUES[n]}" if paper and n in PAPER_ANALOGUES and n in ours else n for n in names]
+    ax.set_xticks(x, ticks, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
     ax.set_ylim(0, 100)
     ax.set_ylabel("time-averaged share of the KV budget (%)")
     ax.grid(axis="x", visible=False)
