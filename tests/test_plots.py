@@ -151,7 +151,10 @@ def test_figure2_bar_heights_are_summary_percentages(report_dir):
 
 @pytest.mark.parametrize("workload", ["sharegpt-like", "alpaca_like"])
 def test_figure2_puts_the_papers_bars_beside_ours_for_paper_like_workloads(tmp_path, workload):
-    segments = bar_segments(draw(make_replay_report(tmp_path / "r", workload=workload), "figure2"))
+    fig = draw(make_replay_report(tmp_path / "r", workload=workload), "figure2")
+    segments = bar_segments(fig)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[0] == "flat-max\n≈ Orca (Max)" and ticks[-1] == "vLLM"
     # Kwon et al., SOSP 2023, Figure 2
     assert segments["Orca (Max):token_states"] == pytest.approx(20.4)
     assert segments["Orca (Max):internal_fragmentation"] == pytest.approx(57.3)
