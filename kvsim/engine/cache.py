@@ -157,10 +157,14 @@ class KVCache:
         # zeros, not empty: padded reads touch unwritten slots, and garbage NaNs would poison masked attention
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_flat = self.kv_cache.view(2, num_layers, self.num_blocks * spec.block_size, *shape[4:])
-        # Copies go through same-width integer views: bit-exact for every dtype (CPU has no fp8 index_copy_).
+        # Copies and gathers go through same-width integer views: bit-exact for every dtype, and on CPU
+        # fp8 has no index_copy_ while bf16 index_select of 64-token blocks ran ~50x slower than int16.
         self._bits = _INT_VIEW[self.kv_cache.element_size()]
         self._cache_bits = self.kv_cache.view(self._bits)
         self._flat_bits = self.kv_flat.view(self._bits)
+        # 3-D views for indexed copies along dim 1 (see kernels' module docstring for why)
+        self._slot_rows = self._flat_bits.view(2 * num_layers, -1, spec.num_kv_heads * spec.head_dim)  # [2L, S, H*D]
+        self._block_rows = self._cache_bits.view(2 * num_layers, self.num_blocks, -1)  # [2L, num_blocks, bs*H*D]
 
     @property
     def nbytes(self) -> int:
@@ -290,7 +294,7 @@ class KVCache:
         table = kernels.pad_block_tables(block_tables, lens, self.block_size)  # (B, M)
         bt = self._index(table)
         with self.timer.measure("read"):
-            kv = kernels.gather_paged(self.kv_cache, bt)  # [2, L, B, M*block_size, H, D]
+            kv = kernels.gather_paged(self._cache_bits, bt).view(self.dtype)  # [2, L, B, M*block_size, H, D]
         read = KVRead(kv, self._index(lens))
         if self.integrity and seq_ids is not None:
             self._check_read(read, lens, seq_ids)
@@ -308,7 +312,8 @@ class KVCache:
         assert lens.min() >= 1 and st.min() >= 0 and (st + lens).max() <= self.num_slots
         st_t, lens_t = self._index(st), self._index(lens)
         with self.timer.measure("read"):
-            kv = kernels.gather_runs(self.kv_flat, st_t, lens_t, int(lens.max()))  # [2, L, B, T, H, D]
+            kv = kernels.gather_runs(self._flat_bits, st_t, lens_t, int(lens.max()))  # [2, L, B, T, H, D]
+        kv = kv.view(self.dtype)
         read = KVRead(kv, lens_t)
         if self.integrity and seq_ids is not None:
             self._check_read(read, lens, seq_ids)
@@ -330,7 +335,8 @@ class KVCache:
         if not (self.enabled and self.integrity) or len(slots) == 0:
             return
         slots = np.asarray(slots, dtype=np.int64)
-        got = self.kv_flat.index_select(2, self._index(slots))  # [2, L, N, H, D]
+        got = self._slot_rows.index_select(1, self._index(slots))  # [2L, N, H*D]
+        got = got.view(2, self.num_layers, len(slots), self.spec.num_kv_heads, self.spec.head_dim)
         ids = np.full(len(slots), seq_id, dtype=np.int64)
         self._check(got, ids, np.asarray(positions, dtype=np.int64), lambda n: f"slot {int(slots[n])}")
 
@@ -361,10 +367,11 @@ class KVCache:
         on_cuda = self.device.type == "cuda"
         host = torch.empty(shape, dtype=self.dtype, pin_memory=on_cuda)
         with self.timer.measure("swap"):
+            host_rows = host.view(self._bits).view(2 * self.num_layers, len(index), -1)  # [2L, n, H*D]
             if on_cuda:
-                host.copy_(self.kv_flat.index_select(2, index), non_blocking=True)
+                host_rows.copy_(self._slot_rows.index_select(1, index), non_blocking=True)
             else:
-                torch.index_select(self.kv_flat, 2, index, out=host)
+                torch.index_select(self._slot_rows, 1, index, out=host_rows)
         return SwapHandle(host, len(index))
 
     def swap_in(self, handle: SwapHandle | None, slots: np.ndarray) -> None:
@@ -374,7 +381,8 @@ class KVCache:
         assert len(slots) == handle.num_tokens, (len(slots), handle.num_tokens)
         index = self._index(slots)
         with self.timer.measure("swap"):
-            self._flat_bits.index_copy_(2, index, handle.kv.view(self._bits).to(self.device, non_blocking=True))
+            rows = handle.kv.view(self._bits).view(2 * self.num_layers, len(index), -1)  # [2L, n, H*D]
+            self._slot_rows.index_copy_(1, index, rows.to(self.device, non_blocking=True))
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """kv_flat[..., dst[i], ...] = kv_flat[..., src[i], ...] for all layers: timed as "copy"."""
@@ -383,7 +391,7 @@ class KVCache:
         assert len(src) == len(dst)
         s, d = self._index(src), self._index(dst)
         with self.timer.measure("copy"):
-            self._flat_bits.index_copy_(2, d, self._flat_bits.index_select(2, s))
+            self._slot_rows.index_copy_(1, d, self._slot_rows.index_select(1, s))
 
     def copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
         """Copy whole blocks (src_block, dst_block), e.g. copy-on-write of a shared partial block: timed "copy"."""
@@ -391,4 +399,4 @@ class KVCache:
             return
         p = self._index(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
         with self.timer.measure("copy"):
-            self._cache_bits.index_copy_(2, p[:, 1], self._cache_bits.index_select(2, p[:, 0]))
+            self._block_rows.index_copy_(1, p[:, 1], self._block_rows.index_select(1, p[:, 0]))
