@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import queue as queue_module
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -102,6 +102,7 @@ class ReplayResult:
     num_prompt_tokens: np.ndarray  # (num_requests,) int64
     max_tokens: np.ndarray
     runs: list[AllocatorRun] = field(default_factory=list)
+    note: str | None = None  # what the replay decided for the user (e.g. accounting only without CUDA)
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,19 @@ def run_replay(
     requests = generate_requests(workload)
     if not requests:
         raise KvsimError("the workload has no requests", source=source, field="requests")
-    device = "none"
+    device, note = "none", None
     if options.tensors:
         from kvsim.engine.cache import resolve_device
 
-        device = str(resolve_device(options.device))
+        resolved = resolve_device(options.device)
+        if options.device == "auto" and resolved.type == "cpu" and not (options.integrity or options.timing == "measured"):
+            # Materialising on a CPU moves every step's KV through host memory: ~1000x slower than accounting,
+            # for the same byte figures. Only an explicit --device cpu (or a check that needs tensors) does it.
+            options = replace(options, tensors=False)
+            note = "no CUDA device: accounting only (--device cpu materialises the cache tensors on the CPU, slowly)"
+        else:
+            device = str(resolved)
+            options = replace(options, device=device)
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
     result = ReplayResult(
         workload=workload,
@@ -164,6 +173,7 @@ def run_replay(
         budget_bytes=budget,
         device=device,
         options=options,
+        note=note,
         arrival_s=np.array([r.arrival_time for r in requests], dtype=np.float64),
         num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
         max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),

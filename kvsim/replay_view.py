@@ -6,7 +6,9 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -55,29 +57,50 @@ def _fmt(value: float | None, spec: str, *, scale: float = 1.0, suffix: str = ""
     return format(value * scale, spec) + suffix
 
 
-def summary_table(records: list[dict], *, title: str | None = None) -> Table:
-    """The replay's headline: per allocator, where the budget went (time-averaged %) and what it bought."""
-    table = Table(title=title, title_justify="left")
+# (header, cell, essential) per column. Headers break over two lines; optional columns are shown only
+# while the table fits the terminal, so 80 columns still get the budget split and the headline rates.
+_COLUMNS: tuple[tuple[str, Callable[[dict], str], bool], ...] = (
+    ("tokens\n%", lambda r: _fmt(r["token_states_pct"], ".1f"), True),
+    ("resv\n%", lambda r: _fmt(r["reservation_pct"], ".1f"), True),
+    ("intl\n%", lambda r: _fmt(r["internal_fragmentation_pct"], ".1f"), True),
+    ("extl\n%", lambda r: _fmt(r["external_fragmentation_pct"], ".1f"), True),
+    ("free\n%", lambda r: _fmt(r["free_pct"], ".1f"), True),
+    ("running\nmean", lambda r: _fmt(r["mean_running"], ".1f"), True),
+    ("output\ntok/s", lambda r: _fmt(r["throughput_tokens_per_s"], ",.0f"), True),
+    ("pre-\nempt", lambda r: str(r["preemptions"]), True),
+    ("TTFT\np50 s", lambda r: _fmt(r["ttft_p50_s"], ".3f"), True),
+    ("prefix\nhit", lambda r: _fmt(r["prefix_hit_rate"], ".0f", scale=100, suffix="%"), False),
+    ("running\npeak", lambda r: str(r["peak_running"]), False),
+    ("TTFT\np99 s", lambda r: _fmt(r["ttft_p99_s"], ".3f"), False),
+    ("TPOT\np50 ms", lambda r: _fmt(r["tpot_p50_s"], ".2f", scale=1e3), False),
+    ("rejected", lambda r: str(r["rejected"]), False),
+)
+_EMPTY = {"-", "0"}
+
+
+def summary_table(records: list[dict], *, title: str | None = None, width: int = 160) -> Table:
+    """The replay's headline: per allocator, where the budget went (time-averaged %) and what it bought.
+
+    Optional columns are left out when empty for every allocator (no prefix caching, nothing rejected) or
+    when they would not fit in `width` terminal columns.
+    """
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
     table.add_column("allocator", no_wrap=True)
-    for name in ("tokens%", "reserved%", "internal%", "external%", "free%", "running avg/max", "out tok/s",
-                 "preempt", "TTFT p50/p99 s", "TPOT p50 ms", "prefix hit", "rejected"):
-        table.add_column(name, justify="right")
-    for r in records:
-        table.add_row(
-            r["allocator"],
-            _fmt(r["token_states_pct"], ".1f"),
-            _fmt(r["reservation_pct"], ".1f"),
-            _fmt(r["internal_fragmentation_pct"], ".1f"),
-            _fmt(r["external_fragmentation_pct"], ".1f"),
-            _fmt(r["free_pct"], ".1f"),
-            f"{_fmt(r['mean_running'], '.1f')}/{r['peak_running']}",
-            _fmt(r["throughput_tokens_per_s"], ",.0f"),
-            str(r["preemptions"]),
-            f"{_fmt(r['ttft_p50_s'], '.3f')}/{_fmt(r['ttft_p99_s'], '.3f')}",
-            _fmt(r["tpot_p50_s"], ".2f", scale=1e3),
-            _fmt(r["prefix_hit_rate"], ".1f", scale=100, suffix="%"),
-            str(r["rejected"]),
-        )
+    cells = [[cell(r) for _, cell, _ in _COLUMNS] for r in records]
+
+    def col_width(j: int) -> int:
+        return max([len(line) for line in _COLUMNS[j][0].split("\n")] + [len(row[j]) for row in cells]) + 2  # pad, rule
+
+    used = max([len("allocator")] + [len(r["allocator"]) for r in records]) + 2
+    keep = []
+    for j, (_, _, essential) in enumerate(_COLUMNS):
+        if essential or (any(row[j] not in _EMPTY for row in cells) and used + col_width(j) <= width):
+            keep.append(j)
+            used += col_width(j)
+    for j in keep:
+        table.add_column(_COLUMNS[j][0], justify="right", no_wrap=True)
+    for r, row in zip(records, cells):
+        table.add_row(r["allocator"], *(row[j] for j in keep))
     return table
 
 
@@ -111,6 +134,8 @@ def run_replay_cli(
     console = Console(stderr=json_out)
     with ReplayProgress(console, enabled=not quiet) as progress:
         result = run_replay(workload, options, progress=progress)
+    if result.note and not quiet:
+        Console(stderr=True).print(f"note: {result.note}", style="dim")
     out_dir = out if out is not None else Path("reports") / workload.name
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)
@@ -122,6 +147,6 @@ def run_replay_cli(
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
             f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
         )
-        console.print(summary_table(records, title=title))
+        console.print(summary_table(records, title=title, width=console.width))
         console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json)")
     return paths.out_dir
