@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_replay import write_tiny
 
 
@@ -62,3 +64,14 @@ def test_replay_help_does_not_import_torch_or_pandas():
 
     code = "import sys; from kvsim.cli import app; assert 'torch' not in sys.modules and 'pandas' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trace_flag_replaces_the_workload_requests(cli, tmp_path):
+    path = write_tiny(tmp_path)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,40,10\n0.001,100,5\n0.5,30,3\n")
+    result = cli(["replay", str(path), "--trace", str(trace), "--no-tensors", "--quiet", "--json", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert all(r["num_requests"] == 3 and r["finished"] == 3 for r in records)
+    assert records[0]["throughput_tokens_per_s"] == pytest.approx(18 / records[0]["sim_time_s"])

@@ -183,3 +183,24 @@ def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkey
     workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
     with pytest.raises(AssertionError, match="integrity"):
         run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True))
+
+
+def test_auto_device_without_cuda_is_accounting_only(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("auto picks the GPU here")
+    result = run_replay(tiny_workload(tmp_path, count=4), ReplayOptions(device="auto"))
+    assert result.device == "none" and not result.options.tensors and "accounting only" in result.note
+    assert all(np.isnan(run.steps["write_us"]).all() for run in result.runs)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_accounting_and_keep_integrity(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cuda", integrity=True))
+    assert on.device.startswith("cuda")
+    for a, b in zip(off.runs, on.runs):
+        for name in BYTE_COLUMNS:
+            np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
+        assert (b.steps["write_us"] > 0).all()
