@@ -285,7 +285,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     measured = options.timing == "measured"
     scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
     arrivals = [r.arrival_time for r in requests]
-    now, step, i, done, pending_preemptions, num_rows = 0.0, 0, 0, 0, 0, 0
+    now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
+    pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
     nan = math.nan
     while True:
         while i < n and arrivals[i] <= now:
@@ -311,14 +312,20 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             if admitted[seq.index] != admitted[seq.index]:  # NaN: first admission
                 admitted[seq.index] = now
         pending_preemptions += len(out.preempted)
+        pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
-            continue  # only preemptions happened: the next schedule admits again, nothing was computed
+            # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
+            empty_rounds += 1
+            assert empty_rounds < 3, "the scheduler made no progress"
+            continue
+        empty_rounds = 0
         if runner is not None:
             runner.execute(out)
         if out.run_time_s is not None:
-            dt = out.run_time_s
+            dt = out.run_time_s + pending_swap_bytes / roofline.host_bandwidth_bytes_per_s
         else:
-            dt = _step_time(roofline, out)
+            dt = _step_time(roofline, out, pending_swap_bytes)
+        pending_swap_bytes = 0
         kernels = (nan, nan, nan)
         if cache is not None:
             if measured:
@@ -393,7 +400,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     )
 
 
-def _step_time(roofline: Roofline, out: SchedulerOutput) -> float:
+def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:
     """Roofline seconds of one step: its tokens, the context they attend to, and the KV it reads."""
     attended = 0
     read = 0
@@ -404,7 +411,7 @@ def _step_time(roofline: Roofline, out: SchedulerOutput) -> float:
     attended += ctx
     read += ctx
     tokens = out.num_prefill_tokens + len(out.decodes)
-    return roofline.step_time(tokens, attended, read, out.swap_bytes)
+    return roofline.step_time(tokens, attended, read, swap_bytes)
 
 
 class ModelRunner:
