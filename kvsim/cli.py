@@ -135,7 +135,7 @@ def plot(
 def replay(
     workload: Annotated[str, typer.Argument(help="Workload YAML, e.g. workloads/poisson.yaml.")],
     out: Annotated[Optional[str], typer.Option("--out", help="Report directory (default: reports/<workload name>/).")] = None,
-    device: Annotated[str, typer.Option("--device", help="Where the cache tensors live: cpu, cuda or auto.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="Cache tensors on cuda or cpu; auto: cuda if present, else accounting only.")] = "auto",
     no_tensors: Annotated[bool, typer.Option("--no-tensors", help="Accounting only: no cache tensors, no kernels.")] = False,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Override the workload's seed.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N requests.")] = None,
