@@ -118,6 +118,9 @@ class Scheduler:
         self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
         self._is_flat = hasattr(allocator, "slab")
         self._free_blocks = getattr(type(allocator), "num_free_blocks", None) is not None
+        # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
+        lanes = getattr(allocator, "lanes", None)
+        self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -265,7 +268,8 @@ class Scheduler:
         if not self._is_flat:
             if not self._free_blocks:
                 return
-            per_seq = self.allocator.num_free_blocks // n  # each request grows by <= ceil((k-1)/block) blocks
+            # Each request grows by <= ceil((k - 1) / block_size) blocks during the run.
+            per_seq = self.allocator.num_free_blocks // n // self._pages_per_block
             k = min(k, per_seq * self.block_size + 1)
         if k < 2:
             return

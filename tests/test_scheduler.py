@@ -218,3 +218,26 @@ def test_decode_run_stops_before_the_paged_pool_could_run_out():
     for last in (False, False, True):  # no free block left: the rest go one step at a time
         out, _ = sched.schedule()
         assert out.num_steps == 1 and sched.postprocess(out) == ([seq] if last else [])
+
+
+def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
+    """Blocks of full and sliding layers take several pool pages: a run's bound counts pages, not blocks."""
+    from kvsim.engine.kv_cache_spec import KVCacheGroupSpec
+
+    spec = KVCacheSpec(
+        groups=(KVCacheGroupSpec("full", 1, bytes_per_token=4), KVCacheGroupSpec("sliding", 1, bytes_per_token=4, window=8)),
+        block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2,
+    )
+    allocator = make_allocator(AllocatorConfig("paged", block_size=4, watermark=0.0), spec, 40 * 8, max_model_len=64)
+    sched = Scheduler(allocator, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, roofline=roofline())
+    seqs = [make_seq(i, 5 + i, 20) for i in range(4)]
+    for seq in seqs:
+        sched.add_request(seq)
+    finished, rows, steps = [], 0, 0
+    while sched.has_work and rows < 500:
+        out, _ = sched.schedule()
+        rows += 1
+        steps += out.num_steps
+        finished += sched.postprocess(out)
+    assert sorted(s.seq_id for s in finished) == [0, 1, 2, 3]
+    assert rows < steps  # runs happened, and none of them failed an append (that would assert)
