@@ -23,7 +23,9 @@ from kvsim.errors import KvsimError
 from kvsim.roofline import Roofline
 from kvsim.scheduler import SchedSeq, Scheduler, SchedulerOutput
 
-# Step-record columns: (name, array typecode). Bytes and counts are integers, times floats.
+# Step-record columns: (name, array typecode). Bytes and counts are integers, times floats. A row covers
+# `num_steps` steps (a decode run): its token counts are totals, its bytes are at the run's middle step, its
+# kernel times (µs, NaN when not measured) are per step, the mean of the run's steps.
 STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("step", "q"),
     ("num_steps", "q"),
@@ -280,7 +282,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     cached_tokens = np.zeros(n, dtype=np.int64)
     rejected: list[str | None] = [None] * n
     rows = array("d")  # every step-record column, row after row (bytes are exact in a double up to 8 PiB)
-    timer_steps = array("q")
+    timer_steps = array("q")  # per row: first and last timer step its kernels ran in
+    first_timer_step = 0
     roofline = ctx.roofline
     measured = options.timing == "measured"
     scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
@@ -304,6 +307,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             continue
         if cache is not None:
             cache.timer.new_step()
+            first_timer_step = cache.timer.num_steps - 1
         out, rejects = sched.schedule(arrivals[i] - now if i < n else math.inf)
         for seq, reason in rejects:
             rejected[seq.index] = reason
@@ -333,6 +337,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
                 dt = sum(times.values()) * 1e-6 * scale
                 kernels = (times.get("write", nan), times.get("read", nan), times.get("attention", nan))
             else:
+                timer_steps.append(first_timer_step)
                 timer_steps.append(cache.timer.num_steps - 1)
         b = out.breakdown
         rows.extend(
@@ -380,10 +385,11 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         for j, (name, code) in enumerate(STEP_COLUMNS)
     }
     if cache is not None and not measured and len(timer_steps):
-        all_times = cache.timer.all_steps()
+        all_times = cache.timer.all_steps()  # one host sync, after the loop
+        spans = np.frombuffer(timer_steps, dtype=np.int64).reshape(-1, 2)  # (rows, [first, last] timer step)
         for name in KERNEL_COLUMNS:
             kind = name[: -len("_us")]
-            steps[name] = np.array([all_times[t].get(kind, nan) for t in timer_steps], dtype=np.float64)
+            steps[name] = np.array([_mean_step(all_times, kind, a, b) for a, b in spans.tolist()], dtype=np.float64)
     return AllocatorRun(
         config=config,
         label=config.label,
@@ -398,6 +404,12 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
         prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
     )
+
+
+def _mean_step(all_times: list[dict[str, float]], kind: str, first: int, last: int) -> float:
+    """Mean microseconds of `kind` per step over timer steps [first, last]; NaN if never measured there."""
+    values = [all_times[t][kind] for t in range(first, last + 1) if kind in all_times[t]]
+    return sum(values) / len(values) if values else math.nan
 
 
 def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:
@@ -416,7 +428,11 @@ def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> flo
 
 class ModelRunner:
     """Moves the real K/V of each scheduled row through the cache tensors (nano-vllm's model runner, minus
-    the model): one scatter of every new token, one read of every decoding request, decode attention."""
+    the model): per step, one scatter of every new token, one read of every decoding request, decode attention.
+
+    A row that covers a run of k decode steps is executed as its k steps (one timer step each), so kernel
+    times are always per step, whatever the bookkeeping did in one go.
+    """
 
     def __init__(self, cache, allocator):
         self.cache = cache
@@ -430,24 +446,34 @@ class ModelRunner:
             pairs = self.pop_cow()
             if pairs:
                 cache.copy_blocks(pairs)
-        k = out.num_steps
-        chunks = [(seq, start, num) for seq, start, num in out.prefills]
-        chunks += [(seq, seq.num_computed_tokens, k) for seq in out.decodes]
-        if not chunks:
-            return
-        slots = np.concatenate([alloc.slot_mapping(seq, s, s + m) for seq, s, m in chunks])  # (N,)
-        seq_ids = np.concatenate([np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in chunks])  # (N,)
-        positions = np.concatenate([np.arange(s, s + m, dtype=np.int64) for _, s, m in chunks])  # (N,)
-        cache.write(slots, seq_ids, positions)
-        if not out.decodes:
-            return
-        lens = [seq.num_computed_tokens + k for seq in out.decodes]
-        ids = [seq.seq_id for seq in out.decodes]
-        if self.paged:
-            tables = [alloc.block_table(seq) for seq in out.decodes]
-            complete = all(b is not None for table in tables for b in table)  # sliding lanes free old blocks
-            tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in tables]
-            read = cache.read_paged(tables, lens, ids if complete else None)
-        else:
-            read = cache.read_flat([alloc.slab(seq)[0] for seq in out.decodes], lens, ids)
-        cache.decode_attention(read)
+        decodes, k = out.decodes, out.num_steps
+        starts = [seq.num_computed_tokens for seq in decodes]
+        # (num_decodes, k): slot of each decoding request's token in each step of the row
+        run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts)]) if decodes else None
+        decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
+        tables = None
+        if decodes and self.paged:
+            raw = [alloc.block_table(seq) for seq in decodes]
+            complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
+            tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in raw]
+        for j in range(k):
+            if j:
+                cache.timer.new_step()
+            chunks = out.prefills if j == 0 else []
+            slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in chunks]
+            ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in chunks]
+            positions = [np.arange(s, s + m, dtype=np.int64) for _, s, m in chunks]
+            if decodes:
+                slots.append(run_slots[:, j])
+                ids.append(decode_ids)
+                positions.append(np.array(starts, dtype=np.int64) + j)
+            if slots:
+                cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions))  # (N,) each
+            if not decodes:
+                continue
+            lens = [c + j + 1 for c in starts]
+            if self.paged:
+                read = cache.read_paged(tables, lens, decode_ids.tolist() if complete else None)
+            else:
+                read = cache.read_flat([alloc.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
+            cache.decode_attention(read)

@@ -125,11 +125,11 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
         rec["ttft_p50_s"], rec["ttft_p99_s"] = _percentiles(ttft[finished], (50, 99))
         rec["tpot_p50_s"], rec["tpot_p99_s"] = _percentiles(tpot[finished], (50, 99))
         rec["prefix_hit_rate"] = run.prefix_hit_tokens / run.prefix_query_tokens if run.prefix_query_tokens else math.nan
-        if kernels:
-            single = st["num_steps"] == 1  # a decode run's row moves several steps' tokens: not a step's time
+        if kernels:  # kernel columns are per step (a run's row: the mean of its steps), weighted by steps
             for name in KERNEL_COLUMNS:
                 kind = name[: -len("_us")]
-                rec[f"{kind}_us_p50"], rec[f"{kind}_us_p90"] = _percentiles(st[name][single], (50, 90))
+                per_step = np.repeat(st[name], st["num_steps"])
+                rec[f"{kind}_us_p50"], rec[f"{kind}_us_p90"] = _percentiles(per_step, (50, 90))
         records.append(rec)
     return records
 

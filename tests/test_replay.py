@@ -136,6 +136,7 @@ def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
         assert (b.steps["write_us"] > 0).all()  # every row writes new tokens
         decoding = b.steps["num_decode_tokens"] > 0
         assert (b.steps["read_us"][decoding] > 0).all() and np.isnan(b.steps["read_us"][~decoding]).all()
+    assert any((run.steps["num_steps"] > 1).any() for run in on.runs)  # runs were executed step by step too
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

@@ -63,8 +63,9 @@ def test_summary_figures_by_hand():
     assert rec["ttft_p50_s"] == pytest.approx(1.25) and rec["ttft_p99_s"] == pytest.approx(1.0 + 0.5 * 0.99)
     assert rec["tpot_p50_s"] == pytest.approx(0.375)
     assert rec["prefix_hit_rate"] == pytest.approx(0.25)
-    # Kernel medians count single-step rows only (row 1 is a 4-step run): write 5 us, no read measured.
-    assert rec["write_us_p50"] == 5.0 and math.isnan(rec["read_us_p50"])
+    # Kernel columns are per step; row 1 stands for 4 steps: writes [5, 100, 100, 100, 100], reads [40] x 4.
+    assert rec["write_us_p50"] == 100.0 and rec["write_us_p90"] == 100.0 and rec["read_us_p50"] == 40.0
+    assert math.isnan(rec["attention_us_p50"])
 
 
 def test_requests_frame_columns_and_latencies():
