@@ -426,3 +426,14 @@ def test_other_commands_csvs_are_not_taken_for_reports(tmp_path):
     notes = []
     assert plot_report(load_report(profile), note=notes.append) == []
     assert notes == [f"{profile}: skipped: no replay or bench report files"]
+
+
+def test_ecdf_of_many_requests_keeps_exact_points_of_the_same_cdf():
+    from kvsim.plots.latency import MAX_POINTS, ecdf
+
+    values = np.arange(10 * MAX_POINTS, 0, -1, dtype=float)  # 20000 .. 1, unsorted order
+    x, y = ecdf(values)
+    assert len(x) == MAX_POINTS and x[0] == 1 and x[-1] == 10 * MAX_POINTS and y[-1] == 1.0
+    assert np.allclose(y, x / (10 * MAX_POINTS))  # value k is the k-th smallest of 20000: F(k) = k / 20000
+    small_x, small_y = ecdf(np.array([3.0, np.nan, 1.0, 2.0]))
+    assert small_x.tolist() == [1.0, 2.0, 3.0] and small_y.tolist() == [1 / 3, 2 / 3, 1.0]
