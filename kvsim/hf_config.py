@@ -33,6 +33,34 @@ _LAYER_TYPE_KINDS = {
 
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
+# Fields a family's transformers config class fills in when config.json leaves them out (or sets them null).
+# Shipped checkpoints rely on these: Falcon-7B/40B's config.json has no max_position_embeddings, gemma-3's
+# text_config has neither max_position_embeddings nor vocab_size, and Qwen2/Qwen3 keep sliding windows off
+# unless use_sliding_window says otherwise (then only layers >= max_window_layers slide).
+_FALCON = {"max_position_embeddings": 2048}
+_GEMMA3 = {"max_position_embeddings": 131072, "vocab_size": 262208}
+_QWEN = {"use_sliding_window": False, "max_window_layers": 28}
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "falcon": _FALCON,
+    "refinedweb": _FALCON,
+    "refinedwebmodel": _FALCON,
+    "gemma3": _GEMMA3,
+    "gemma3_text": _GEMMA3,
+    "qwen2": _QWEN,
+    "qwen2_moe": _QWEN,
+    "qwen3": _QWEN,
+    "qwen3_moe": _QWEN,
+}
+
+
+def _flatten(data: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields: `text_config` (multimodal wrappers) over the top level, then class defaults."""
+    text = data.get("text_config")
+    if isinstance(text, dict):  # gemma3, llava...: the decoder lives here
+        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    defaults = _CLASS_DEFAULTS.get(str(data.get("model_type", "")).lower(), {})
+    return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
+
 
 class _Config:
     """A config dict plus the file it came from, so every missing field names both."""
@@ -91,9 +119,7 @@ def model_spec_from_config(
     params_source: str | None = None,
 ) -> ModelSpec:
     """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors."""
-    text = data.get("text_config")
-    if isinstance(text, dict):  # multimodal wrappers (gemma3, llava...): the decoder lives here
-        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
+    data = _flatten(data)
     cfg = _Config(data, source)
     num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
     hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
@@ -183,10 +209,17 @@ def _layer_kinds(cfg: _Config, num_layers: int) -> list[LayerKind]:
             raise KvsimError(f"expected an integer in [0, {period}), got {offset!r}", source=cfg.source, field="attn_layer_offset")
         return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
     window = cfg.get("sliding_window", default=None)
-    if window is None or cfg.get("use_sliding_window", default=True) is False:
+    if window is None or cfg.get("use_sliding_window", default=True) is False:  # Qwen: False unless set
         return [LayerKind.FULL] * num_layers
     model_type = str(cfg.get("model_type", default="")).lower()
     pattern = cfg.get_int("sliding_window_pattern", default=None) or _FAMILY_PATTERN.get(model_type)
+    first_sliding = cfg.get("max_window_layers", default=None)
+    if pattern is None and first_sliding is not None:  # Qwen2/Qwen3: layers >= max_window_layers slide
+        if isinstance(first_sliding, bool) or not isinstance(first_sliding, int) or first_sliding < 0:
+            raise KvsimError(
+                f"expected a non-negative integer, got {first_sliding!r}", source=cfg.source, field="max_window_layers"
+            )
+        return [LayerKind.SLIDING if i >= first_sliding else LayerKind.FULL for i in range(num_layers)]
     if pattern is None:  # `sliding_window` alone: every layer slides (Mistral 7B v0.1)
         return [LayerKind.SLIDING] * num_layers
     return [LayerKind.SLIDING if (i + 1) % pattern != 0 else LayerKind.FULL for i in range(num_layers)]
@@ -230,8 +263,7 @@ def estimate_num_params(data: dict[str, Any], model: ModelSpec) -> int | None:
     (plus router and shared expert), and norms; ignores biases. Matches the published totals of Llama 3.x,
     Mistral, Mixtral and Qwen3 dense models to the parameter. MLA and linear/mamba layers: None.
     """
-    if isinstance(data.get("text_config"), dict):
-        data = {**data, **data["text_config"]}
+    data = _flatten(data)
     if any(layer.kind not in (LayerKind.FULL, LayerKind.SLIDING) for layer in model.layers):
         return None
     h = model.hidden_size

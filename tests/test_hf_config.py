@@ -338,3 +338,93 @@ def test_jamba_bad_attention_offset(write_config, offset):
     cfg = {**LLAMA_8B, "attn_layer_period": 8, "attn_layer_offset": offset, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
     with pytest.raises(KvsimError, match="attn_layer_offset"):
         load_hf_config(write_config(cfg))
+
+
+# --- shipped configs that lean on their transformers class defaults -----------------------------------------
+
+FALCON_7B = {  # tiiuae/falcon-7b config.json: no max_position_embeddings, num_kv_heads 71 beside multi_query
+    "model_type": "falcon",
+    "hidden_size": 4544,
+    "num_attention_heads": 71,
+    "num_hidden_layers": 32,
+    "num_kv_heads": 71,
+    "multi_query": True,
+    "new_decoder_architecture": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 65024,
+}
+
+
+def test_falcon_7b_config_without_max_position_embeddings_uses_the_class_default(write_config):
+    model = load_hf_config(write_config(FALCON_7B))
+    assert model.max_model_len == 2048  # FalconConfig default
+    assert model.num_kv_heads == 1 and model.head_dim == 4544 // 71 == 64
+    assert bytes_per_token(model) == 2 * 32 * 1 * 64 * 2 == 8192
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 8, "num_attention_heads": 128,
+         "num_hidden_layers": 60, "hidden_size": 8192},
+        {"model_type": "RefinedWeb", "n_head_kv": 8, "n_head": 128, "n_layer": 60, "hidden_size": 8192},
+    ],
+    ids=["falcon-40b", "falcon-40b-refinedweb"],
+)
+def test_falcon_40b_configs(write_config, cfg):
+    model = load_hf_config(write_config(cfg))
+    assert model.max_model_len == 2048 and model.num_kv_heads == 8 and model.head_dim == 64
+    assert bytes_per_token(model) == 2 * 60 * 8 * 64 * 2 == 122880
+
+
+def test_gemma3_multimodal_config_as_shipped(write_config):
+    # google/gemma-3-27b-it: text_config without max_position_embeddings, vocab_size or sliding_window_pattern
+    cfg = {
+        "model_type": "gemma3",
+        "torch_dtype": "bfloat16",
+        "text_config": {"model_type": "gemma3_text", "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                        "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "num_hidden_layers": 27},
+    }
+    model = load_hf_config(write_config(cfg))
+    assert model.max_model_len == 131072 and model.vocab_size == 262208
+    assert model.layer_counts == {"sliding(1024)": 52, "full": 10}
+    spec = kv_cache_spec(model)
+    assert spec.full_bytes_per_token == 10 * 2 * 16 * 128 * 2 == 81920
+    assert spec.bytes_per_token - spec.full_bytes_per_token == 52 * 2 * 16 * 128 * 2 == 425984
+
+
+QWEN2_7B = {
+    "model_type": "qwen2",
+    "num_hidden_layers": 28,
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "sliding_window": 32768,
+}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
+def test_qwen_sliding_window_is_off_unless_use_sliding_window_says_so(write_config, model_type):
+    # Qwen2/Qwen3 configs often carry sliding_window with no use_sliding_window: the class default is False
+    model = load_hf_config(write_config({**QWEN2_7B, "model_type": model_type}))
+    assert model.layer_counts == {"full": 28}
+
+
+def test_qwen_max_window_layers_first_layers_keep_full_attention(write_config):
+    cfg = {**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 21}
+    model = load_hf_config(write_config(cfg))
+    assert [layer.kind for layer in model.layers] == [LayerKind.FULL] * 21 + [LayerKind.SLIDING] * 7
+    spec = kv_cache_spec(model)
+    assert spec.full_bytes_per_token == 21 * 2 * 4 * 128 * 2 == 43008
+    # the class default max_window_layers is 28: with 28 layers, nothing slides
+    cfg = {**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096}
+    assert load_hf_config(write_config(cfg)).layer_counts == {"full": 28}
+
+
+def test_bad_max_window_layers_names_the_field(write_config):
+    cfg = {**QWEN2_7B, "use_sliding_window": True, "max_window_layers": -1}
+    with pytest.raises(KvsimError, match="max_window_layers"):
+        load_hf_config(write_config(cfg))
