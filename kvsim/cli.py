@@ -59,6 +59,7 @@ def size(
     memory: Annotated[Optional[str], typer.Option("--memory", help="Device memory instead of --gpu, e.g. 80GiB or 40GB.")] = None,
     utilization: Annotated[float, typer.Option("--utilization", help="Fraction of memory kvsim may use (vLLM's gpu_memory_utilization).")] = 0.9,
     weight_dtype: Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype (default: the shipped checkpoint's).")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="vLLM's chunked-prefill budget; enters its sliding-window bound per request (8192: vllm serve on 70+ GiB GPUs).")] = 8192,
     params: Annotated[Optional[float], typer.Option("--params", help="Total parameter count, e.g. 8.03e9 (needed with --config for weights).")] = None,
     layout: Annotated[bool, typer.Option("--layout", help="Print the KV pool tensor's shape, strides and bytes.")] = False,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
@@ -70,7 +71,7 @@ def size(
 
     show_size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
-        utilization=utilization, weight_dtype=weight_dtype, params=params, layout=layout, num_blocks=num_blocks,
+        utilization=utilization, weight_dtype=weight_dtype, max_num_batched_tokens=max_num_batched_tokens, params=params, layout=layout, num_blocks=num_blocks,
         address=address, as_json=json_out,
     )
 

@@ -37,6 +37,7 @@ def show_size(
     memory: str | None = None,
     utilization: float = 0.9,
     weight_dtype: str | None = None,
+    max_num_batched_tokens: int = 8192,
     params: float | None = None,
     layout: bool = False,
     num_blocks: int | None = None,
@@ -79,6 +80,7 @@ def show_size(
         gpu_name=gpu_name,
         utilization=utilization,
         weight_dtype=weight_dtype,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     pool = offset = None
     if layout or address:
@@ -156,8 +158,13 @@ def _print_report(console: Console, report) -> None:
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
         tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
+        how = (
+            f"as vLLM computes it (max_num_batched_tokens {report.max_num_batched_tokens:,})"
+            if cap.vllm_exact
+            else "in whole blocks, state once (vLLM pads state pages; not modelled)"
+        )
         console.print(
-            f"with vLLM's block rounding: GPU KV cache size: {tokens} tokens, "
+            f"{how}: GPU KV cache size: {tokens} tokens, "
             f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
             highlight=False,
             soft_wrap=True,

@@ -44,6 +44,8 @@ def kv_cache_spec(model: ModelSpec, *, kv_dtype: str = "bf16", block_size: int =
         raise KvsimError(
             f"--tp {tp} does not divide num_attention_heads {model.num_attention_heads} of {model.name}", field="--tp"
         )
+    for layer in model.attention_layers:
+        _check_kv_heads_split(layer.num_kv_heads, tp, model.name)
     kv_bytes = int(dtype_bytes(kv_dtype, field="--kv-dtype", kv=True))
     state_bytes = int(dtype_bytes(_state_dtype(model)))
 
@@ -75,6 +77,20 @@ def kv_cache_spec(model: ModelSpec, *, kv_dtype: str = "bf16", block_size: int =
         num_kv_heads=first.kv_heads_per_rank(tp) if first else 0,
         head_dim=(first.latent_dim if first.kind == LayerKind.MLA else first.head_dim) if first else 0,
         num_attention_layers=len(attention),
+    )
+
+
+def _check_kv_heads_split(num_kv_heads: int, tp: int, name: str) -> None:
+    """vLLM splits KV heads evenly (kv % tp == 0) or replicates them evenly (tp % kv == 0); nothing else loads.
+
+    MLA layers (num_kv_heads 0 here: one latent, replicated) always pass.
+    """
+    if num_kv_heads == 0 or num_kv_heads % tp == 0 or tp % num_kv_heads == 0:
+        return
+    raise KvsimError(
+        f"--tp {tp} neither divides nor is a multiple of the {num_kv_heads} KV heads of {name} "
+        "(vLLM splits KV heads evenly across ranks, or replicates them evenly)",
+        field="--tp",
     )
 
 
@@ -122,6 +138,53 @@ def block_rounded_bytes_per_sequence(spec: KVCacheSpec, num_tokens: int) -> int:
     return total
 
 
+def _vllm_page_per_layer(spec: KVCacheSpec) -> int | None:
+    """Bytes of one block of one layer when every per-token layer has the same page (vLLM's uniform page)."""
+    pages = {g.bytes_per_token * spec.block_size // g.num_layers for g in spec.groups}
+    ok = all(g.bytes_per_token % g.num_layers == 0 for g in spec.groups) and len(pages) == 1
+    return pages.pop() if ok else None
+
+
+def vllm_kv_cache_size(
+    spec: KVCacheSpec, budget_bytes: int, max_model_len: int, max_num_batched_tokens: int = 8192
+) -> tuple[int, float] | None:
+    """vLLM's two start-up lines, ("GPU KV cache size: N tokens", "Maximum concurrency ...: X.XXx").
+
+    Follows vllm/v1/core/kv_cache_utils.py. Layers of one type form groups of `group_size` layers (the
+    smallest type's layer count, or the largest's when within 1.25x), a type with fewer layers than a
+    multiple of it is padded; each block id spans one layer of every group:
+
+        gemma-3-27b, 10 full + 52 sliding layers, group_size 10 -> 1 full group + 6 sliding groups
+        (the last holds 2 layers + 8 padding); num_blocks = budget // (page x 10)
+        tokens      = num_blocks // 7 groups x block_size
+        concurrency = num_blocks / (cdiv(len, bs) + 6 x (cdiv(min(window - 1 + max_num_batched_tokens,
+                      len), bs) + 1))
+
+    A sliding group's bound allows for a chunked prefill of `max_num_batched_tokens` tokens beside the
+    window. None when vLLM sizes the model otherwise: per-sequence state layers (mamba pages, padded to
+    the attention page) or layers with different page sizes.
+    """
+    page = _vllm_page_per_layer(spec)
+    if page is None or spec.state_bytes_per_sequence or not spec.groups:
+        return None
+    _positive_int(max_num_batched_tokens, "--max-num-batched-tokens")
+    bs = spec.block_size
+    counts = [g.num_layers for g in spec.groups]
+    group_size = min(counts)
+    if max(counts) < group_size * 1.25:
+        group_size = max(counts)
+    num_groups, blocks_per_request = 0, 0
+    for g in spec.groups:
+        if g.kind == "sliding":
+            blocks = cdiv(min(g.window - 1 + max_num_batched_tokens, max_model_len), bs) + 1
+        else:
+            blocks = cdiv(max_model_len, bs)
+        num_groups += cdiv(g.num_layers, group_size)
+        blocks_per_request += cdiv(g.num_layers, group_size) * blocks
+    num_blocks = budget_bytes // (page * group_size)
+    return num_blocks // num_groups * bs, num_blocks / blocks_per_request
+
+
 def weight_bytes(model: ModelSpec, *, weight_dtype: str | None = None, tp: int = 1) -> int:
     """Bytes of weights on one TP rank: parameters x dtype bytes / tp (ceil).
 
@@ -143,7 +206,7 @@ def weight_bytes(model: ModelSpec, *, weight_dtype: str | None = None, tp: int =
     return cdiv(math.ceil(model.num_params * per_param), tp)
 
 
-def kv_budget_bytes(memory_bytes: int, *, utilization: float, weight_bytes: int) -> int:
+def kv_budget_bytes(memory_bytes: int, *, utilization: float, weight_bytes: int, field: str = "--memory") -> int:
     """KV bytes left on a device: memory x utilization (vLLM's gpu_memory_utilization) minus weights.
 
     Activations and CUDA graphs also take memory in a real engine; kvsim does not guess them.
@@ -156,7 +219,7 @@ def kv_budget_bytes(memory_bytes: int, *, utilization: float, weight_bytes: int)
         raise KvsimError(
             f"weights ({weight_bytes:,} B) do not fit in {memory_bytes:,} B x utilization {utilization} "
             f"= {usable:,} B; no room for KV cache (try --tp, a smaller --weight-dtype, or more memory)",
-            field="--memory",
+            field=field,
         )
     return budget
 
@@ -171,21 +234,32 @@ class Capacity:
     max_sequences: float  # budget / capped bytes per sequence
     max_sequences_block_rounded: float  # whole blocks of the budget / whole-block bytes per sequence
     max_sequences_uncapped: float  # budget / uncapped bytes per sequence
+    vllm_exact: bool = True  # the block-rounded pair is vLLM's arithmetic (False: state layers, kvsim's estimate)
 
 
-def capacity(spec: KVCacheSpec, budget_bytes: int, context_tokens: int) -> Capacity:
-    """Tokens and concurrent sequences of `context_tokens` that `budget_bytes` of KV memory holds."""
+def capacity(spec: KVCacheSpec, budget_bytes: int, context_tokens: int, max_num_batched_tokens: int = 8192) -> Capacity:
+    """Tokens and concurrent sequences of `context_tokens` that `budget_bytes` of KV memory holds.
+
+    The block-rounded pair is vLLM's own arithmetic (`vllm_kv_cache_size`) where kvsim can reproduce it;
+    for models with state layers, whole blocks of every layer plus each sequence's state.
+    """
     per_token = spec.bytes_per_token
     usable = budget_bytes
     if spec.block_bytes:
-        usable = (budget_bytes // spec.block_bytes) * spec.block_bytes  # vLLM allocates whole blocks
+        usable = (budget_bytes // spec.block_bytes) * spec.block_bytes  # whole blocks
+    tokens_rounded = (budget_bytes // spec.block_bytes) * spec.block_size if per_token else None
+    sequences_rounded = usable / block_rounded_bytes_per_sequence(spec, context_tokens)
+    vllm = vllm_kv_cache_size(spec, budget_bytes, context_tokens, max_num_batched_tokens)
+    if vllm is not None:
+        tokens_rounded, sequences_rounded = vllm
     return Capacity(
         kv_budget_bytes=budget_bytes,
         max_tokens=budget_bytes // per_token if per_token else None,
-        max_tokens_block_rounded=(budget_bytes // spec.block_bytes) * spec.block_size if per_token else None,
+        max_tokens_block_rounded=tokens_rounded,
         max_sequences=budget_bytes / bytes_per_sequence(spec, context_tokens),
-        max_sequences_block_rounded=usable / block_rounded_bytes_per_sequence(spec, context_tokens),
+        max_sequences_block_rounded=sequences_rounded,
         max_sequences_uncapped=budget_bytes / bytes_per_sequence(spec, context_tokens, capped=False),
+        vllm_exact=vllm is not None,
     )
 
 
@@ -206,6 +280,7 @@ class SizeReport:
     weight_dtype: str | None = None
     weight_bytes: int | None = None
     capacity: Capacity | None = None
+    max_num_batched_tokens: int = 8192
 
     def as_json(self) -> dict:
         spec = self.spec
@@ -242,6 +317,7 @@ class SizeReport:
                     "max_sequences": round(cap.max_sequences, 4),
                     "max_sequences_block_rounded": round(cap.max_sequences_block_rounded, 4),
                     "max_sequences_uncapped": round(cap.max_sequences_uncapped, 4),
+                    "block_rounded_is_vllm_exact": cap.vllm_exact,
                 }
             )
         return out
@@ -258,8 +334,15 @@ def size_report(
     gpu_name: str | None = None,
     utilization: float = 0.9,
     weight_dtype: str | None = None,
+    max_num_batched_tokens: int = 8192,
 ) -> SizeReport:
-    """Everything `kvsim size` reports; the capacity part only when `memory_bytes` is given."""
+    """Everything `kvsim size` reports; the capacity part only when `memory_bytes` is given.
+
+    `max_num_batched_tokens` only enters vLLM's sliding-window bound (see `vllm_kv_cache_size`).
+    """
+    if not 0 < utilization <= 1:  # checked even without a device, so a typo never passes silently
+        raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")
+    _positive_int(max_num_batched_tokens, "--max-num-batched-tokens")
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=block_size, tp=tp)
     n = _positive_int(context_tokens, "--context") if context_tokens is not None else model.max_model_len
     report = SizeReport(
@@ -270,11 +353,14 @@ def size_report(
         bytes_per_sequence=bytes_per_sequence(spec, n),
         bytes_per_sequence_uncapped=bytes_per_sequence(spec, n, capped=False),
         bytes_per_sequence_block_rounded=block_rounded_bytes_per_sequence(spec, n),
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     if memory_bytes is None:
         return report
     weights = weight_bytes(model, weight_dtype=weight_dtype, tp=tp)
-    budget = kv_budget_bytes(memory_bytes, utilization=utilization, weight_bytes=weights)
+    budget = kv_budget_bytes(
+        memory_bytes, utilization=utilization, weight_bytes=weights, field="--gpu" if gpu_name else "--memory"
+    )
     return replace(
         report,
         memory_bytes=memory_bytes,
@@ -282,5 +368,5 @@ def size_report(
         utilization=utilization,
         weight_dtype=weight_dtype or ("checkpoint" if model.checkpoint_bytes else model.weight_dtype),
         weight_bytes=weights,
-        capacity=capacity(spec, budget, n),
+        capacity=capacity(spec, budget, n, max_num_batched_tokens),
     )

@@ -58,6 +58,8 @@ def parse_bytes(text: str | int | float, *, field: str = "bytes", source: str | 
         if not m or m.group(2).lower() not in _UNITS:
             raise KvsimError(f"expected a byte size like '80GiB' or '40GB', got {text!r}", source=source, field=field)
         value, unit = float(m.group(1)), m.group(2).lower()
+    if not value * _UNITS[unit] < float("inf"):  # '1e400GB' would overflow int()
+        raise KvsimError(f"byte size must be finite, got {text!r}", source=source, field=field)
     result = int(value * _UNITS[unit])
     if result <= 0:
         raise KvsimError(f"byte size must be positive, got {text!r}", source=source, field=field)

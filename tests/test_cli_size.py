@@ -125,10 +125,23 @@ def _config(tmp_path, text):
         (["--model", "llama-3.1-8b", "--num-blocks", "2", "--address", "0,0,2,0,0,0"], "block index 2 out of range"),
         ([], "exactly one of --model"),
         (["--model", "llama-3.1-8b", "--gpu", "h100", "--memory", "1GB"], "not both"),
+        (["--model", "llama-3.1-8b", "--memory", "1e400GB"], "--memory: byte size must be finite"),
+        (["--model", "llama-3.1-8b", "--utilization", "1.5"], "--utilization"),
+        (["--model", "qwen3-32b", "--gpu", "l4"], "--gpu: weights"),
+        (["--model", "llama-3.1-8b", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["--config", "{dir}"], "cannot read config"),
+        (["--config", "{list}"], "expected a JSON object"),
+        (["--config", "{empty}"], "invalid JSON"),
+        (["--model", "llama-3.1-8b", "--tp", "-2"], "--tp: must be a positive integer"),
+        (["--model", "llama-3.1-8b", "--block-size", "0"], "--block-size"),
+        (["--model", "llama-3.1-8b", "--context", "0"], "--context"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(cli, tmp_path, args, needle):
     args = [
+        str(tmp_path) if a == "{dir}" else
+        _config(tmp_path, "[1, 2]") if a == "{list}" else
+        _config(tmp_path, "") if a == "{empty}" else
         _config(tmp_path, "{not json") if a == "{bad}" else
         _config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": 64, "max_position_embeddings": 64}') if a == "{missing}" else a
         for a in args
@@ -146,3 +159,38 @@ def test_missing_field_error_names_the_file(cli, tmp_path):
     result = cli(["size", "--config", path])
     assert result.exit_code == 2
     assert path in result.stderr and "max_position_embeddings" in result.stderr
+
+
+def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
+    # gemma-3-27b on --memory 80GiB at 32,768 tokens: budget 23,290,718,720 B; a block of one layer is
+    # 16 x 2 x 16 x 128 x 2 = 131,072 B; vLLM groups 10 full + 52 sliding layers as 1 + 6 groups of 10
+    args = ["size", "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768"]
+    out = cli(args).stdout
+    # num_blocks = 23,290,718,720 // (131,072 x 10) = 17,769; tokens = 17,769 // 7 x 16 = 40,608
+    # per request: cdiv(32768, 16) + 6 x (cdiv(1023 + 8192, 16) + 1) = 2,048 + 6 x 577 = 5,510 blocks
+    assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 3.22x" in out
+    out = cli([*args, "--max-num-batched-tokens", "2048"]).stdout
+    # 2,048 + 6 x (cdiv(1023 + 2048, 16) + 1) = 2,048 + 6 x 193 = 3,206 blocks: 17,769 / 3,206 = 5.54
+    assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 5.54x" in out
+
+
+def test_hybrid_state_model_says_its_block_figures_are_kvsims(cli):
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"]).stdout
+    assert "not modelled" in out
+    data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"])
+    assert data["block_rounded_is_vllm_exact"] is False
+    assert run_json(cli, ["--model", "gemma-3-27b", "--gpu", "h200"])["block_rounded_is_vllm_exact"] is True
+
+
+def test_real_falcon_and_gemma3_configs_through_the_cli(cli, tmp_path):
+    # the fields tiiuae/falcon-7b and google/gemma-3-27b-it ship (no max_position_embeddings in either)
+    falcon = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+              "num_kv_heads": 71, "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024}
+    data = run_json(cli, ["--config", _config(tmp_path, json.dumps(falcon))])
+    assert (data["kv_bytes_per_token"], data["context_tokens"]) == (2 * 32 * 1 * 64 * 2, 2048)
+    gemma = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "head_dim": 128, "hidden_size": 5376,
+             "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16, "sliding_window": 1024}}
+    data = run_json(cli, ["--config", _config(tmp_path, json.dumps(gemma)), "--context", "4096"])
+    assert data["layers"] == {"sliding(1024)": 52, "full": 10}
+    assert data["bytes_per_sequence"] == 81920 * 4096 + 425984 * 1024
+    assert all(isinstance(data[k], int) for k in ("kv_bytes_per_token", "block_bytes", "bytes_per_sequence"))

@@ -16,6 +16,7 @@ from kvsim.sizing import (
     kv_budget_bytes,
     kv_cache_spec,
     size_report,
+    vllm_kv_cache_size,
     weight_bytes,
 )
 
@@ -41,6 +42,27 @@ def test_tp_splits_kv_heads_per_rank(name, tp, per_rank):
 def test_tp_must_divide_attention_heads():
     with pytest.raises(KvsimError, match="--tp"):
         kv_cache_spec(resolve_model("llama-3.1-8b"), tp=3)
+
+
+@pytest.mark.parametrize("tp, per_rank_heads", [(2, 5), (5, 2), (10, 1), (20, 1), (40, 1)])
+def test_tp_splits_or_replicates_kv_heads_evenly(tp, per_rank_heads):
+    # Phi-3-medium's 40 query heads and 10 KV heads
+    model = _model({"num_hidden_layers": 4, "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 10})
+    assert kv_cache_spec(model, tp=tp).bytes_per_token == 4 * 2 * per_rank_heads * 128 * 2
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_tp_that_neither_splits_nor_replicates_kv_heads_evenly_is_an_error(tp):
+    # 10 KV heads over 4 ranks: vLLM cannot shard them (10 % 4 and 4 % 10 are both non-zero)
+    model = _model({"num_hidden_layers": 4, "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 10})
+    with pytest.raises(KvsimError, match=f"--tp: --tp {tp} neither divides nor is a multiple of the 10 KV heads"):
+        kv_cache_spec(model, tp=tp)
+
+
+def _model(fields: dict):
+    from kvsim.hf_config import model_spec_from_config
+
+    return model_spec_from_config({"max_position_embeddings": 4096, **fields}, source="test", name="test")
 
 
 @pytest.mark.parametrize("dtype, per_token", [("bf16", 131072), ("fp16", 131072), ("fp32", 262144), ("fp8", 65536), ("int8", 65536)])
@@ -205,3 +227,52 @@ def test_size_report_defaults_to_max_model_len_and_json_keys():
 def test_non_positive_options(field, kwargs):
     with pytest.raises(KvsimError, match=field):
         size_report(resolve_model("llama-3.1-8b"), **kwargs)
+
+
+# --- vLLM's start-up lines ------------------------------------------------------------------------------
+
+
+def test_vllm_lines_pad_hybrid_groups_and_bound_sliding_blocks_by_the_batch():
+    """gemma-3-27b: 10 full + 52 sliding layers -> group_size 10: 1 full group, 6 sliding (8 padding layers)."""
+    spec = kv_cache_spec(resolve_model("gemma-3-27b"))
+    # page per layer = 16 x 2 x 16 x 128 x 2 = 131,072 B; num_blocks = 10 GiB // (131,072 x 10) = 8,192
+    tokens, concurrency = vllm_kv_cache_size(spec, 10 * GiB, 131072)
+    assert tokens == 8192 // 7 * 16 == 18720
+    # per request: cdiv(131072, 16) + 6 x (cdiv(min(1023 + 8192, 131072), 16) + 1) = 8,192 + 6 x 577
+    assert concurrency == 8192 / (8192 + 6 * 577)
+
+
+def test_vllm_lines_equal_groups_need_no_padding():
+    """gpt-oss-120b: 18 full + 18 sliding(128): two groups of 18; a block of one layer is 32,768 B."""
+    spec = kv_cache_spec(resolve_model("gpt-oss-120b"))
+    tokens, concurrency = vllm_kv_cache_size(spec, 20 * GiB, 131072)
+    num_blocks = 20 * GiB // (32768 * 18)
+    assert num_blocks == 36408 and tokens == 36408 // 2 * 16 == 291264
+    assert concurrency == 36408 / (8192 + cdiv(127 + 8192, 16) + 1)  # 8,192 + 521 blocks
+
+
+def test_vllm_lines_all_sliding_model_and_a_smaller_batch_budget():
+    """mistral-7b-v0.1: one sliding(4096) group of 32 layers; 2 MiB blocks."""
+    spec = kv_cache_spec(resolve_model("mistral-7b-v0.1"))
+    tokens, concurrency = vllm_kv_cache_size(spec, 20 * GiB, 32768, max_num_batched_tokens=2048)
+    assert tokens == 10240 * 16
+    assert concurrency == 10240 / (cdiv(4095 + 2048, 16) + 1)  # 385 blocks
+    # a short max length bounds the window's blocks: cdiv(min(4095 + 2048, 1000), 16) + 1 = 64
+    assert vllm_kv_cache_size(spec, 20 * GiB, 1000, max_num_batched_tokens=2048)[1] == 10240 / 64
+
+
+def test_vllm_lines_not_claimed_for_state_layers():
+    spec = kv_cache_spec(resolve_model("qwen3-next-80b-a3b"))
+    assert vllm_kv_cache_size(spec, 20 * GiB, 32768) is None
+    cap = capacity(spec, 20 * GiB, 32768)
+    assert not cap.vllm_exact and cap.max_tokens_block_rounded == (20 * GiB // spec.block_bytes) * 16
+
+
+def test_utilization_checked_even_without_a_device():
+    with pytest.raises(KvsimError, match="--utilization"):
+        size_report(resolve_model("llama-3.1-8b"), utilization=1.5)
+
+
+def test_weights_too_big_names_the_gpu_option_when_a_gpu_was_given():
+    with pytest.raises(KvsimError, match="^--gpu: weights"):
+        size_report(resolve_model("qwen3-32b"), memory_bytes=24 * GiB, gpu_name="NVIDIA L4")
