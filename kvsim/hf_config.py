@@ -202,12 +202,25 @@ def _layer_kinds(cfg: _Config, num_layers: int) -> list[LayerKind]:
     interval = cfg.get_int("full_attention_interval", default=None)
     if interval is not None:  # Qwen3-Next: every interval-th layer is full attention, the rest gated delta net
         return [LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.LINEAR_STATE for i in range(num_layers)]
+    indices = cfg.get("attn_layer_indices", default=None)
+    if indices is not None:  # Bamba / Granite-4 style: attention at these layers, mamba elsewhere
+        if not isinstance(indices, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in indices):
+            raise KvsimError(f"expected a list of layer indices in [0, {num_layers})", source=cfg.source, field="attn_layer_indices")
+        return [LayerKind.FULL if i in indices else LayerKind.LINEAR_STATE for i in range(num_layers)]
     period = cfg.get_int("attn_layer_period", default=None)
     if period is not None:  # Jamba: attention where i % period == offset, mamba elsewhere
         offset = cfg.get("attn_layer_offset")
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
             raise KvsimError(f"expected an integer in [0, {period}), got {offset!r}", source=cfg.source, field="attn_layer_offset")
         return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
+    for field in ("hybrid_override_pattern", "layers_block_type", "mamba_d_ssm", "mamba_num_heads", "mamba_n_heads", "mamba_d_state"):
+        if cfg.get(field, default=None) is not None:  # Nemotron-H, Zamba, Falcon-H1...: never size them as all-attention
+            raise KvsimError(
+                "a hybrid attention/mamba layout kvsim does not know (it reads layer_types, full_attention_interval, "
+                "attn_layer_period/offset and attn_layer_indices)",
+                source=cfg.source,
+                field=field,
+            )
     window = cfg.get("sliding_window", default=None)
     if window is None or cfg.get("use_sliding_window", default=True) is False:  # Qwen: False unless set
         return [LayerKind.FULL] * num_layers
@@ -230,7 +243,8 @@ def _state_layer(cfg: _Config, hidden_size: int) -> LayerSpec:
 
     Gated delta net (vLLM gated_delta_net_state_shape): conv state (conv_kernel - 1) x conv_dim with
     conv_dim = key_dim*num_key_heads*2 + value_dim*num_value_heads, plus recurrent num_value_heads x
-    value_dim x key_dim. Mamba-1: conv state intermediate x (d_conv - 1), ssm state intermediate x d_state,
+    value_dim x key_dim. Mamba-2: conv (d_conv - 1) x (intermediate + 2 x n_groups x d_state), ssm
+    n_heads x d_head x d_state. Mamba-1: conv state intermediate x (d_conv - 1), ssm state intermediate x d_state,
     intermediate = mamba_expand x hidden_size.
     """
     if cfg.get("linear_num_value_heads", default=None) is not None or cfg.get("full_attention_interval", default=None):
@@ -241,6 +255,13 @@ def _state_layer(cfg: _Config, hidden_size: int) -> LayerSpec:
         kernel = cfg.get_int("linear_conv_kernel_dim")
         conv_dim = dk * nk * 2 + dv * nv
         elements = (kernel - 1) * conv_dim + nv * dv * dk
+    elif cfg.get("mamba_n_heads", default=None) is not None:  # Mamba-2 (Bamba, Granite-4): vLLM mamba2_state_shape
+        d_state = cfg.get_int("mamba_d_state")
+        d_conv = cfg.get_int("mamba_d_conv")
+        heads, head_dim = cfg.get_int("mamba_n_heads"), cfg.get_int("mamba_d_head")
+        intermediate = cfg.get_int("mamba_expand") * hidden_size
+        conv_dim = intermediate + 2 * cfg.get_int("mamba_n_groups", default=1) * d_state
+        elements = (d_conv - 1) * conv_dim + heads * head_dim * d_state
     else:
         d_state = cfg.get_int("mamba_d_state")
         d_conv = cfg.get_int("mamba_d_conv")

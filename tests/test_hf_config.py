@@ -428,3 +428,46 @@ def test_bad_max_window_layers_names_the_field(write_config):
     cfg = {**QWEN2_7B, "use_sliding_window": True, "max_window_layers": -1}
     with pytest.raises(KvsimError, match="max_window_layers"):
         load_hf_config(write_config(cfg))
+
+
+BAMBA = {  # Bamba-9B style: attention at attn_layer_indices, Mamba-2 elsewhere
+    "model_type": "bamba",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 262144,
+    "attn_layer_indices": [9, 18, 27],
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_n_heads": 128,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+}
+
+
+def test_attn_layer_indices_and_mamba2_state(write_config):
+    model = load_hf_config(write_config(BAMBA))
+    assert [i for i, layer in enumerate(model.layers) if layer.kind == LayerKind.FULL] == [9, 18, 27]
+    # conv (4 - 1) x (8192 + 2 x 1 x 128) + ssm 128 heads x 64 x 128
+    assert model.layers[0].state_elements == 3 * (8192 + 256) + 128 * 64 * 128 == 1073920
+    spec = kv_cache_spec(model)
+    assert spec.bytes_per_token == 3 * 2 * 8 * 128 * 2
+    assert spec.state_bytes_per_sequence == 29 * 1073920 * 2
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("hybrid_override_pattern", "M-M*-M-"), ("mamba_d_ssm", 1024), ("layers_block_type", ["mamba", "hybrid"])],
+)
+def test_unknown_hybrid_layout_is_an_error_not_all_attention(write_config, field, value):
+    # Nemotron-H, Falcon-H1, Zamba2: sizing these as all-attention would be silently wrong
+    cfg = {**LLAMA_8B, field: value}
+    with pytest.raises(KvsimError, match=field):
+        load_hf_config(write_config(cfg))
+
+
+def test_bad_attn_layer_indices(write_config):
+    with pytest.raises(KvsimError, match="attn_layer_indices"):
+        load_hf_config(write_config({**BAMBA, "attn_layer_indices": [40]}))
