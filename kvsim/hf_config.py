@@ -138,7 +138,6 @@ def model_spec_from_config(
             layers.append(LayerSpec(LayerKind.SLIDING, attention.num_kv_heads, attention.head_dim, window=window))
         else:  # FULL, or MLA (MLA models have no sliding layers kvsim knows of)
             layers.append(attention)
-    dtype = str(cfg.get("torch_dtype", "dtype", default="bfloat16")).lower()
     return ModelSpec(
         name=name,
         hf_id=hf_id,
@@ -147,11 +146,36 @@ def model_spec_from_config(
         num_params=num_params,
         hidden_size=hidden_size,
         num_attention_heads=num_heads,
-        weight_dtype=_TORCH_DTYPES.get(dtype, "bf16"),
+        weight_dtype=_weight_dtype(cfg),
         vocab_size=cfg.get("vocab_size", default=None),
         source=source,
         params_source=params_source,
     )
+
+
+def _weight_dtype(cfg: _Config) -> str:
+    """The checkpoint's weight dtype: its quantization_config when quantized, else torch_dtype.
+
+    fp8 checkpoints (DeepSeek-V3, "-FP8" repos) keep torch_dtype bfloat16 beside quant_method fp8; AWQ/GPTQ
+    state `bits`; compressed-tensors its weights' num_bits. MXFP4 (gpt-oss experts) counts as 4-bit.
+    """
+    quant = cfg.get("quantization_config", default=None)
+    if isinstance(quant, dict):
+        method = str(quant.get("quant_method", "")).lower()
+        bits = quant.get("bits") or quant.get("w_bit") or quant.get("weight_bits")
+        floats = False
+        for group in (quant.get("config_groups") or {}).values():  # compressed-tensors
+            if isinstance(group, dict) and isinstance(group.get("weights"), dict):
+                bits = bits or group["weights"].get("num_bits")
+                floats = group["weights"].get("type") == "float"
+        if method in ("fp8", "fbgemm_fp8"):
+            return "fp8"
+        if method == "mxfp4" or bits == 4:
+            return "int4"
+        if bits == 8:
+            return "fp8" if floats else "int8"
+    dtype = str(cfg.get("torch_dtype", "dtype", default="bfloat16")).lower()
+    return _TORCH_DTYPES.get(dtype, "bf16")
 
 
 def _attention_layer(cfg: _Config, hidden_size: int, num_heads: int) -> LayerSpec:

@@ -471,3 +471,19 @@ def test_unknown_hybrid_layout_is_an_error_not_all_attention(write_config, field
 def test_bad_attn_layer_indices(write_config):
     with pytest.raises(KvsimError, match="attn_layer_indices"):
         load_hf_config(write_config({**BAMBA, "attn_layer_indices": [40]}))
+
+
+@pytest.mark.parametrize(
+    "quant, expected",
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),  # DeepSeek-V3, Qwen3-8B-FP8
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "int4"),
+        ({"quant_method": "gptq", "bits": 8}, "int8"),
+        ({"quant_method": "mxfp4"}, "int4"),  # gpt-oss experts
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}, "fp8"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}, "int4"),
+    ],
+)
+def test_quantization_config_sets_the_weight_dtype_over_torch_dtype(write_config, quant, expected):
+    model = load_hf_config(write_config({**LLAMA_8B, "quantization_config": quant}))
+    assert model.weight_dtype == expected
