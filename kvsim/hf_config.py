@@ -192,12 +192,12 @@ def _num_kv_heads(cfg: _Config, num_heads: int) -> int:
         return cfg.get_int("num_kv_heads", "n_head_kv", "num_key_value_heads")
     if cfg.get("multi_query", default=False):
         return 1
-    return cfg.get_int("num_key_value_heads", "num_kv_heads", "n_head_kv", default=num_heads)
+    return cfg.get_int("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", default=num_heads)
 
 
 def _head_dim(cfg: _Config, hidden_size: int, num_heads: int) -> int:
     """An explicit head_dim wins (Qwen3, Gemma set it); otherwise hidden_size / num_attention_heads."""
-    explicit = cfg.get_int("head_dim", default=None)
+    explicit = cfg.get_int("head_dim", "kv_channels", default=None)  # kv_channels: ChatGLM / GLM-4
     if explicit is not None:
         return explicit
     if hidden_size % num_heads:

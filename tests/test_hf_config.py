@@ -487,3 +487,12 @@ def test_bad_attn_layer_indices(write_config):
 def test_quantization_config_sets_the_weight_dtype_over_torch_dtype(write_config, quant, expected):
     model = load_hf_config(write_config({**LLAMA_8B, "quantization_config": quant}))
     assert model.weight_dtype == expected
+
+
+def test_chatglm_multi_query_groups_and_kv_channels(write_config):
+    # THUDM/glm-4-9b style: 2 KV groups of kv_channels 128 (MHA over 32 heads would be 16x too big)
+    cfg = {"model_type": "chatglm", "num_layers": 40, "hidden_size": 4096, "num_attention_heads": 32,
+           "multi_query_attention": True, "multi_query_group_num": 2, "kv_channels": 128, "seq_length": 131072}
+    model = load_hf_config(write_config(cfg))
+    assert (model.num_kv_heads, model.head_dim, model.max_model_len) == (2, 128, 131072)
+    assert bytes_per_token(model) == 2 * 40 * 2 * 128 * 2 == 40960
