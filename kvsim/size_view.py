@@ -216,7 +216,7 @@ def show_models(*, as_json: bool = False) -> None:
     table = Table(title="kvsim model catalogue (KV per token in bf16, tp=1)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     cols = ["name", "hf id", "layers", "KV heads", "head dim", "KV B/token", "state B/seq", "max len", "params"]
     if not wide:
-        cols = ["name", "layers", "B/token", "params"]
+        cols = ["name", "layers", "KV HxD", "B/token", "params"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("name", "hf id", "layers") else "right", no_wrap=True)
     for r in rows:
@@ -226,7 +226,7 @@ def show_models(*, as_json: bool = False) -> None:
             "layers": " + ".join(f"{n} {k}" for k, n in r["layers"].items()),
             "KV heads": str(r["num_kv_heads"]),
             "head dim": str(r["head_dim"]),
-            "heads x dim": f"{r['num_kv_heads']}x{r['head_dim']}",
+            "KV HxD": f"{r['num_kv_heads']}x{r['head_dim']}",
             "KV B/token": f"{r['kv_bytes_per_token_bf16']:,}",
             "B/token": f"{r['kv_bytes_per_token_bf16']:,}",
             "state B/seq": f"{r['state_bytes_per_sequence_bf16']:,}" if r["state_bytes_per_sequence_bf16"] else "-",

@@ -194,3 +194,14 @@ def test_real_falcon_and_gemma3_configs_through_the_cli(cli, tmp_path):
     assert data["layers"] == {"sliding(1024)": 52, "full": 10}
     assert data["bytes_per_sequence"] == 81920 * 4096 + 425984 * 1024
     assert all(isinstance(data[k], int) for k in ("kv_bytes_per_token", "block_bytes", "bytes_per_sequence"))
+
+
+def test_models_table_on_an_80_column_terminal_keeps_kv_heads_and_head_dim(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli(["models"]).stdout
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" not in out  # no header or cell cut short
+    row = next(line for line in out.splitlines() if line.split() and line.split()[0] == "deepseek-v3")
+    assert "1x576" in row and "70,272" in row
+    row = next(line for line in out.splitlines() if line.split() and line.split()[0] == "gemma-3-27b")
+    assert "16x128" in row
