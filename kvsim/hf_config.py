@@ -124,7 +124,7 @@ def model_spec_from_config(
     num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
     hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
     num_heads = cfg.get_int("num_attention_heads", "n_head", "num_heads")
-    max_len = cfg.get_int("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    max_len = _rope_scaled_max_len(cfg, cfg.get_int("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"))
     kinds = _layer_kinds(cfg, num_layers)
     attention = _attention_layer(cfg, hidden_size, num_heads)
     state = _state_layer(cfg, hidden_size) if LayerKind.LINEAR_STATE in kinds else None
@@ -151,6 +151,26 @@ def model_spec_from_config(
         source=source,
         params_source=params_source,
     )
+
+
+def _rope_scaled_max_len(cfg: _Config, max_len: int) -> int:
+    """The context a RoPE-scaled config serves by default, as vLLM derives max_model_len.
+
+    yarn: original_max_position_embeddings x factor (Qwen3 with YaRN 4.0: 32,768 -> 131,072); linear and
+    dynamic: max_position_embeddings x factor; llama3 / longrope / su already state the scaled length,
+    and gemma-3's max_position_embeddings is already scaled.
+    """
+    rope = cfg.get("rope_scaling", default=None)
+    model_type = str(cfg.get("model_type", default="")).lower()
+    if not isinstance(rope, dict) or "gemma3" in model_type:
+        return max_len
+    kind = str(rope.get("rope_type") or rope.get("type") or "default").lower()
+    factor = rope.get("factor")
+    if kind in ("default", "su", "longrope", "llama3", "mrope") or not isinstance(factor, (int, float)) or factor <= 0:
+        return max_len
+    if kind == "yarn":
+        max_len = rope.get("original_max_position_embeddings") or max_len
+    return int(max_len * factor)
 
 
 def _weight_dtype(cfg: _Config) -> str:

@@ -496,3 +496,22 @@ def test_chatglm_multi_query_groups_and_kv_channels(write_config):
     model = load_hf_config(write_config(cfg))
     assert (model.num_kv_heads, model.head_dim, model.max_model_len) == (2, 128, 131072)
     assert bytes_per_token(model) == 2 * 40 * 2 * 128 * 2 == 40960
+
+
+@pytest.mark.parametrize(
+    "rope, max_len",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),  # Qwen3 + YaRN
+        ({"type": "linear", "factor": 2.0}, 2 * 40960),
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 40960),  # already scaled
+        (None, 40960),
+    ],
+)
+def test_rope_scaling_sets_the_default_context_as_vllm_derives_it(write_config, rope, max_len):
+    cfg = {**LLAMA_8B, "max_position_embeddings": 40960, "rope_scaling": rope}
+    assert load_hf_config(write_config(cfg)).max_model_len == max_len
+
+
+def test_gemma3_rope_scaling_is_already_in_its_max_length(write_config):
+    cfg = {**LLAMA_8B, "model_type": "gemma3_text", "sliding_window": 1024, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert load_hf_config(write_config(cfg)).max_model_len == 131072
