@@ -136,7 +136,7 @@ def plot(
 def replay(
     workload: Annotated[str, typer.Argument(help="Workload YAML, e.g. workloads/poisson.yaml.")],
     out: Annotated[Optional[str], typer.Option("--out", help="Report directory (default: reports/<workload name>/).")] = None,
-    device: Annotated[str, typer.Option("--device", help="Cache tensors on cuda or cpu; auto: cuda if present, else accounting only.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="Cache tensors on cuda or cpu; auto: cuda if present, else cpu (1 layer, sampled reads).")] = "auto",
     no_tensors: Annotated[bool, typer.Option("--no-tensors", help="Accounting only: no cache tensors, no kernels.")] = False,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Override the workload's seed.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N requests.")] = None,
@@ -147,6 +147,7 @@ def replay(
     csv: Annotated[bool, typer.Option("--csv", help="Also write steps.csv next to steps.parquet.")] = False,
     layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
+    read_every: Annotated[Optional[int], typer.Option("--read-every", help="Read + attend on every N-th decode step; every step writes. Default: 1 on CUDA (and with --timing measured), 4000 on CPU.", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
@@ -156,7 +157,7 @@ def replay(
     run_replay_cli(
         Path(workload), out=Path(out) if out else None, device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
-        integrity=integrity, command=" ".join(["kvsim", *sys.argv[1:]]),
+        integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]),
     )
 
 

@@ -49,17 +49,27 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
 KERNEL_COLUMNS = ("write_us", "read_us", "attention_us")
 TIMINGS = ("roofline", "measured")
 PROGRESS_EVERY = 512  # rows between progress callbacks
+# Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
+# request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
+# of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors near 20 s.
+CUDA_READ_EVERY = 1
+CPU_READ_EVERY = 4000
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """How to run a replay (the CLI's flags). `num_layers` layers are materialised when `tensors` is on."""
+    """How to run a replay (the CLI's flags). `num_layers` layers are materialised when `tensors` is on.
+
+    `read_every`: read + attend on every N-th decode step (per allocator); every step writes. None picks
+    the device's default (CUDA_READ_EVERY, CPU_READ_EVERY); measured timing needs every step (1).
+    """
 
     device: str = "auto"
     tensors: bool = True
     timing: str = "roofline"
     num_layers: int = 1
     integrity: bool = False
+    read_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.timing not in TIMINGS:
@@ -70,6 +80,10 @@ class ReplayOptions:
             raise KvsimError("integrity checks need the cache tensors (drop --no-tensors)", field="--integrity")
         if self.num_layers < 1:
             raise KvsimError(f"must be >= 1, got {self.num_layers}", field="--layers")
+        if self.read_every is not None and self.read_every < 1:
+            raise KvsimError(f"must be >= 1, got {self.read_every}", field="--read-every")
+        if self.timing == "measured" and self.read_every not in (None, 1):
+            raise KvsimError("measured timing times every step's read (use --read-every 1)", field="--read-every")
 
 
 @dataclass
@@ -88,6 +102,7 @@ class AllocatorRun:
     rejected_reason: list[str | None]
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    num_read_samples: int = 0  # decode steps that read + attended (kernel-time summaries cover only these)
 
 
 @dataclass
@@ -133,8 +148,9 @@ def run_replay(
 ) -> ReplayResult:
     """Replay `workload`'s request stream through each of its allocator configs; see the module docstring.
 
-    `workers` > 1 runs allocator configs in parallel processes (default: one per CPU when accounting only,
-    else 1); the result is the same either way.
+    `workers` > 1 runs allocator configs in parallel processes (default: one per CPU, except with CUDA
+    tensors or measured timing, whose kernel times must not share the machine: 1); the result's simulated
+    figures are the same either way.
     """
     from kvsim.catalogue import resolve_model
     from kvsim.hardware import get_gpu
@@ -159,14 +175,13 @@ def run_replay(
         from kvsim.engine.cache import resolve_device
 
         resolved = resolve_device(options.device)
-        if options.device == "auto" and resolved.type == "cpu" and not (options.integrity or options.timing == "measured"):
-            # Materialising on a CPU moves every step's KV through host memory: ~1000x slower than accounting,
-            # for the same byte figures. Only an explicit --device cpu (or a check that needs tensors) does it.
-            options = replace(options, tensors=False)
-            note = "no CUDA device: accounting only (--device cpu materialises the cache tensors on the CPU, slowly)"
-        else:
-            device = str(resolved)
-            options = replace(options, device=device)
+        device = str(resolved)
+        read_every = options.read_every
+        if read_every is None:
+            read_every = 1 if resolved.type == "cuda" or options.timing == "measured" else CPU_READ_EVERY
+        if options.device == "auto" and resolved.type == "cpu":
+            note = f"no CUDA device: cache tensors on the CPU, reads sampled every {read_every} decode steps"
+        options = replace(options, device=device, read_every=read_every)
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
     result = ReplayResult(
         workload=workload,
@@ -182,7 +197,8 @@ def run_replay(
     )
     configs = list(workload.allocators)
     if workers is None:
-        workers = 1 if options.tensors else min(len(configs), os.cpu_count() or 1)
+        alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
+        workers = 1 if alone else min(len(configs), os.cpu_count() or 1)
     if workers > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
         result.runs = _replay_in_processes(configs, requests, ctx, options, progress, workers)
     else:
@@ -197,8 +213,10 @@ _FORK_STATE: tuple | None = None
 def _replay_in_processes(configs, requests, ctx, options, progress, workers) -> list[AllocatorRun]:
     """Each allocator config in its own forked process (they share nothing); results come back in order.
 
-    Only for accounting-only replays: the runs are independent and deterministic, so this changes wall time,
-    not a single figure. Workers report progress through a queue that the parent drains while it waits.
+    The runs are independent and deterministic, so this changes wall time, not a single simulated figure.
+    Workers report progress through a queue that the parent drains while it waits. With CPU tensors each
+    worker runs torch on one thread (as DataLoader workers do): the cores go to the processes, and a forked
+    child never enters an OpenMP region its parent's thread pool was set up for.
     """
     global _FORK_STATE
     mp = multiprocessing.get_context("fork")
@@ -218,6 +236,10 @@ def _replay_in_processes(configs, requests, ctx, options, progress, workers) -> 
 
 def _replay_worker(index: int) -> AllocatorRun:
     configs, requests, ctx, options, queue = _FORK_STATE
+    if options.tensors:
+        import torch
+
+        torch.set_num_threads(1)
     return replay_allocator(configs[index], requests, ctx, options, progress=lambda *msg: queue.put(msg))
 
 
@@ -252,7 +274,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             num_q_heads=ctx.model.num_attention_heads,
             seed=ctx.seed,
         )
-    runner = ModelRunner(cache, allocator) if cache is not None else None
+    runner = ModelRunner(cache, allocator, read_every=options.read_every or 1) if cache is not None else None
     needs_ids = config.prefix_caching or options.integrity
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
@@ -403,6 +425,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         rejected_reason=rejected,
         prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
         prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
+        num_read_samples=runner.num_read_samples if runner is not None else 0,
     )
 
 
@@ -428,17 +451,25 @@ def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> flo
 
 class ModelRunner:
     """Moves the real K/V of each scheduled row through the cache tensors (nano-vllm's model runner, minus
-    the model): per step, one scatter of every new token, one read of every decoding request, decode attention.
+    the model): every step one scatter of its new tokens; every `read_every`-th decode step a batched read of
+    every decoding request's whole context and decode attention over it (the sampled measurement).
 
     A row that covers a run of k decode steps is executed as its k steps (one timer step each), so kernel
-    times are always per step, whatever the bookkeeping did in one go.
+    times are always per step, whatever the bookkeeping did in one go. With integrity on, each request's
+    whole KV is also checked in the pool when it finishes, right after a swap-in, and after an admission that
+    reuses blocks others wrote (prefix hit, copy on write): a token's KV is written once and must survive
+    until its request finishes, so a block owned twice or overwritten cannot go unseen.
     """
 
-    def __init__(self, cache, allocator):
+    def __init__(self, cache, allocator, *, read_every: int = 1):
+        assert read_every >= 1
         self.cache = cache
         self.allocator = allocator
+        self.read_every = read_every
         self.paged = hasattr(allocator, "block_table")
         self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
+        self.num_decode_steps = 0  # decode steps executed so far: the read sampling counter
+        self.num_read_samples = 0  # steps that read and attended
 
     def execute(self, out: SchedulerOutput) -> None:
         cache, alloc = self.cache, self.allocator
@@ -447,33 +478,74 @@ class ModelRunner:
             if pairs:
                 cache.copy_blocks(pairs)
         decodes, k = out.decodes, out.num_steps
-        starts = [seq.num_computed_tokens for seq in decodes]
-        # (num_decodes, k): slot of each decoding request's token in each step of the row
-        run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts)]) if decodes else None
+        starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
         decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
-        tables = None
-        if decodes and self.paged:
-            raw = [alloc.block_table(seq) for seq in decodes]
+        # (k, num_decodes): slot of each decoding request's token in each step of the row
+        run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts.tolist())], axis=1) if decodes else None
+        # Step 0: the prefill chunks and the first decode token of each request, one scatter.
+        slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in out.prefills]
+        ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in out.prefills]
+        positions = [np.arange(s, s + m, dtype=np.int64) for _, s, m in out.prefills]
+        if decodes:
+            slots.append(run_slots[0])
+            ids.append(decode_ids)
+            positions.append(starts)
+        if slots:
+            cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions))  # (N,) each
+        if decodes:
+            self._decode_steps(decodes, run_slots, starts, decode_ids)
+        if cache.integrity:
+            self._verify_row(out)
+
+    def _decode_steps(self, decodes, run_slots: np.ndarray, starts: np.ndarray, decode_ids: np.ndarray) -> None:
+        """Steps 1..k-1 of a decode run (one scatter each), with a read + attention at the sampled steps."""
+        cache, k, every = self.cache, len(run_slots), self.read_every
+        first = (-self.num_decode_steps) % every  # the row's first step whose global decode index is sampled
+        self.num_decode_steps += k
+        tables, complete = None, True
+        if self.paged and first < k:
+            raw = [self.allocator.block_table(seq) for seq in decodes]
             complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
             tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in raw]
-        for j in range(k):
-            if j:
+        done = 1  # steps written so far (step 0 by `execute`)
+        for j in [*range(first, k, every), None]:  # the sampled steps, then the row's end
+            last = k - 1 if j is None else j
+            if done <= last:  # write steps done..last, each in its own timer step
                 cache.timer.new_step()
-            chunks = out.prefills if j == 0 else []
-            slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in chunks]
-            ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in chunks]
-            positions = [np.arange(s, s + m, dtype=np.int64) for _, s, m in chunks]
-            if decodes:
-                slots.append(run_slots[:, j])
-                ids.append(decode_ids)
-                positions.append(np.array(starts, dtype=np.int64) + j)
-            if slots:
-                cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions))  # (N,) each
-            if not decodes:
-                continue
-            lens = [c + j + 1 for c in starts]
+                cache.write_steps(run_slots[done : last + 1], decode_ids, starts[None, :] + np.arange(done, last + 1)[:, None])
+                done = last + 1
+            if j is None:
+                break
+            lens = (starts + j + 1).tolist()
             if self.paged:
                 read = cache.read_paged(tables, lens, decode_ids.tolist() if complete else None)
             else:
-                read = cache.read_flat([alloc.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
+                read = cache.read_flat([self.allocator.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
             cache.decode_attention(read)
+            self.num_read_samples += 1
+
+    def _verify_row(self, out: SchedulerOutput) -> None:
+        """Integrity: the whole KV of requests that finish in this row, were swapped in, or were admitted onto
+        blocks they did not write (prefix hits, copy on write), checked in the pool after the row's writes."""
+        admitted = {seq.seq_id for seq in out.admitted}
+        for seq, start, num in out.prefills:
+            if start + num >= seq.final_tokens:
+                self._verify(seq, seq.final_tokens)
+            elif start and seq.seq_id in admitted:
+                self._verify(seq, start)
+        for seq in out.swapped_in:
+            self._verify(seq, seq.num_computed_tokens)
+        k = out.num_steps
+        for seq in out.decodes:
+            if seq.num_computed_tokens + k >= seq.final_tokens:
+                self._verify(seq, seq.final_tokens)
+
+    def _verify(self, seq: SchedSeq, end: int) -> None:
+        """Check positions [0, end) of `seq` in the pool (from its first held block: sliding lanes free old ones)."""
+        begin = 0
+        if self.paged:
+            table = self.allocator.block_table(seq)
+            held = next((j for j, b in enumerate(table) if b is not None), len(table))
+            begin = min(held * self.allocator.block_size, end)
+        slots = self.allocator.slot_mapping(seq, begin, end)  # (end - begin,)
+        self.cache.verify(seq.seq_id, slots, np.arange(begin, end, dtype=np.int64))

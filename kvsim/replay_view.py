@@ -119,6 +119,7 @@ def run_replay_cli(
     csv: bool = False,
     layers: int = 1,
     integrity: bool = False,
+    read_every: int | None = None,
     command: str | None = None,
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
@@ -130,7 +131,7 @@ def run_replay_cli(
     from kvsim.workload import load_workload
 
     workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
-    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity)
+    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity, read_every=read_every)
     console = Console(stderr=json_out)
     with ReplayProgress(console, enabled=not quiet) as progress:
         result = run_replay(workload, options, progress=progress)

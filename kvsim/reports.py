@@ -126,6 +126,7 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
         rec["tpot_p50_s"], rec["tpot_p99_s"] = _percentiles(tpot[finished], (50, 99))
         rec["prefix_hit_rate"] = run.prefix_hit_tokens / run.prefix_query_tokens if run.prefix_query_tokens else math.nan
         if kernels:  # kernel columns are per step (a run's row: the mean of its steps), weighted by steps
+            rec["num_read_samples"] = run.num_read_samples  # decode steps whose read + attention were timed
             for name in KERNEL_COLUMNS:
                 kind = name[: -len("_us")]
                 per_step = np.repeat(st[name], st["num_steps"])

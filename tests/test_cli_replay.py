@@ -75,3 +75,27 @@ def test_trace_flag_replaces_the_workload_requests(cli, tmp_path):
     records = json.loads(result.stdout)
     assert all(r["num_requests"] == 3 and r["finished"] == 3 for r in records)
     assert records[0]["throughput_tokens_per_s"] == pytest.approx(18 / records[0]["sim_time_s"])
+
+
+def test_cpu_tensors_keep_summary_csv_byte_identical_and_count_read_samples(cli, tmp_path):
+    """summary.csv holds simulated figures only: byte for byte the same with CPU tensors and without; the
+    timed kernels live in summary.json, which says how many decode steps read + attended."""
+    path = write_tiny(tmp_path, count=8)
+    on, off = tmp_path / "on", tmp_path / "off"
+    result = cli(["replay", str(path), "--device", "cpu", "--read-every", "5", "--quiet", "--out", str(on)])
+    assert result.exit_code == 0, result.output
+    assert cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(off)]).exit_code == 0
+    assert (on / "summary.csv").read_bytes() == (off / "summary.csv").read_bytes()
+    assert b"num_read_samples" not in (on / "summary.csv").read_bytes()
+    records = json.loads((on / "summary.json").read_text())
+    for r in records:
+        assert r["num_read_samples"] >= 2 and r["read_us_p50"] > 0 and r["write_us_p50"] > 0
+    assert all(r["num_read_samples"] == 0 for r in json.loads((off / "summary.json").read_text()))
+
+
+def test_read_every_must_be_positive_and_measured_reads_every_step(cli, tmp_path):
+    path = write_tiny(tmp_path, count=4)
+    zero = cli(["replay", str(path), "--device", "cpu", "--read-every", "0", "--out", str(tmp_path / "o")])
+    assert zero.exit_code == 2 and "--read-every" in zero.output
+    measured = cli(["replay", str(path), "--device", "cpu", "--timing", "measured", "--read-every", "3", "--out", str(tmp_path / "o")])
+    assert measured.exit_code == 2 and "--read-every 1" in measured.output

@@ -127,7 +127,7 @@ def test_parallel_workers_change_nothing(tmp_path):
 def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
     workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40)
     off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
-    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu"))
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=1))
     assert on.device == "cpu"
     for a, b in zip(off.runs, on.runs):
         for name in BYTE_COLUMNS + ("num_running", "num_steps", "num_prefill_tokens", "num_decode_tokens"):
@@ -139,11 +139,14 @@ def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
     assert any((run.steps["num_steps"] > 1).any() for run in on.runs)  # runs were executed step by step too
 
 
+@pytest.mark.parametrize("read_every", [1, 10**6])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption):
-    """Every decode reads back, through block tables or slabs, exactly what its own tokens wrote."""
+def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption, read_every):
+    """Every decode reads back, through block tables or slabs, exactly what its own tokens wrote; with reads
+    sampled (10**6: only the first decode step reads) the finish / swap-in / prefix-hit checks still pass."""
     workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption=preemption)
-    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2))
+    options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2, read_every=read_every)
+    result = run_replay(workload, options)
     paged, prefix = result.runs[1], result.runs[2]
     assert paged.num_preemptions.sum() > 0  # the checks did cover preemption ...
     assert prefix.prefix_hit_tokens > 0  # ... and shared prefix blocks
@@ -169,6 +172,10 @@ def test_options_that_need_tensors_say_so():
         ReplayOptions(tensors=False, integrity=True)
     with pytest.raises(KvsimError, match="roofline or measured"):
         ReplayOptions(timing="wall")
+    with pytest.raises(KvsimError, match="--read-every"):
+        ReplayOptions(read_every=0)
+    with pytest.raises(KvsimError, match="--read-every"):
+        ReplayOptions(timing="measured", read_every=2)
 
 
 def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):
@@ -183,16 +190,79 @@ def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkey
     monkeypatch.setattr(KVCache, "swap_in", reversed_swap_in)
     workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
     with pytest.raises(AssertionError, match="integrity"):
-        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True))
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=1))
+    with pytest.raises(AssertionError, match=r"integrity: .*\(slot \d+\)"):  # no sampled read: the swap-in check
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=10**6))
 
 
-def test_auto_device_without_cuda_is_accounting_only(tmp_path):
+@pytest.mark.parametrize("fault", ["lost_write", "overwrite"])
+def test_integrity_without_reads_still_catches_lost_and_overwritten_kv(tmp_path, monkeypatch, fault):
+    """Reads sampled away entirely, integrity still sees a decode step whose write never happened, and KV
+    overwritten behind a request's back (here: the whole pool zeroed whenever a request finishes)."""
+    from kvsim.engine.cache import KVCache
+
+    if fault == "lost_write":
+        original = KVCache.write_steps
+
+        def write_steps(self, slots, seq_ids, positions):
+            return original(self, slots[:, 1:], seq_ids[1:], positions[:, 1:])  # one request's run is lost
+
+        monkeypatch.setattr(KVCache, "write_steps", write_steps)
+    else:
+        monkeypatch.setattr(KVCache, "forget", lambda self, seq_id: self.kv_cache.zero_())
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40)
+    with pytest.raises(AssertionError, match="integrity"):
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=10**6), workers=1)
+
+
+@pytest.mark.parametrize("every", [1, 3, 40])
+def test_reads_are_sampled_every_nth_decode_step_and_writes_every_step(tmp_path, every):
+    """Decode steps 0, N, 2N, ... of each allocator read and attend (ceil(decode steps / N) samples);
+    every row still writes; byte columns do not move."""
+    workload = tiny_workload(tmp_path, count=12, max_output=60)
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=every))
+    assert on.options.read_every == every
+    for a, b in zip(off.runs, on.runs):
+        st = b.steps
+        for name in BYTE_COLUMNS:
+            np.testing.assert_array_equal(a.steps[name], st[name], err_msg=f"{a.label} {name}")
+        decoding = st["num_decode_tokens"] > 0
+        decode_steps = int(st["num_steps"][decoding].sum())
+        assert b.num_read_samples == -(-decode_steps // every)
+        assert (st["write_us"] > 0).all()
+        # the rows holding a sampled step: decode step index d in [first, first + k) with d % every == 0
+        first = np.cumsum(np.where(decoding, st["num_steps"], 0)) - np.where(decoding, st["num_steps"], 0)
+        sampled = decoding & ((first + st["num_steps"] - 1) // every >= -(-first // every))
+        assert (st["read_us"][sampled] > 0).all() and np.isnan(st["read_us"][~sampled]).all()
+        assert (st["attention_us"][sampled] > 0).all() and np.isnan(st["attention_us"][~sampled]).all()
+
+
+def test_no_tensors_never_imports_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_tiny(tmp_path, count=4)
+    code = (
+        "import sys; from kvsim.replay import ReplayOptions, run_replay; from kvsim.workload import load_workload; "
+        f"run_replay(load_workload({str(path)!r}), ReplayOptions(tensors=False)); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_device_without_cuda_is_cpu_tensors_with_sampled_reads(tmp_path):
+    from kvsim.replay import CPU_READ_EVERY
+
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("auto picks the GPU here")
     result = run_replay(tiny_workload(tmp_path, count=4), ReplayOptions(device="auto"))
-    assert result.device == "none" and not result.options.tensors and "accounting only" in result.note
-    assert all(np.isnan(run.steps["write_us"]).all() for run in result.runs)
+    assert result.device == "cpu" and result.options.tensors and result.options.num_layers == 1
+    assert result.options.read_every == CPU_READ_EVERY and f"every {CPU_READ_EVERY} decode steps" in result.note
+    for run in result.runs:
+        assert (run.steps["write_us"] > 0).all()
+        assert run.num_read_samples == 1  # a tiny replay has fewer decode steps than CPU_READ_EVERY: step 0 only
 
 
 @pytest.mark.gpu

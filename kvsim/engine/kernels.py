@@ -120,30 +120,41 @@ def pad_block_tables(block_tables: list[np.ndarray], seq_lens: np.ndarray, block
     return table
 
 
-def gather_paged(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def gather_paged(kv_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Every sequence's blocks, in block-table order, gathered with one `index_select` over blocks.
 
     kv_cache: [2, L, num_blocks, block_size, H, D]; block_tables: (B, M) int64, rows padded with any valid
-    block id. Returns [2, L, B, M * block_size, H, D]: token t of sequence b at [:, :, b, t].
+    block id. Returns [2, L, B, M * block_size, H, D]: token t of sequence b at [:, :, b, t]. `out`, when
+    given, is a contiguous buffer of exactly that many elements to gather into (no fresh allocation).
     """
     two, num_layers, num_blocks, block_size, h, d = kv_cache.shape
     b, m = block_tables.shape
     pool = kv_cache.view(two * num_layers, num_blocks, -1)  # [2L, num_blocks, block_size*H*D]
-    blocks = pool.index_select(1, block_tables.reshape(-1))  # [2L, B*M, block_size*H*D]
+    if out is None:
+        blocks = pool.index_select(1, block_tables.reshape(-1))  # [2L, B*M, block_size*H*D]
+    else:
+        blocks = torch.index_select(pool, 1, block_tables.reshape(-1), out=out.view(two * num_layers, b * m, -1))
     return blocks.view(two, num_layers, b, m * block_size, h, d)
 
 
-def gather_runs(kv_flat: torch.Tensor, starts: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+def gather_runs(
+    kv_flat: torch.Tensor, starts: torch.Tensor, seq_lens: torch.Tensor, max_len: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each sequence's contiguous run of slots [start, start + len), padded to `max_len`, with one gather.
 
     The flat baselines keep a request's KV in one slab, so each row reads a single contiguous range (the
     paged read does the same in runs of `block_size`). Padding repeats the row's last slot (masked later).
-    kv_flat: [2, L, S, H, D]; starts, seq_lens: (B,) int64. Returns [2, L, B, max_len, H, D].
+    kv_flat: [2, L, S, H, D]; starts, seq_lens: (B,) int64. Returns [2, L, B, max_len, H, D]. `out` as in
+    `gather_paged`.
     """
     two, num_layers, num_slots, h, d = kv_flat.shape
     offsets = torch.arange(max_len, device=kv_flat.device)  # (T,)
-    index = starts[:, None] + torch.minimum(offsets[None, :], seq_lens[:, None] - 1)  # (B, T)
-    rows = kv_flat.view(two * num_layers, num_slots, -1).index_select(1, index.reshape(-1))  # [2L, B*T, H*D]
+    index = (starts[:, None] + torch.minimum(offsets[None, :], seq_lens[:, None] - 1)).reshape(-1)  # (B*T,)
+    pool = kv_flat.view(two * num_layers, num_slots, -1)  # [2L, S, H*D]
+    if out is None:
+        rows = pool.index_select(1, index)  # [2L, B*T, H*D]
+    else:
+        rows = torch.index_select(pool, 1, index, out=out.view(two * num_layers, len(index), -1))
     return rows.view(two, num_layers, starts.shape[0], max_len, h, d)
 
 
