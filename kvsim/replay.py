@@ -1,8 +1,9 @@
 """The replay: one request stream through every allocator of a workload, on a simulated clock.
 
 For each allocator config: a fresh allocator over the same KV budget, a `Scheduler`, optionally real cache
-tensors (`KVCache`), and a loop that jumps the clock over idle gaps and advances it by each step's time
-(the roofline, or this run's measured kernel times). Records are compact arrays, one row per scheduled row.
+tensors (`KVCache`: every step writes, reads are sampled every `read_every` decode steps), and a loop that
+jumps the clock over idle gaps and advances it by each step's time (the roofline, or this run's measured
+kernel times). Records are compact arrays, one row per scheduled row.
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def run_replay(
             read_every = 1 if resolved.type == "cuda" or options.timing == "measured" else CPU_READ_EVERY
         if options.device == "auto" and resolved.type == "cpu":
             note = f"no CUDA device: cache tensors on the CPU, reads sampled every {read_every} decode steps"
+            # CPU tensors are the default since every step's write is one cheap scatter and the reads, which
+            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes ~18 s instead of hours.
         options = replace(options, device=device, read_every=read_every)
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
     result = ReplayResult(
@@ -480,8 +483,9 @@ class ModelRunner:
         decodes, k = out.decodes, out.num_steps
         starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
         decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
-        # (k, num_decodes): slot of each decoding request's token in each step of the row
-        run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts.tolist())], axis=1) if decodes else None
+        run_slots = None  # (k, num_decodes): slot of each decoding request's token in each step of the row
+        if decodes:
+            run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts.tolist())], axis=1)
         # Step 0: the prefill chunks and the first decode token of each request, one scatter.
         slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in out.prefills]
         ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in out.prefills]
@@ -512,7 +516,8 @@ class ModelRunner:
             last = k - 1 if j is None else j
             if done <= last:  # write steps done..last, each in its own timer step
                 cache.timer.new_step()
-                cache.write_steps(run_slots[done : last + 1], decode_ids, starts[None, :] + np.arange(done, last + 1)[:, None])
+                positions = starts[None, :] + np.arange(done, last + 1)[:, None]  # (steps, num_decodes)
+                cache.write_steps(run_slots[done : last + 1], decode_ids, positions)
                 done = last + 1
             if j is None:
                 break
