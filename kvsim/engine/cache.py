@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from kvsim.engine import kernels
+from kvsim.engine.integrity import IntegrityPatterns
 from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.engine.timing import StepTimer
 from kvsim.errors import KvsimError
@@ -103,10 +103,8 @@ class KVCache:
     `num_blocks = ceil(num_slots / block_size)`, so a flat arena whose slot count is not a multiple of the
     block size fits too. Every write/read/swap/copy is timed into `timer` (µs per step and kind).
 
-    Integrity mode writes token-unique bit patterns instead of random data and checks reads: the value of a
-    token depends on its prefix fingerprint (`register`), layer, K/V side and element, so rewrites after
-    preemption, swaps into other slots, shared prefix blocks and forks all read back exactly what the
-    reading request's own tokens would have written.
+    Integrity mode writes token-unique bit patterns instead of random data and checks reads and `verify`
+    against them (`patterns`, an `IntegrityPatterns`: the values follow each token's prefix fingerprint).
     """
 
     def __init__(
@@ -136,8 +134,8 @@ class KVCache:
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.num_q_heads = num_q_heads or spec.num_kv_heads
         self.timer = StepTimer(self.device, enabled=num_layers > 0)
-        self._fingerprints: dict[int, np.ndarray] = {}
-        self._lanes: torch.Tensor | None = None  # [2, L, H * D] integrity patterns, made on first use
+        bits = 8 * torch.empty(0, dtype=self.dtype).element_size()
+        self.patterns = IntegrityPatterns(num_layers, spec.num_kv_heads, spec.head_dim, bits, self.device)
         self._src = torch.empty(0)  # [2, L, cap, H, D] write data, grown on demand
         self._read_buf: torch.Tensor | None = None  # (cap,) integer elements that reads gather into
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -184,7 +182,7 @@ class KVCache:
         array = np.ascontiguousarray(values, dtype=np.int64)
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    # --- integrity fingerprints ----------------------------------------------------------------------
+    # --- integrity bookkeeping (IntegrityPatterns) ----------------------------------------------------
     def register(self, seq_id: int, token_ids: np.ndarray) -> None:
         """Tell integrity mode the token ids of `seq_id` (prompt + output), so values follow token content.
 
@@ -192,47 +190,11 @@ class KVCache:
         then another request reading its blocks through the prefix cache would (rightly) fail `verify`.
         """
         if self.integrity:
-            self._fingerprints[seq_id] = kernels.prefix_fingerprints(token_ids)
+            self.patterns.register(seq_id, token_ids)
 
     def forget(self, seq_id: int) -> None:
         """Drop a finished request's fingerprints (its blocks may stay cached for others)."""
-        self._fingerprints.pop(seq_id, None)
-
-    def _token_fingerprints(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """(N,) int64 on the device: the fingerprint of each (seq_id, position)."""
-        out = np.empty(len(positions), dtype=np.uint64)
-        for seq_id in np.unique(seq_ids):  # one vectorised lookup per request
-            rows = seq_ids == seq_id
-            table = self._fingerprints.get(int(seq_id))
-            if table is None:
-                out[rows] = kernels.seq_fingerprints(int(seq_id), positions[rows])
-            else:
-                out[rows] = table[positions[rows]]
-        return torch.from_numpy(out.view(np.int64)).to(self.device)
-
-    def _expected(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """[2, L, N, H, D] in the pool's integer view: what those tokens must hold."""
-        fp = self._token_fingerprints(seq_ids, positions)
-        if self._lanes is None:
-            s = self.spec
-            bits = 8 * self.kv_cache.element_size()
-            self._lanes = kernels.integrity_lanes(self.num_layers, s.num_kv_heads * s.head_dim, bits, self.device)
-        vals = kernels.integrity_values(fp, self._lanes)  # [2, L, N, H * D]
-        return vals.view(2, self.num_layers, len(positions), self.spec.num_kv_heads, self.spec.head_dim)
-
-    def _check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]):
-        """Raise AssertionError naming the first token of `got` ([2, L, N, H, D], float) that differs."""
-        got_bits = got.contiguous().view(_INT_VIEW[got.element_size()])
-        bad = (got_bits != self._expected(seq_ids, positions)).flatten(3).any(dim=3)  # [2, L, N]
-        bad_tokens = bad.any(dim=1).any(dim=0)  # (N,)
-        if not bool(bad_tokens.any()):
-            return
-        n = int(bad_tokens.nonzero()[0, 0])
-        kv, layer = (int(i) for i in bad[:, :, n].nonzero()[0])
-        raise AssertionError(
-            f"integrity: seq {int(seq_ids[n])} position {int(positions[n])} ({where(n)}) layer {layer} "
-            f"{'KV'[kv]} does not hold what that request's tokens wrote"
-        )
+        self.patterns.forget(seq_id)
 
     # --- writes ----------------------------------------------------------------------------------------
     def _pick_write_kernel(self, name: str) -> str:
@@ -279,7 +241,7 @@ class KVCache:
         rows = self._slot_rows  # [2L, S, H*D]
         if self.integrity:
             ids = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), (k, n)).reshape(-1)
-            vals = self._expected(ids, np.asarray(positions, dtype=np.int64).reshape(-1))  # [2, L, k*N, H, D]
+            vals = self.patterns.expected(ids, np.asarray(positions, dtype=np.int64).reshape(-1))  # [2, L, k*N, H, D]
             sources = [vals[:, :, j * n : (j + 1) * n].reshape(rows.shape[0], n, -1) for j in range(k)]  # [2L, N, H*D]
             kernel = "index_copy"
         else:
@@ -313,7 +275,7 @@ class KVCache:
         assert slots.min() >= 0 and slots.max() < self.num_slots, "slot outside the pool"
         index = self._index(slots)
         if self.integrity:
-            vals = self._expected(np.asarray(seq_ids), np.asarray(positions))
+            vals = self.patterns.expected(np.asarray(seq_ids), np.asarray(positions))
             with self.timer.measure("write"):
                 kernels.scatter_index_copy(self._flat_bits, index, vals)
             return
@@ -385,7 +347,7 @@ class KVCache:
         got = read.kv[:, :, valid]  # [2, L, sum(lens), H, D], sequence-major like the arrays below
         ids = np.repeat(np.asarray(seq_ids, dtype=np.int64), lens)
         pos = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
-        self._check(got, ids, pos, lambda n: "read")
+        self.patterns.check(got, ids, pos, lambda n: "read")
 
     def verify(self, seq_id: int, slots: np.ndarray, positions: np.ndarray) -> None:
         """Integrity mode: assert the pool at `slots` holds what `seq_id`'s tokens at `positions` wrote.
@@ -398,7 +360,7 @@ class KVCache:
         got = self._slot_rows.index_select(1, self._index(slots))  # [2L, N, H*D]
         got = got.view(2, self.num_layers, len(slots), self.spec.num_kv_heads, self.spec.head_dim)
         ids = np.full(len(slots), seq_id, dtype=np.int64)
-        self._check(got, ids, np.asarray(positions, dtype=np.int64), lambda n: f"slot {int(slots[n])}")
+        self.patterns.check(got, ids, np.asarray(positions, dtype=np.int64), lambda n: f"slot {int(slots[n])}")
 
     def decode_attention(self, read: KVRead | None, q: torch.Tensor | None = None) -> torch.Tensor | None:
         """SDPA of one query token per sequence and layer over what `read` gathered, timed "attention".
