@@ -2,7 +2,7 @@
 
 Every draw takes the caller's `np.random.Generator`, so one workload seed fixes the whole request stream.
 The `*_from_fields` functions read the YAML form (`{dist: lognormal, mean: 512, sigma: 0.8}`) through
-`kvsim.workload.Fields`, which names the file and field in every error.
+`kvsim.yaml_fields.Fields`, which names the file and field in every error.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 
 if TYPE_CHECKING:
-    from kvsim.workload import Fields
+    from kvsim.yaml_fields import Fields
 
 LengthKind = Literal["constant", "uniform", "normal", "lognormal", "zipf", "empirical"]
 ArrivalKind = Literal["poisson", "gamma", "constant", "burst"]
