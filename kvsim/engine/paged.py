@@ -6,54 +6,19 @@ sliding-window groups free blocks that fall wholly outside the window, state gro
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged_layout import Lane, PagedRequest, page_layout
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
 _ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
 _BLOCK_ID = operator.attrgetter("block_id")
-_MAX_PAGES_PER_BLOCK = 64  # beyond this a gcd page is too small to be worth it: pad instead
-
-
-@dataclass(frozen=True)
-class _Lane:
-    """Per-token layers allocated alike: all full-attention groups, or the sliding groups of one window."""
-
-    bytes_per_token: int
-    window: int | None  # None: full attention (kept for the request's life)
-    pages_per_block: int
-    pad_bytes: int  # per block: pages_per_block * page_bytes - block_size * bytes_per_token
-
-
-class _Request:
-    """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
-
-    __slots__ = (
-        "seq", "final", "token_bytes", "tables", "freed", "state_pages", "hashes", "num_hashed", "next_event", "hit",
-        "cap", "used",
-    )
-
-    def __init__(self, seq: Sequence, num_lanes: int, token_bytes: bytes | None):
-        self.seq = seq
-        self.final = seq.num_final_tokens
-        self.token_bytes = token_bytes  # int64 token ids as bytes, None without prefix caching
-        self.tables: list[list[Block | None]] = [[] for _ in range(num_lanes)]  # pages, per lane
-        self.freed = [0] * num_lanes  # leading blocks returned to the pool (sliding lanes)
-        self.state_pages: list[Block] = []
-        self.hashes: list[int] = []  # chained hashes of leading full blocks computed so far
-        self.num_hashed = 0  # leading blocks registered in the prefix cache
-        self.next_event = 0  # append needs work once computed + new tokens reach this
-        self.hit = 0  # prefix-cache hit (or forked tokens) at admission
-        self.cap = 0  # token slots allocated: num_blocks * block_size (same in every lane)
-        self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
 
 
 class PagedAllocator(KVAllocator):
@@ -97,20 +62,10 @@ class PagedAllocator(KVAllocator):
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
 
-        # One lane for the full groups, one per distinct window; pages sized by the gcd of their bytes.
-        by_window: dict[int | None, int] = {}
-        for g in per_token:
-            by_window[g.window] = by_window.get(g.window, 0) + g.bytes_per_token
-        windows = sorted(by_window, key=lambda w: (w is not None, w or 0))
-        page_token_bytes = math.gcd(*by_window.values())
-        if max(by_window.values()) // page_token_bytes > _MAX_PAGES_PER_BLOCK:
-            page_token_bytes = min(by_window.values())
-        self.page_bytes = bs * page_token_bytes
-        self.lanes: list[_Lane] = []
-        for w in windows:
-            k = -(-by_window[w] // page_token_bytes)
-            self.lanes.append(_Lane(by_window[w], w, k, k * self.page_bytes - bs * by_window[w]))
-        self._state_pages = [-(-g.state_bytes // self.page_bytes) for g in spec.groups if g.kind == "state"]
+        layout = page_layout(spec)  # one lane for the full groups, one per distinct window
+        self.page_bytes = layout.page_bytes
+        self.lanes: list[Lane] = list(layout.lanes)
+        self._state_pages = list(layout.state_pages)
         self._state_bytes = spec.state_bytes_per_sequence
         self._state_pad = sum(self._state_pages) * self.page_bytes - self._state_bytes
         self._pages_per_block = sum(lane.pages_per_block for lane in self.lanes)
@@ -122,7 +77,7 @@ class PagedAllocator(KVAllocator):
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self._reqs: dict[Sequence, _Request] = {}
+        self._reqs: dict[Sequence, PagedRequest] = {}
         self._cow: list[tuple[int, int]] = []  # pending (src_block, dst_block) copies for the cache layer
         self._fork_partials: dict[int, int] = {}  # block id -> tokens computed in it, for shared partial blocks
         # Running totals over admitted requests, for a cheap breakdown().
@@ -159,7 +114,7 @@ class PagedAllocator(KVAllocator):
         if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
             return None
 
-        req = _Request(seq, len(self.lanes), token_bytes)
+        req = PagedRequest(seq, len(self.lanes), token_bytes)
         req.hashes = hashes
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -218,7 +173,7 @@ class PagedAllocator(KVAllocator):
         computed = parent.num_computed_tokens
         shared = parent_req.tables[0][: -(-computed // self.block_size)]
         self.pool.touch(shared)
-        req = _Request(child, 1, self._token_bytes(child))
+        req = PagedRequest(child, 1, self._token_bytes(child))
         req.tables[0] = list(shared)
         req.num_hashed = min(parent_req.num_hashed, computed // self.block_size)
         req.hashes = parent_req.hashes[: req.num_hashed]
@@ -324,7 +279,7 @@ class PagedAllocator(KVAllocator):
             hits.append(block)
         return hashes, hits
 
-    def _register(self, req: _Request, total: int) -> None:
+    def _register(self, req: PagedRequest, total: int) -> None:
         """Hash and cache every full block whose tokens are all within `total` (computed + scheduled)."""
         token_bytes = req.token_bytes
         if token_bytes is None:
@@ -354,7 +309,7 @@ class PagedAllocator(KVAllocator):
             if block is not None and block.ref_count <= 1:
                 self._fork_partials.pop(block.block_id, None)
 
-    def _refresh(self, req: _Request) -> None:
+    def _refresh(self, req: PagedRequest) -> None:
         """The smallest computed + new token count at which an append must do more than compare."""
         bs = self.block_size
         event = req.cap + 1
@@ -365,13 +320,13 @@ class PagedAllocator(KVAllocator):
                 event = min(event, (req.freed[lane_idx] + 1) * bs + lane.window)
         req.next_event = event
 
-    def _set_cap(self, req: _Request, cap: int) -> None:
+    def _set_cap(self, req: PagedRequest, cap: int) -> None:
         used = min(cap, req.final)
         self._sum_cap += cap - req.cap
         self._sum_used += used - req.used
         req.cap, req.used = cap, used
 
-    def _grow_uniform(self, req: _Request, computed: int, total: int) -> bool:
+    def _grow_uniform(self, req: PagedRequest, computed: int, total: int) -> bool:
         """`_grow` for one lane of one-page blocks with no copy-on-write pending: the decode hot path's slow step."""
         if req.next_event == 0:  # just forked: the general path checks copy-on-write
             return self._grow(req, computed, total)
@@ -396,7 +351,7 @@ class PagedAllocator(KVAllocator):
         req.next_event = event
         return True
 
-    def _grow(self, req: _Request, computed: int, total: int) -> bool:
+    def _grow(self, req: PagedRequest, computed: int, total: int) -> bool:
         """The slow path of an append: copy-on-write, sliding-window freeing, new blocks, prefix registration."""
         bs = self.block_size
         pool = self.pool
