@@ -167,6 +167,14 @@ def run_replay(
     else:
         budget = kv_budget_bytes(gpu.memory_bytes, utilization=workload.gpu_memory_utilization, weight_bytes=weights)
     bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
+    for config in workload.allocators:  # a budget below one block would build an allocator with no slots
+        unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
+        if budget < unit_bytes:
+            raise KvsimError(
+                f"a KV budget of {budget:,} B holds not one {config.label} block ({unit_bytes:,} B of {model.name} KV)",
+                source=source,
+                field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
+            )
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
     requests = generate_requests(workload)
     if not requests:

@@ -99,3 +99,16 @@ def test_read_every_must_be_positive_and_measured_reads_every_step(cli, tmp_path
     assert zero.exit_code == 2 and "--read-every" in zero.output
     measured = cli(["replay", str(path), "--device", "cpu", "--timing", "measured", "--read-every", "3", "--out", str(tmp_path / "o")])
     assert measured.exit_code == 2 and "--read-every 1" in measured.output
+
+
+@pytest.mark.parametrize("tensors", [["--no-tensors"], ["--device", "cpu"]])
+def test_budget_below_one_block_is_a_user_error(cli, tmp_path, tensors):
+    path = write_tiny(tmp_path)
+    tiny = tmp_path / "tiny-budget.yaml"
+    text = path.read_text()
+    budget_line = next(line for line in text.splitlines() if line.startswith("kv_budget:"))
+    tiny.write_text(text.replace(budget_line, "kv_budget: 1KiB"))
+    result = cli(["replay", str(tiny), *tensors, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tiny-budget.yaml: kv_budget:" in lines[0] and "holds not one" in lines[0]
