@@ -69,7 +69,8 @@ class PagedAllocator(KVAllocator):
         self._state_bytes = spec.state_bytes_per_sequence
         self._state_pad = sum(self._state_pages) * self.page_bytes - self._state_bytes
         self._pages_per_block = sum(lane.pages_per_block for lane in self.lanes)
-        self._shareable = len(self.lanes) == 1 and not self._state_pages  # forks need every block shareable
+        # forks need every block shareable: one full-attention lane, no state pages (sliding blocks get freed)
+        self._shareable = len(self.lanes) == 1 and self.lanes[0].window is None and not self._state_pages
 
         self.num_blocks = budget_bytes // self.page_bytes  # pages of the pool
         self.num_slots = self.num_blocks * bs
@@ -191,18 +192,31 @@ class PagedAllocator(KVAllocator):
         return out
 
     def can_ever_fit(self, seq: Sequence) -> bool:
-        bs, final = self.block_size, seq.num_final_tokens
+        """Whether `seq` fits alone: its whole prompt admitted at once (watermark kept), then decoded to the end.
+
+        Pages held after decode step c (c tokens computed, one more being written): every lane holds
+        ceil((c + 1) / block_size) blocks, less the blocks each sliding lane freed, (c - window + 1) //
+        block_size; plus the state pages. Sampled where a block opens (c a multiple of block_size), that
+        count never falls (a lane frees at most one block per block opened), and between openings it only
+        falls: the peak is at the step that opens the final block, c = max(prompt, (final_blocks - 1) *
+        block_size). A scheduler that chunks the prompt may admit a little more than this says.
+        """
+        bs, prompt, final = self.block_size, seq.num_prompt_tokens, seq.num_final_tokens
         if final > self.max_model_len:
             return False
-        admit_blocks = -(-seq.num_prompt_tokens // bs)
-        final_blocks = -(-final // bs)
         state = sum(self._state_pages)
-        admit_pages = admit_blocks * self._pages_per_block + state
-        peak_pages = state
+        admit_pages = -(-prompt // bs) * self._pages_per_block + state
+        if admit_pages > self.num_blocks - self.watermark_blocks:
+            return False
+        if final == prompt:
+            return True
+        final_blocks = -(-final // bs)
+        c = max(prompt, (final_blocks - 1) * bs)
+        peak_pages = final_blocks * self._pages_per_block + state
         for lane in self.lanes:
-            held = final_blocks if lane.window is None else min(final_blocks, max(admit_blocks, -(-lane.window // bs) + 1))
-            peak_pages += held * lane.pages_per_block
-        return admit_pages <= self.num_blocks - self.watermark_blocks and peak_pages <= self.num_blocks
+            if lane.window is not None:
+                peak_pages -= max(0, (c - lane.window + 1) // bs) * lane.pages_per_block
+        return peak_pages <= self.num_blocks
 
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of `seq`'s primary lane (first page of each block); None where a sliding block was freed."""
