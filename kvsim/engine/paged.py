@@ -250,15 +250,14 @@ class PagedAllocator(KVAllocator):
             reservation += (self._sum_used - computed) * lane.bytes_per_token
             internal += (self._sum_cap - self._sum_used) * lane.bytes_per_token + (self._sum_cap - freed) // bs * lane.pad_bytes
         # Shared blocks were counted once per holder: take the extra copies out. A shared full block is
-        # token states; a fork's shared partial block is token states up to the fork, reservation after.
+        # token states for every holder; a fork's shared partial block is token states up to the fork, and
+        # each slot after it is reservation if any holder will still write it there, else internal.
         saved = self.pool.num_shared_refs * self.page_bytes
-        dup_tail = 0
-        for block_id, tokens in self._fork_partials.items():
-            dup_tail += max(0, self.pool.blocks[block_id].ref_count - 1) * (bs - tokens) * self.lanes[0].bytes_per_token
-        for_ts = min(saved - dup_tail, token_states)
-        token_states, dup = token_states - for_ts, saved - for_ts
-        for_res = min(dup, reservation)
-        reservation, internal = reservation - for_res, internal - (dup - for_res)
+        dup_res, dup_int = self._fork_tail_duplicates() if self._fork_partials else (0, 0)
+        bpt = self.lanes[0].bytes_per_token
+        token_states -= saved - (dup_res + dup_int) * bpt
+        reservation -= dup_res * bpt
+        internal -= dup_int * bpt
         return MemoryBreakdown(
             budget_bytes=self.budget_bytes,
             token_states_bytes=token_states,
@@ -316,6 +315,33 @@ class PagedAllocator(KVAllocator):
                 cached[h] = block
             j += 1
         req.num_hashed = end
+
+    def _fork_tail_duplicates(self) -> tuple[int, int]:
+        """Slots past the fork point of shared partial blocks counted more than once: (reservation, internal).
+
+        Each holder counts the tail [tokens, block_size) of such a block as its own reservation (positions
+        before its final length) or internal fragmentation; physically it is one tail, reservation up to the
+        longest holder's final length. A holder has not computed into the block (it would have copied it),
+        so the block is the one at its computed length.
+        """
+        bs = self.block_size
+        tails: dict[int, list[int]] = {}  # block id -> tail slots each holder will still write
+        for req in self._reqs.values():
+            c = max(req.seq.num_computed_tokens, req.hit)
+            table = req.tables[0]
+            if c % bs and c // bs < len(table):
+                block_id = table[c // bs].block_id
+                if block_id in self._fork_partials:
+                    assert c % bs == self._fork_partials[block_id], (req.seq, block_id)
+                    tails.setdefault(block_id, []).append(max(0, req.final - c))
+        dup_res = dup_int = 0
+        for block_id, writes in tails.items():
+            tail = bs - self._fork_partials[block_id]
+            assert len(writes) == self.pool.blocks[block_id].ref_count, (block_id, writes)
+            writes = [min(w, tail) for w in writes]
+            dup_res += sum(writes) - max(writes)
+            dup_int += sum(tail - w for w in writes) - (tail - max(writes))
+        return dup_res, dup_int
 
     def _forget_partials(self, blocks: list[Block | None]) -> None:
         """Drop fork-partial records of `blocks` that are no longer shared."""

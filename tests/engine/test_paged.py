@@ -300,3 +300,75 @@ def test_mixed_model_random_operations_keep_pages_consistent(seed):
         alloc.free(seq)
     assert alloc.num_free_blocks == alloc.num_blocks
     assert parts(alloc) == (0, 0, 3, 0, 60 * 64)
+
+
+def test_fork_partial_tail_is_reservation_when_any_holder_will_write_it():
+    # A (final 8) forks B (final 6) at 6 computed: blocks [0, 1] shared, block 1 holds tokens 4, 5.
+    # The shared tail (slots 6, 7) is A's reservation and B's internal fragmentation: physically one tail,
+    # which A will write, so reservation. C (3 computed of 8, one block) must keep its own 1-slot reservation.
+    alloc = make_alloc(10)
+    a, b, c = make_seq(0, 6, 2), make_seq(1, 6, 0), make_seq(2, 3, 5)
+    admit(alloc, a)
+    assert alloc.fork(a, b)
+    b.num_computed_tokens = 6
+    admit(alloc, c)
+    assert parts(alloc) == ((4 + 2 + 3) * BPT, (2 + 1) * BPT, 0, 0, 7 * BLOCK)
+    assert alloc.breakdown().shared_saved_bytes == 2 * BLOCK
+    alloc.free(a)  # B alone: its tail is internal fragmentation
+    assert parts(alloc) == ((6 + 3) * BPT, 1 * BPT, 2 * BPT, 0, 7 * BLOCK)
+
+
+def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
+    """(token states, reservation, internal) bytes by classifying every slot of every held block.
+
+    A slot is token states if any holder has computed its position, else reservation if any holder will
+    still write it, else internal fragmentation; each physical slot counts once.
+    """
+    rank = {"ts": 0, "res": 1, "int": 2}
+    best: dict[tuple[int, int], str] = {}
+    for seq, req in alloc._reqs.items():
+        computed = max(seq.num_computed_tokens, req.hit)
+        for j, block in enumerate(req.tables[0]):
+            for i in range(BS):
+                pos = j * BS + i
+                kind = "ts" if pos < computed else "res" if pos < seq.num_final_tokens else "int"
+                if rank[kind] < rank[best.get((block.block_id, i), "int")] or (block.block_id, i) not in best:
+                    best[(block.block_id, i)] = kind
+    kinds = list(best.values())
+    return kinds.count("ts") * BPT, kinds.count("res") * BPT, kinds.count("int") * BPT
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_breakdown_matches_a_slot_by_slot_count(seed):
+    """Random admissions (chunked, prefix hits), growth, forks and frees; every step completes its tokens."""
+    rng = np.random.default_rng(seed)
+    prefixes = [np.arange(100) + 1000 * k for k in range(3)]
+    for _ in range(100):
+        alloc = make_alloc(40, enable_prefix_caching=bool(rng.random() < 0.7))
+        live: list[Sequence] = []
+        for step in range(30):
+            r = rng.random()
+            if r < 0.3 or not live:
+                prompt = int(rng.integers(1, 21))
+                seq = make_seq(1000 + step, prompt, int(rng.integers(0, 13)), prefixes[rng.integers(3)][: rng.integers(0, prompt + 1)])
+                chunk = int(rng.integers(1, prompt + 1))
+                hit = alloc.allocate(seq, chunk, num_tokens=prompt)
+                if hit is not None:
+                    seq.num_computed_tokens = hit + min(chunk, prompt - hit)
+                    live.append(seq)
+            elif r < 0.45:
+                alloc.free(live.pop(int(rng.integers(len(live)))))
+            elif r < 0.55:
+                parent = live[int(rng.integers(len(live)))]
+                done = parent.num_computed_tokens  # the child's final length may end before or after the parent's
+                child = make_seq(2000 + step, parent.num_prompt_tokens, max(0, done - parent.num_prompt_tokens) + int(rng.integers(0, 7)), parent.token_ids[:done])
+                if alloc.fork(parent, child):
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    live.append(child)
+            else:
+                seq = live[int(rng.integers(len(live)))]
+                left = seq.num_final_tokens - seq.num_computed_tokens
+                n = int(rng.integers(1, left + 1)) if left else 0
+                if n and alloc.append_slots(seq, n):
+                    seq.num_computed_tokens += n
+            assert parts(alloc)[:3] == slot_reference(alloc)
