@@ -92,6 +92,7 @@ class SwapHandle:
 
     kv: torch.Tensor
     num_tokens: int
+    num_dropped: int = 0  # leading positions whose blocks a sliding window had freed: zeros here, not KV
 
 
 class KVCache:
@@ -149,7 +150,7 @@ class KVCache:
             raise KvsimError(
                 f"the KV pool needs {format_bytes(self.nbytes)} ({num_layers} layers x {self.num_blocks} blocks x "
                 f"{spec.block_size} tokens x {spec.num_kv_heads} heads x {spec.head_dim} x K/V, {spec.dtype}) but "
-                f"{self.device.type} has {format_bytes(free)} free; materialise fewer layers or none (--no-tensors)",
+                f"{self.device.type} has {format_bytes(free)} free; materialise fewer layers (--layers) or none (--no-tensors)",
                 field="num_layers",
             )
         shape = (2, num_layers, self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -353,10 +354,16 @@ class KVCache:
         """Integrity mode: assert the pool at `slots` holds what `seq_id`'s tokens at `positions` wrote.
 
         Raises AssertionError naming the first mismatch; a no-op without integrity or materialised layers.
+        Slots of -1 (positions a sliding window freed) are skipped.
         """
         if not (self.enabled and self.integrity) or len(slots) == 0:
             return
         slots = np.asarray(slots, dtype=np.int64)
+        if slots.min() < 0:  # positions a sliding window freed: nothing to check there
+            held = slots >= 0
+            slots, positions = slots[held], np.asarray(positions)[held]
+            if len(slots) == 0:
+                return
         got = self._slot_rows.index_select(1, self._index(slots))  # [2L, N, H*D]
         got = got.view(2, self.num_layers, len(slots), self.spec.num_kv_heads, self.spec.head_dim)
         ids = np.full(len(slots), seq_id, dtype=np.int64)
@@ -381,29 +388,44 @@ class KVCache:
 
     # --- swap and copy-on-write ------------------------------------------------------------------------
     def swap_out(self, slots: np.ndarray) -> SwapHandle | None:
-        """Copy the KV at `slots` (all materialised layers) to the CPU: a real copy, timed as "swap"."""
+        """Copy the KV at `slots` (all materialised layers) to the CPU: a real copy, timed as "swap".
+
+        A slot of -1 (a position whose block a sliding window freed) holds nothing: its row is zeros.
+        """
         if not self.enabled:
             return None
-        index = self._index(slots)
+        slots = np.asarray(slots, dtype=np.int64)
+        gone = np.flatnonzero(slots < 0)
+        index = self._index(np.maximum(slots, 0))
         shape = (2, self.num_layers, len(index), self.spec.num_kv_heads, self.spec.head_dim)
         on_cuda = self.device.type == "cuda"
         host = torch.empty(shape, dtype=self.dtype, pin_memory=on_cuda)
         with self.timer.measure("swap"):
             host_rows = host.view(self._bits).view(2 * self.num_layers, len(index), -1)  # [2L, n, H*D]
             if on_cuda:
-                host_rows.copy_(self._slot_rows.index_select(1, index), non_blocking=True)
+                rows = self._slot_rows.index_select(1, index)
+                rows[:, self._index(gone)] = 0
+                host_rows.copy_(rows, non_blocking=True)
             else:
                 torch.index_select(self._slot_rows, 1, index, out=host_rows)
-        return SwapHandle(host, len(index))
+                host_rows[:, torch.from_numpy(gone)] = 0
+        held = slots >= 0
+        num_dropped = len(slots) if not held.all() and not held.any() else int(np.argmax(held))
+        return SwapHandle(host, len(index), num_dropped)
 
     def swap_in(self, handle: SwapHandle | None, slots: np.ndarray) -> None:
-        """Copy a swapped-out request back into `slots` (any slots, one per swapped token), timed as "swap"."""
+        """Copy a swapped-out request back into `slots` (any slots, one per swapped token; -1: skipped), timed
+        as "swap"."""
         if not self.enabled or handle is None:
             return
         assert len(slots) == handle.num_tokens, (len(slots), handle.num_tokens)
-        index = self._index(slots)
+        slots = np.asarray(slots, dtype=np.int64)
+        held = np.flatnonzero(slots >= 0)
+        index = self._index(slots[held])
         with self.timer.measure("swap"):
-            rows = handle.kv.view(self._bits).view(2 * self.num_layers, len(index), -1)  # [2L, n, H*D]
+            rows = handle.kv.view(self._bits).view(2 * self.num_layers, len(slots), -1)  # [2L, n, H*D]
+            if len(held) < len(slots):
+                rows = rows[:, torch.from_numpy(held)]
             self._slot_rows.index_copy_(1, index, rows.to(self.device, non_blocking=True))
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:

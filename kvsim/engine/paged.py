@@ -226,15 +226,22 @@ class PagedAllocator(KVAllocator):
         return [None if b is None else b.block_id for b in table[:: lane.pages_per_block]]
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Slots of positions [start, end); -1 where a sliding window freed the block (a model whose every
+        layer slides: its primary lane is a sliding one), so swap and verify can skip those positions."""
         bs, k = self.block_size, self.lanes[0].pages_per_block
         table = self._reqs[seq].tables[0]
         assert 0 <= start <= end <= len(table) // k * bs, (start, end)
         if start == end:
             return np.empty(0, dtype=np.int64)
         first, last = start // bs, (end - 1) // bs
-        ids = np.fromiter((table[j * k].block_id for j in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
+        blocks = (table[j * k] for j in range(first, last + 1))
+        ids = np.fromiter((-1 if b is None else b.block_id for b in blocks), dtype=np.int64, count=last - first + 1)
         pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
-        return ids[pos // bs - first] * bs + pos % bs
+        block_ids = ids[pos // bs - first]
+        slots = block_ids * bs + pos % bs
+        if self.lanes[0].window is not None:
+            slots[block_ids < 0] = -1
+        return slots
 
     def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
         computed = 0

@@ -176,7 +176,7 @@ def test_refuses_a_pool_larger_than_free_memory(monkeypatch):
     with pytest.raises(KvsimError) as err:
         make_cache(64, num_layers=2)  # 2 * 2 * 64 * 2 * 8 * 4 = 16384 bytes
     message = str(err.value)
-    assert "16.0 KiB" in message and "9.8 KiB" in message and "fewer layers" in message and "--no-tensors" in message
+    assert "16.0 KiB" in message and "9.8 KiB" in message and "fewer layers (--layers)" in message and "--no-tensors" in message
     assert make_cache(64, num_layers=1).nbytes == 8192  # half the layers fit
 
 
@@ -240,3 +240,31 @@ def test_cuda_round_trip_swap_and_timing():
     assert torch.equal(c.kv_flat[:, :, 100:111], read.kv[:, :, 0, :11])
     assert torch.isfinite(out.float()).all()
     assert set(c.timer.step_times()) == {"write", "read", "attention", "swap"}
+
+
+def test_swap_skips_positions_a_sliding_window_freed():
+    c = make_cache(64)
+    slots = paged_slots([3, 8, 5], 10)
+    c.write(slots, np.zeros(10, dtype=np.int64), np.arange(10))
+    swapped = slots.copy()
+    swapped[:4] = -1  # block 3 fell out of the window and went back to the pool
+    handle = c.swap_out(swapped)
+    assert handle.num_tokens == 10 and handle.num_dropped == 4
+    assert handle.kv[:, :, :4].abs().sum() == 0 and torch.equal(handle.kv[:, :, 4:], c.kv_flat[:, :, slots[4:]])
+    new_slots = paged_slots([0, 1, 2], 10)
+    new_slots[:4] = -1
+    c.swap_in(handle, new_slots)
+    assert torch.equal(c.kv_flat[:, :, 4:10], c.kv_flat[:, :, slots[4:]])
+    assert c.kv_flat[:, :, :4].abs().sum() == 0  # nothing written where the slot is -1
+    assert c.swap_out(np.array([-1, -1])).num_dropped == 2 and c.swap_out(slots).num_dropped == 0
+
+
+def test_verify_skips_freed_positions():
+    c = make_cache(64, integrity=True)
+    slots = paged_slots([3, 8], 8)
+    c.write(slots, np.zeros(8, dtype=np.int64), np.arange(8))
+    slots[:4] = -1
+    c.verify(0, slots, np.arange(8))
+    c.verify(0, slots[:4], np.arange(4))  # nothing held: nothing to check
+    with pytest.raises(AssertionError):
+        c.verify(1, slots, np.arange(8))  # another request's values

@@ -91,3 +91,18 @@ def test_sliding_window_only_model_frees_blocks_outside_the_window():
     assert not alloc.fork(seq, Sequence(1, 4, 1))  # freed blocks cannot be shared
     alloc.free(seq)
     assert alloc.num_free_blocks == 8
+
+
+def test_slot_mapping_marks_positions_the_window_freed():
+    spec = KVCacheSpec((KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1)
+    alloc = PagedAllocator(spec, 8 * 64, max_model_len=200, watermark=0.0)
+    seq = Sequence(0, 8, 8)
+    alloc.allocate(seq, 8)
+    seq.num_computed_tokens = 8
+    for _ in range(4):
+        assert alloc.append_slots(seq, 1)
+        seq.num_computed_tokens += 1
+    # blocks 0, 1 at admission, block 2 for tokens 8-11; writing token 11 frees block 0 ((0 + 1) * 4 <= 11 - 4)
+    table = alloc.block_table(seq)
+    assert table[0] is None
+    assert alloc.slot_mapping(seq, 2, 10).tolist() == [-1, -1] + [table[1] * 4 + i for i in range(4)] + [table[2] * 4, table[2] * 4 + 1]
