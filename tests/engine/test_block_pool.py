@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvsim.engine.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
@@ -113,3 +118,40 @@ def test_a_hash_is_registered_once():
     pool.cache_full_block(b, 7)  # same prefix computed twice: the first block keeps the entry
     assert pool.get_cached_block(7) is a and b.block_hash is None
     assert pool.num_blocks_allocated == 2
+
+
+SCENARIO = """
+import json, numpy as np
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.sequence import Sequence
+spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
+alloc = PagedAllocator(spec, 24 * 64, max_model_len=256, enable_prefix_caching=True, watermark=0.0)
+rng = np.random.default_rng(0)
+out, live = [], []
+for i in range(60):
+    if len(live) > 3:
+        alloc.free(live.pop(int(rng.integers(len(live)))))
+    prompt = int(rng.integers(4, 30))
+    ids = np.concatenate([np.arange(16) + 100 * int(rng.integers(3)), rng.integers(0, 50, prompt)])
+    seq = Sequence(i, prompt, 0, token_ids=ids)
+    hit = alloc.allocate(seq, prompt)
+    if hit is not None:
+        seq.num_computed_tokens = prompt
+        live.append(seq)
+        out.append([hit, alloc.block_table(seq)])
+out.append([b.block_id for b in alloc.pool.free_queue.blocks()])
+out.append(alloc.breakdown().as_dict())
+print(json.dumps(out))
+"""
+
+
+def test_prefix_cache_decisions_do_not_depend_on_the_hash_seed():
+    # Block hashes come from Python's hash(), salted per process: hits, evictions, block tables and the
+    # breakdown must depend on which hashes are equal, never on their values (no ordering by hash).
+    runs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        runs.append(subprocess.run([sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, check=True).stdout)
+    assert runs[0] == runs[1] and '"shared_saved_bytes"' in runs[0]
+    assert any(hit > 0 for hit, _ in json.loads(runs[0])[:-2])  # prefix hits happened
