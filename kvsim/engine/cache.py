@@ -150,7 +150,8 @@ class KVCache:
             raise KvsimError(
                 f"the KV pool needs {format_bytes(self.nbytes)} ({num_layers} layers x {self.num_blocks} blocks x "
                 f"{spec.block_size} tokens x {spec.num_kv_heads} heads x {spec.head_dim} x K/V, {spec.dtype}) but "
-                f"{self.device.type} has {format_bytes(free)} free; materialise fewer layers (--layers) or none (--no-tensors)",
+                f"{self.device.type} has {format_bytes(free)} free; materialise fewer layers (--layers) or none "
+                "(--no-tensors)",
                 field="num_layers",
             )
         shape = (2, num_layers, self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
