@@ -22,6 +22,9 @@ LengthKind = Literal["constant", "uniform", "normal", "lognormal", "zipf", "empi
 ArrivalKind = Literal["poisson", "gamma", "constant", "burst"]
 LENGTH_KINDS = ("constant", "uniform", "normal", "lognormal", "zipf", "empirical")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
+# The longest request kvsim draws or reads (prompt or output tokens): beyond any model's context (10M for the
+# longest today), and small enough that counts stay exact int64 and a bounded zipf's table stays ~100 MiB.
+MAX_TOKENS = 2**24
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class LengthDistribution:
         else:  # empirical
             p = np.asarray(self.weights, dtype=np.float64)
             raw = rng.choice(np.asarray(self.values, dtype=np.float64), size=n, p=p / p.sum())
-        upper = np.inf if self.max is None else self.max
+        upper = MAX_TOKENS if self.max is None else self.max  # unbounded tails stop at MAX_TOKENS
         return np.clip(np.rint(raw), self.min, upper).astype(np.int64)
 
 
@@ -134,11 +137,11 @@ def length_from_fields(f: Fields, *, base_dir: Path) -> LengthDistribution:
     """Read `{dist: ..., ...}` (one mapping of the workload YAML) into a LengthDistribution."""
     dist = f.choice("dist", LENGTH_KINDS)
     needs_max = dist in ("uniform", "zipf")
-    lo = f.int("min", 1, min=1)
-    hi = f.int("max", min=lo) if needs_max else f.int("max", None, min=lo)
+    lo = f.int("min", 1, min=1, max=MAX_TOKENS)
+    hi = f.int("max", min=lo, max=MAX_TOKENS) if needs_max else f.int("max", None, min=lo, max=MAX_TOKENS)
     kw: dict = {}
     if dist == "constant":
-        kw["value"] = f.int("value", min=lo)
+        kw["value"] = f.int("value", min=lo, max=MAX_TOKENS)
         if hi is not None and kw["value"] > hi:
             raise f.error("value", f"must be <= max ({hi}), got {kw['value']}")
     elif dist == "normal":
@@ -160,7 +163,7 @@ def _empirical(f: Fields, base_dir: Path) -> tuple[tuple[int, ...], tuple[float,
     if f.has("file") == f.has("values"):
         raise f.error("values", "give exactly one of 'values' (a list) or 'file' (a path)")
     if f.has("values"):
-        values = f.int_list("values", min=1)
+        values = f.int_list("values", min=1, max=MAX_TOKENS)
         weights = f.float_list("weights", min=0) if f.has("weights") else [1.0] * len(values)
         if len(weights) != len(values):
             raise f.error("weights", f"has {len(weights)} entries but values has {len(values)}")
@@ -188,11 +191,11 @@ def _read_lengths_file(path: Path) -> tuple[list[int], list[float]]:
         try:
             value = int(parts[0])
             weight = float(parts[1]) if len(parts) == 2 else 1.0
-            ok = len(parts) <= 2 and value >= 1 and weight >= 0
+            ok = len(parts) <= 2 and 1 <= value <= MAX_TOKENS and 0 <= weight < float("inf")
         except ValueError:
             ok = False
         if not ok:
-            raise KvsimError(f"expected 'length' or 'length,weight' (length >= 1), got {line!r}", source=str(path), field=f"line {lineno}")
+            raise KvsimError(f"expected 'length' or 'length,weight' (1 <= length <= {MAX_TOKENS:,}), got {line!r}", source=str(path), field=f"line {lineno}")
         values.append(value)
         weights.append(weight)
     if not values:

@@ -21,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 
+from kvsim.distributions import MAX_TOKENS
 from kvsim.errors import KvsimError
 
 TraceForm = Literal["vidur", "azure", "jsonl"]
@@ -71,7 +72,11 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
     if form == "azure":
         arrival -= arrival.min()  # absolute date-times -> seconds from the first request
     order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
-    return Trace(path, form, arrival[order] * time_scale, prompt[order], output[order])
+    with np.errstate(over="ignore"):
+        scaled = arrival[order] * time_scale  # (n,) checked below
+    if not np.all(np.isfinite(scaled)):
+        raise KvsimError(f"time_scale {time_scale:g} overflows the arrival times (latest {arrival.max():g} s)", source=source)
+    return Trace(path, form, scaled, prompt[order], output[order])
 
 
 def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -88,7 +93,8 @@ def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, 
             prompt, output = np.array(prompts, dtype=np.float64), np.array(outputs, dtype=np.float64)  # (n,)
     except (ValueError, TypeError, Warning):
         return None
-    counts_ok = np.all(prompt >= 1) and np.all(output >= 0) and np.all(prompt % 1 == 0) and np.all(output % 1 == 0)
+    counts_ok = (np.all(prompt >= 1) and np.all(output >= 0) and np.all(prompt <= MAX_TOKENS)
+                 and np.all(output <= MAX_TOKENS) and np.all(prompt % 1 == 0) and np.all(output % 1 == 0))
     if not (np.all(np.isfinite(arrival)) and np.all(arrival >= 0) and np.all(np.isfinite(prompt + output)) and counts_ok):
         return None
     return arrival.astype(np.float64), prompt.astype(np.int64), output.astype(np.int64)
@@ -111,18 +117,22 @@ def _columns_by_row(form: TraceForm, rows: list, source: str) -> tuple[np.ndarra
 
 def _csv_rows(text: str, source: str) -> tuple[TraceForm, list[tuple[int, object, object, object]]]:
     """(form, [(line number, arrival, prompt, output)]) from a CSV whose header names the form."""
-    reader = csv.reader(text.splitlines())
+    lines = text.splitlines()
+    skipped = 0
+    while skipped < len(lines) and not lines[skipped].strip():  # blank lines above the header
+        skipped += 1
+    reader = csv.reader(lines[skipped:])
     header = [h.strip() for h in next(reader, [])]
     for form in ("vidur", "azure"):
         if all(col in header for col in COLUMNS[form]):
             break
     else:
         known = "; ".join(",".join(cols) for cols in COLUMNS.values())
-        raise KvsimError(f"unrecognised trace header {','.join(header)!r} (expected columns {known})", source=source, field="line 1")
+        raise KvsimError(f"unrecognised trace header {','.join(header)!r} (expected columns {known})", source=source, field=f"line {skipped + 1}")
     a, p, o = (header.index(col) for col in COLUMNS[form])
     need = max(a, p, o) + 1
     rows = []
-    for lineno, row in enumerate(reader, start=2):
+    for lineno, row in enumerate(reader, start=skipped + 2):
         if len(row) < need:
             if not any(cell.strip() for cell in row):
                 continue  # a blank line
@@ -182,6 +192,6 @@ def _parse_count(value: object, source: str, field: str, *, minimum: int) -> int
         number = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
         number = float("nan")
-    if isinstance(value, bool) or not np.isfinite(number) or not number.is_integer() or number < minimum:
-        raise KvsimError(f"expected a whole number >= {minimum}, got {value!r}", source=source, field=field)
+    if isinstance(value, bool) or not np.isfinite(number) or not number.is_integer() or not minimum <= number <= MAX_TOKENS:
+        raise KvsimError(f"expected a whole number from {minimum} to {MAX_TOKENS:,}, got {value!r}", source=source, field=field)
     return int(number)

@@ -20,6 +20,10 @@ from kvsim.requests import SharedPrefix, SyntheticRequests, TraceRequests
 from kvsim.units import dtype_bytes
 from kvsim.yaml_fields import Fields
 
+# The most requests one workload may generate: a stream is held in memory (a few hundred bytes per request),
+# so this caps it near a few GiB; the Azure conversation trace has 19,366.
+MAX_REQUESTS = 10_000_000
+
 __all__ = ["SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 
@@ -157,16 +161,19 @@ def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | No
         return _trace_requests(f, base_dir, cli_trace)
     if f.has("count") == f.has("duration_s"):
         raise f.error("count", "give exactly one of count (requests) and duration_s (seconds of arrivals)")
-    count = f.int("count", None, min=1)
+    count = f.int("count", None, min=1, max=MAX_REQUESTS)
     duration_s = f.float("duration_s", None, min=0, exclusive=True)
     arrival = arrival_from_fields(f.sub("arrival"))
+    if duration_s is not None and duration_s * arrival.mean_rate + arrival.size > MAX_REQUESTS:
+        raise f.error("duration_s", f"{duration_s:g} s at {arrival.mean_rate:g} requests/s is more than "
+                                    f"{MAX_REQUESTS:,} requests (the most one workload may have)")
     prompt = length_from_fields(f.sub("prompt_tokens"), base_dir=base_dir)
     output = length_from_fields(f.sub("output_tokens"), base_dir=base_dir)
     shared = None
     sp = f.sub("shared_prefix", None)
     if sp is not None:
         shared = SharedPrefix(
-            groups=sp.int("groups", min=1),
+            groups=sp.int("groups", min=1, max=MAX_REQUESTS),
             tokens=sp.int("tokens", min=1),
             fraction=sp.float("fraction", min=0, max=1),
         )
@@ -202,7 +209,8 @@ def _trace_requests(f: Fields, base_dir: Path, cli_trace: str | None) -> TraceRe
 
 def _trace_file(path: Path, *, source: str | None, field: str) -> Path:
     if not path.is_file():
-        raise KvsimError(f"trace file not found: {path}", source=source, field=field)
+        what = "is a directory, not a trace file" if path.is_dir() else "trace file not found"
+        raise KvsimError(f"{what}: {path}", source=source, field=field)
     return path
 
 

@@ -45,10 +45,13 @@ class Fields:
             return default
         return value
 
-    def int(self, key: str, default: Any = _REQUIRED, *, min: int | None = None) -> int | None:
+    def int(self, key: str, default: Any = _REQUIRED, *, min: int | None = None, max: int | None = None) -> int | None:
+        """A whole number in [min, max]; a YAML integer is kept exactly (a seed above 2**53 stays itself)."""
         if not self.has(key):
             return self.get(key, default)
-        return int(self._number(self.get(key), self.path(key), integer=True, min=min))
+        value = self.get(key)
+        number = self._number(value, self.path(key), integer=True, min=min, max=max)
+        return value if isinstance(value, int) else int(number)
 
     def float(self, key: str, default: Any = _REQUIRED, *, min: float | None = None, max: float | None = None,
               exclusive: bool = False) -> float | None:
@@ -82,8 +85,8 @@ class Fields:
             return self.get(key, default)
         return parse_bytes(self.get(key), field=self.path(key), source=self.source)
 
-    def int_list(self, key: str, *, min: int) -> list[int]:
-        return [int(self._number(v, f"{self.path(key)}[{i}]", integer=True, min=min)) for i, v in enumerate(self._list(key))]
+    def int_list(self, key: str, *, min: int, max: int | None = None) -> list[int]:
+        return [int(self._number(v, f"{self.path(key)}[{i}]", integer=True, min=min, max=max)) for i, v in enumerate(self._list(key))]
 
     def float_list(self, key: str, *, min: float) -> list[float]:
         return [self._number(v, f"{self.path(key)}[{i}]", min=min) for i, v in enumerate(self._list(key))]
@@ -118,9 +121,9 @@ class Fields:
             kind = "a whole number" if integer else "a number"
             raise KvsimError(f"must be {kind}, got {_show(value)}", source=self.source, field=field)
         if min is not None and (number < min or (exclusive and number == min)):
-            raise KvsimError(f"must be {'>' if exclusive else '>='} {min:g}, got {_show(value)}", source=self.source, field=field)
+            raise KvsimError(f"must be {'>' if exclusive else '>='} {_bound(min)}, got {_show(value)}", source=self.source, field=field)
         if max is not None and (number > max or (exclusive and number == max)):
-            raise KvsimError(f"must be {'<' if exclusive else '<='} {max:g}, got {_show(value)}", source=self.source, field=field)
+            raise KvsimError(f"must be {'<' if exclusive else '<='} {_bound(max)}, got {_show(value)}", source=self.source, field=field)
         return number
 
 
@@ -129,7 +132,10 @@ def _as_number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            return None
     elif isinstance(value, str):
         try:
             number = float(value.replace("_", ""))
@@ -138,6 +144,11 @@ def _as_number(value: Any) -> float | None:
     else:
         return None
     return number if math.isfinite(number) else None
+
+
+def _bound(x: float) -> str:
+    """A range bound as a reader writes it: 16,777,216 rather than 1.67772e+07; 0.5 as 0.5."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
 def _show(value: Any) -> str:

@@ -65,9 +65,9 @@ def test_azure_timezones_and_fractions(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        (VIDUR + "5.0,abc,3\n", "line 6, column num_prefill_tokens: expected a whole number >= 1, got 'abc'"),
-        (VIDUR + "5.0,0,3\n", "line 6, column num_prefill_tokens: expected a whole number >= 1, got '0'"),
-        (VIDUR + "5.0,10,-1\n", "line 6, column num_decode_tokens: expected a whole number >= 0, got '-1'"),
+        (VIDUR + "5.0,abc,3\n", "line 6, column num_prefill_tokens: expected a whole number from 1 to 16,777,216, got 'abc'"),
+        (VIDUR + "5.0,0,3\n", "line 6, column num_prefill_tokens: expected a whole number from 1 to 16,777,216, got '0'"),
+        (VIDUR + "5.0,10,-1\n", "line 6, column num_decode_tokens: expected a whole number from 0 to 16,777,216, got '-1'"),
         (VIDUR + "-1,10,1\n", "line 6, column arrived_at: expected seconds >= 0, got '-1'"),
         (VIDUR + "nan,10,1\n", "line 6, column arrived_at: expected seconds >= 0"),
         (VIDUR + "5.0,10\n", "line 6: expected 3 columns, got 2"),
@@ -117,3 +117,38 @@ def test_azure_form_of_the_same_trace_matches(tmp_path):
     assert np.allclose(azure.arrival_time, vidur.arrival_time, atol=2e-6)  # microsecond-truncated date-times
     assert np.array_equal(azure.num_prompt_tokens, vidur.num_prompt_tokens)
     assert np.array_equal(azure.num_output_tokens, vidur.num_output_tokens)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # counts past MAX_TOKENS overflowed int64 (a traceback), in the fast (CSV) and slow (JSONL) paths
+        (VIDUR + "5.0,1e30,3\n", "line 6, column num_prefill_tokens: expected a whole number from 1 to 16,777,216, got '1e30'"),
+        (JSONL + '{"arrival_time": 1, "prompt_tokens": 1e30, "output_tokens": 1}\n', "line 5, column prompt_tokens: expected a whole number"),
+        (VIDUR + "5.0,10,16777217\n", "line 6, column num_decode_tokens: expected a whole number from 0 to 16,777,216"),
+    ],
+)
+def test_counts_beyond_the_longest_request_are_rejected(tmp_path, text, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(KvsimError) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_time_scale_that_overflows_the_arrivals_is_an_error(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n1e15,10,1\n")
+    with pytest.raises(KvsimError, match="time_scale 1e\\+300 overflows the arrival times"):
+        read_trace(path, time_scale=1e300)
+    assert read_trace(path, time_scale=2.0).arrival_time.tolist() == [0.0, 2e15]
+
+
+def test_blank_lines_above_the_header_are_skipped_and_lines_still_counted(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("\n\r\n" + VIDUR + "5.0,abc,3\n")
+    with pytest.raises(KvsimError, match="line 8, column num_prefill_tokens"):
+        read_trace(path)
+    path.write_text("\n\n" + VIDUR)
+    trace = read_trace(path)
+    assert trace.form == "vidur" and trace.num_prompt_tokens.tolist() == [374, 396, 91, 879]

@@ -280,3 +280,49 @@ def test_list_items_are_named_by_index(tmp_path):
     bad = with_change("requests.prompt_tokens", {"dist": "empirical", "values": [10, 20], "weights": [1, -1]})
     with pytest.raises(KvsimError, match=r"requests.prompt_tokens.weights\[1\]: must be >= 0, got -1$"):
         load_workload(write(tmp_path, bad))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # each was a traceback (numpy MemoryError, int64 overflow or a failed assert) before the bounds
+        ("requests.count", 10**12, "requests.count: must be <= 10,000,000, got 1000000000000"),
+        ("requests.count", 1e30, "requests.count: must be <= 10,000,000"),
+        ("requests.count", 10**400, "requests.count: must be a whole number"),
+        ("requests.shared_prefix", {"groups": 10**30, "tokens": 16, "fraction": 0.5}, "requests.shared_prefix.groups: must be <= 10,000,000"),
+        ("requests.prompt_tokens", {"dist": "constant", "value": 10**30}, "requests.prompt_tokens.value: must be <= 16,777,216"),
+        ("requests.prompt_tokens", {"dist": "zipf", "exponent": 1.1, "max": 10**12}, "requests.prompt_tokens.max: must be <= 16,777,216"),
+        ("requests.prompt_tokens", {"dist": "empirical", "values": [10, 2**40]}, "requests.prompt_tokens.values[1]: must be <= 16,777,216"),
+    ],
+)
+def test_sizes_beyond_what_a_replay_can_hold_are_errors(tmp_path, field, value, message):
+    path = write(tmp_path, with_change(field, value))
+    with pytest.raises(KvsimError) as err:
+        load_workload(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_a_duration_that_would_draw_too_many_requests_is_an_error(tmp_path):
+    data = with_change("requests.count", ...)
+    data["requests"]["duration_s"] = 1e12  # 10^13 arrivals at 10/s: was a 364 TiB numpy allocation
+    with pytest.raises(KvsimError, match=r"requests.duration_s: 1e\+12 s at 10 requests/s is more than 10,000,000"):
+        load_workload(write(tmp_path, data))
+    data["requests"]["duration_s"] = 100.0
+    assert load_workload(write(tmp_path, data)).requests.duration_s == 100.0
+
+
+def test_a_seed_beyond_2_to_the_53_is_kept_exactly(tmp_path):
+    # Read through a float, 2**70 + 1 became 2**70: two different seeds gave the same stream.
+    assert load_workload(write(tmp_path, with_change("seed", 2**70 + 1))).seed == 2**70 + 1
+
+
+def test_unbounded_length_tails_stay_within_max_tokens(tmp_path):
+    """A lognormal or normal without `max` and a huge mean overflowed int64 into negative lengths."""
+    from kvsim.distributions import MAX_TOKENS
+    from kvsim.requests import generate_requests
+
+    data = with_change("requests.prompt_tokens", {"dist": "lognormal", "mean": 1e300, "sigma": 1})
+    data["requests"]["output_tokens"] = {"dist": "normal", "mean": 1e30, "std": 1}
+    requests = generate_requests(load_workload(write(tmp_path, data)))
+    assert len(requests) == 10
+    assert all(r.num_prompt_tokens == MAX_TOKENS and r.max_tokens == MAX_TOKENS for r in requests)
