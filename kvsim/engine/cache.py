@@ -439,7 +439,11 @@ class KVCache:
             self._slot_rows.index_copy_(1, d, self._slot_rows.index_select(1, s))
 
     def copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
-        """Copy whole blocks (src_block, dst_block), e.g. copy-on-write of a shared partial block: timed "copy"."""
+        """Copy whole blocks (src_block, dst_block), e.g. copy-on-write of a shared partial block: timed "copy".
+
+        Every source is read before any destination is written (a pair's source may be another's destination;
+        destinations must be distinct).
+        """
         if not self.enabled or len(pairs) == 0:
             return
         p = self._index(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))

@@ -268,3 +268,11 @@ def test_verify_skips_freed_positions():
     c.verify(0, slots[:4], np.arange(4))  # nothing held: nothing to check
     with pytest.raises(AssertionError):
         c.verify(1, slots, np.arange(8))  # another request's values
+
+
+def test_copy_blocks_reads_every_source_before_writing():
+    c = make_cache(64)
+    c.write(np.arange(8, 16), np.zeros(8, dtype=np.int64), np.arange(8))  # blocks 2 and 3
+    before = c.kv_cache[:, :, 2:4].clone()
+    c.copy_blocks([(2, 3), (3, 4)])  # block 3 is both a destination and a source
+    assert torch.equal(c.kv_cache[:, :, 3], before[:, :, 0]) and torch.equal(c.kv_cache[:, :, 4], before[:, :, 1])
