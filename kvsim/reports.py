@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvsim.errors import KvsimError
 from kvsim.replay import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
 
 CATEGORIES = (
@@ -184,7 +185,10 @@ def _version(package: str) -> str | None:
 def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = False, command: str | None = None) -> ReportPaths:
     """Write every report of `result` under `out_dir` (created if needed) and return their paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only disk
+        raise KvsimError(f"cannot create the report directory {out}: {exc.strerror or exc}", field="--out") from None
     paths = ReportPaths(
         out_dir=out,
         steps=out / "steps.parquet",
@@ -194,14 +198,18 @@ def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = Fals
         summary_json=out / "summary.json",
         meta=out / "meta.json",
     )
-    steps = steps_frame(result)
-    steps.to_parquet(paths.steps, index=False)
-    if paths.steps_csv is not None:
-        _write_csv(steps, paths.steps_csv)
-    _write_csv(requests_frame(result), paths.requests)
-    summary_frame(result).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
-    paths.summary_json.write_text(json.dumps(jsonable(summary_records(result)), indent=2) + "\n")
-    paths.meta.write_text(json.dumps(meta(result, command=command), indent=2) + "\n")
+    try:
+        steps = steps_frame(result)
+        steps.to_parquet(paths.steps, index=False)
+        if paths.steps_csv is not None:
+            _write_csv(steps, paths.steps_csv)
+        _write_csv(requests_frame(result), paths.requests)
+        summary_frame(result).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
+        paths.summary_json.write_text(json.dumps(jsonable(summary_records(result)), indent=2) + "\n")
+        paths.meta.write_text(json.dumps(meta(result, command=command), indent=2) + "\n")
+    except OSError as exc:  # e.g. a directory where a report file goes, a full disk
+        name = exc.filename or out
+        raise KvsimError(f"cannot write {name}: {exc.strerror or exc}", field="--out") from None
     return paths
 
 

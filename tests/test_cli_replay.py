@@ -112,3 +112,19 @@ def test_budget_below_one_block_is_a_user_error(cli, tmp_path, tensors):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "tiny-budget.yaml: kv_budget:" in lines[0] and "holds not one" in lines[0]
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
+    """--out naming a file, or a report file's name taken by a directory, was a FileExistsError traceback."""
+    path = write_tiny(tmp_path, count=3)
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(blocker)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"kvsim: error: --out: cannot create the report directory {blocker}: File exists"]
+    out = tmp_path / "o"
+    (out / "summary.csv").mkdir(parents=True)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"kvsim: error: --out: cannot write {out / 'summary.csv'}: Is a directory"]

@@ -437,3 +437,11 @@ def test_ecdf_of_many_requests_keeps_exact_points_of_the_same_cdf():
     assert np.allclose(y, x / (10 * MAX_POINTS))  # value k is the k-th smallest of 20000: F(k) = k / 20000
     small_x, small_y = ecdf(np.array([3.0, np.nan, 1.0, 2.0]))
     assert small_x.tolist() == [1.0, 2.0, 3.0] and small_y.tolist() == [1 / 3, 2 / 3, 1.0]
+
+
+def test_a_chart_that_cannot_be_written_is_one_error_line(report_dir, cli):
+    """A directory where the chart goes was an IsADirectoryError traceback."""
+    (report_dir / "figure2.png").mkdir()
+    result = cli(["plot", str(report_dir)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == f"kvsim: error: {report_dir / 'figure2.png'}: cannot write chart: Is a directory"

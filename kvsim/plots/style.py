@@ -94,9 +94,13 @@ def check_format(fmt: str) -> str:
 
 def save(fig: Figure, path: Path) -> Path:
     """Write `fig` to `path` (its suffix picks the format) and release it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", pad_inches=0.15, metadata=_metadata(path))
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, bbox_inches="tight", pad_inches=0.15, metadata=_metadata(path))
+    except OSError as exc:  # a directory in the way, no permission, a full disk
+        raise KvsimError(f"cannot write chart: {exc.strerror or exc}", source=str(path)) from None
+    finally:
+        plt.close(fig)
     return path
 
 
