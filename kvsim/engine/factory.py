@@ -30,11 +30,13 @@ class AllocatorConfig:
 
     @property
     def label(self) -> str:
-        """A short unique name for tables and report rows, e.g. 'paged-16+prefix' or 'flat-max'."""
+        """A short unique name for tables and report rows, e.g. 'paged-16+prefix', 'flat-max' or, with a
+        watermark other than the default 0.01, 'paged-16-wm0.05' (so two watermarks can be compared)."""
         if self.kind == "flat":
             suffix = "" if self.placement == "first-fit" else f"-{self.placement}"
             return f"flat-{self.reserve}{suffix}"
-        return f"paged-{self.block_size}" + ("+prefix" if self.prefix_caching else "")
+        watermark = "" if self.watermark == 0.01 else f"-wm{self.watermark:g}"
+        return f"paged-{self.block_size}{watermark}" + ("+prefix" if self.prefix_caching else "")
 
 
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:

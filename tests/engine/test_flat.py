@@ -208,3 +208,14 @@ def test_factory_builds_flat_with_config():
     assert isinstance(alloc, FlatAllocator)
     assert (alloc.reserve, alloc.placement, alloc.arena.placement) == ("pow2", "best-fit", "best-fit")
     assert cfg.label == "flat-pow2-best-fit"
+
+
+def test_labels_tell_every_configuration_apart():
+    # Two paged allocators that differ only in watermark are two configurations (a workload may compare them).
+    configs = [
+        AllocatorConfig("paged", block_size=16),
+        AllocatorConfig("paged", block_size=16, watermark=0.05),
+        AllocatorConfig("paged", block_size=16, watermark=0.0, prefix_caching=True),
+        AllocatorConfig("paged", block_size=16, prefix_caching=True),
+    ]
+    assert [c.label for c in configs] == ["paged-16", "paged-16-wm0.05", "paged-16-wm0+prefix", "paged-16+prefix"]
