@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
+from contextlib import contextmanager
 from array import array
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -73,6 +75,8 @@ class ReplayOptions:
     read_every: int | None = None
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):  # a typo is caught even with --no-tensors
+            raise KvsimError(f"unknown device {self.device!r} (choose cpu, cuda, cuda:N or auto)", field="--device")
         if self.timing not in TIMINGS:
             raise KvsimError(f"unknown timing {self.timing!r} (choose roofline or measured)", field="--timing")
         if self.timing == "measured" and not self.tensors:
@@ -159,13 +163,24 @@ def run_replay(
     from kvsim.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
 
     source = str(workload.path)
-    model = resolve_model(workload.model)
-    gpu = get_gpu(workload.hardware)
-    weights = weight_bytes(model)
+    with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
+        model = resolve_model(workload.model)
+        weights = weight_bytes(model)
+    with _workload_field(source, "hardware"):
+        gpu = get_gpu(workload.hardware)
     if workload.kv_budget_bytes is not None:
         budget = workload.kv_budget_bytes
     else:
-        budget = kv_budget_bytes(gpu.memory_bytes, utilization=workload.gpu_memory_utilization, weight_bytes=weights)
+        utilization = workload.gpu_memory_utilization
+        usable = int(gpu.memory_bytes * utilization)
+        if usable <= weights:
+            raise KvsimError(
+                f"{gpu.name}: {gpu.memory_bytes:,} B x {utilization:g} = {usable:,} B leaves no room for KV cache "
+                f"after {model.name}'s weights ({weights:,} B); raise it, or give kv_budget instead",
+                source=source,
+                field="gpu_memory_utilization",
+            )
+        budget = kv_budget_bytes(gpu.memory_bytes, utilization=utilization, weight_bytes=weights)
     bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
     for config in workload.allocators:  # a budget below one block would build an allocator with no slots
         unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
@@ -183,7 +198,10 @@ def run_replay(
     if options.tensors:
         from kvsim.engine.cache import resolve_device
 
-        resolved = resolve_device(options.device)
+        try:
+            resolved = resolve_device(options.device)
+        except KvsimError as exc:  # the engine names its argument `device`; the user typed --device
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), field="--device") from None
         device = str(resolved)
         read_every = options.read_every
         if read_every is None:
@@ -391,6 +409,23 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
         num_read_samples=runner.num_read_samples if runner is not None else 0,
     )
+
+
+@contextmanager
+def _workload_field(source: str, field: str):
+    """Re-raise a KvsimError from a lookup (model, GPU) as one naming the workload file and `field`.
+
+    A config.json's own errors keep its path in the message: `w.yaml: model: cfg/config.json: invalid JSON`.
+    """
+    try:
+        yield
+    except KvsimError as exc:
+        message = str(exc)
+        if exc.field and exc.field.startswith("--"):  # a flag's name means nothing in a workload file
+            prefix = ": ".join(p for p in (exc.source, exc.field) if p) + ": "
+            inner = message[len(prefix):] if message.startswith(prefix) else message
+            message = f"{exc.source}: {inner}" if exc.source else inner
+        raise KvsimError(message, source=source, field=field) from None
 
 
 def _mean_step(all_times: list[dict[str, float]], kind: str, first: int, last: int) -> float:

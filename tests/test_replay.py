@@ -275,3 +275,35 @@ def test_cuda_tensors_match_accounting_and_keep_integrity(tmp_path):
         for name in BYTE_COLUMNS:
             np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
         assert (b.steps["write_us"] > 0).all()
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        # the catalogue's errors named --model / --gpu / --memory, flags a workload user never typed
+        ("model: tiny-model.json", "model: gpt-17", "tiny.yaml: model: unknown model 'gpt-17'"),
+        ("model: tiny-model.json", "model: nope/config.json", "tiny.yaml: model: {dir}/nope/config.json: cannot read config"),
+        ("hardware: h100-80gb", "hardware: tpu-v9", "tiny.yaml: hardware: unknown GPU 'tpu-v9' (known: h100-80gb"),
+        ("kv_budget: 262144", "gpu_memory_utilization: 0.0000001",
+         "tiny.yaml: gpu_memory_utilization: NVIDIA H100 80GB SXM: 85,899,345,920 B x 1e-07 = 8,589 B leaves no room"),
+    ],
+)
+def test_unknown_model_hardware_and_no_room_name_the_workload_field(tmp_path, old, new, message):
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False))
+    assert str(err.value).startswith(f"{path}: ") and message.format(dir=tmp_path) in str(err.value)
+    assert "--" not in str(err.value).split("(")[0]  # no flag name before any hint
+
+
+def test_a_mistyped_device_is_an_error_even_without_tensors():
+    from kvsim.errors import KvsimError
+
+    with pytest.raises(KvsimError, match=r"^--device: unknown device 'tpu' \(choose cpu, cuda, cuda:N or auto\)$"):
+        ReplayOptions(device="tpu", tensors=False)
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert ReplayOptions(device=device, tensors=False).device == device
