@@ -445,3 +445,75 @@ def test_a_chart_that_cannot_be_written_is_one_error_line(report_dir, cli):
     result = cli(["plot", str(report_dir)])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[-1] == f"kvsim: error: {report_dir / 'figure2.png'}: cannot write chart: Is a directory"
+
+
+# --- reports where some or every request was rejected --------------------------------------------------------------
+
+
+def reject_everything_in(report_dir: Path, labels) -> None:
+    """Rewrite a report as a replay writes it when `labels` rejected every request: no step rows, NaN figures."""
+    steps = pd.read_parquet(report_dir / "steps.parquet")
+    steps[~steps["allocator"].isin(labels)].to_parquet(report_dir / "steps.parquet", index=False)
+    summary = pd.read_csv(report_dir / "summary.csv")
+    summary.loc[summary["allocator"].isin(labels), [f"{c}_pct" for c in CATEGORIES]] = np.nan
+    summary.to_csv(report_dir / "summary.csv", index=False)
+    requests = pd.read_csv(report_dir / "requests.csv")
+    requests.loc[requests["allocator"].isin(labels), ["ttft_s", "tpot_s"]] = np.nan
+    requests.to_csv(report_dir / "requests.csv", index=False)
+
+
+def test_an_allocator_that_rejected_everything_is_drawn_empty_and_says_so(report_dir):
+    """Its empty step rows made the timeline a ValueError traceback (max of an empty array)."""
+    reject_everything_in(report_dir, ["flat-max"])
+    notes = []
+    paths = plot_report(load_report(report_dir), note=notes.append)
+    assert [p.name for p in paths] == ["waste-curves.png", "figure2.png", "timeline.png", "latency.png"]
+    timeline = draw(report_dir, "timeline")
+    legend = [t.get_text() for t in timeline.legends[0].get_texts()]
+    assert legend[0] == "flat-max (no steps: every request rejected)" and legend[2].startswith("paged-16 (peak ")
+    waste = draw(report_dir, "waste-curves")
+    assert [t.get_text() for t in waste.axes[0].texts] == ["no steps: every request rejected"]
+    assert len(waste.legends[0].get_texts()) == len(CATEGORIES)  # taken from a panel that has areas
+    segments = bar_segments(draw(report_dir, "figure2"))
+    assert not any(key.startswith("flat-max:") for key in segments) and "paged-16:free" in segments
+
+
+def test_a_report_where_every_request_was_rejected_skips_its_charts(report_dir, recwarn):
+    """figure2 drew empty NaN bars and latency empty panels with matplotlib warnings on stderr."""
+    reject_everything_in(report_dir, list(ALLOCATORS))
+    notes = []
+    assert plot_report(load_report(report_dir), note=notes.append) == []
+    assert [n.split(": ", 1)[1] for n in notes] == [
+        "skipped waste-curves: steps.parquet has no rows",
+        "skipped figure2: summary.csv has no time-averaged figures (no allocator ran a step: every request rejected?)",
+        "skipped block-sizes: summary.csv has fewer than two paged block sizes (replay a block-size sweep)",
+        "skipped timeline: steps.parquet has no rows",
+        "skipped latency: requests.csv has no finished request (every one rejected?)",
+    ]
+    assert not [w for w in recwarn if "legend" in str(w.message)]
+
+
+def test_latency_legend_percentiles_use_every_request_not_the_thinned_cdf(tmp_path):
+    """Beyond MAX_POINTS requests the CDF line is thinned; its legend's p50/p99 must still be summary.csv's."""
+    from kvsim.plots.latency import MAX_POINTS
+
+    n = 3 * MAX_POINTS + 7
+    report_dir = make_replay_report(tmp_path / "big", num_requests=n)
+    requests = pd.read_csv(report_dir / "requests.csv")
+    # steep values (each 10% above the last): any point the thinning drops moves a percentile visibly
+    steep = np.random.default_rng(1).permutation(np.exp(np.arange(n) / 10))
+    requests["ttft_s"] = np.tile(steep, len(ALLOCATORS))
+    requests.to_csv(report_dir / "requests.csv", index=False)
+    fig = draw(report_dir, "latency")
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    for label, text in zip(ALLOCATORS, legend):
+        ttft = requests.loc[requests["allocator"] == label, "ttft_s"].dropna().to_numpy()
+        p50, p99 = np.percentile(ttft, [50, 99])
+        assert text == f"{label}: p50 {p50:.3g} s, p99 {p99:.3g} s"
+
+
+def test_an_empty_queue_keeps_a_whole_request_axis(report_dir):
+    steps = pd.read_parquet(report_dir / "steps.parquet")
+    steps.assign(num_waiting=0).to_parquet(report_dir / "steps.parquet", index=False)
+    waiting_ax = draw(report_dir, "timeline").axes[1]
+    assert waiting_ax.get_ylim() == (0.0, 1.0)  # was 0 .. 0.055: fractions of a request

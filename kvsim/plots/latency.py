@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import offset_copy
 
-from kvsim.plots.report import Report
+from kvsim.plots.report import MissingData, Report
 from kvsim.plots.style import allocator_colors, new_figure, titles
 
 
@@ -38,9 +38,16 @@ def _log_scale_if_wide(ax, values: list[np.ndarray]) -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
 
 
+def rows_of(frame, label: str):
+    """The rows of one allocator."""
+    return frame[frame["allocator"].astype(str) == label]
+
+
 def latency(report: Report):
     """Two panels: CDF of time to first token (s) and of time per output token (ms), a line per allocator."""
     requests = report.table("requests", ("allocator", "ttft_s", "tpot_s"))
+    if not np.isfinite(requests["ttft_s"].to_numpy(float)).any():
+        raise MissingData("requests.csv has no finished request (every one rejected?)")
     colors = allocator_colors(report.allocators)
     fig, axes = new_figure(11.0, 4.0 + 0.2 * len(report.allocators), ncols=2)
     panels = ((axes[0, 0], "ttft_s", 1.0, "time to first token, TTFT (s)", "s"),
@@ -48,12 +55,12 @@ def latency(report: Report):
     for ax, column, scale, xlabel, unit in panels:
         drawn = []
         for label in report.allocators:
-            rows = requests[requests["allocator"].astype(str) == label]
-            x, y = ecdf(rows[column].to_numpy(float) * scale)
+            values = rows_of(requests, label)[column].to_numpy(float) * scale
+            x, y = ecdf(values)
             if not len(x):
                 continue
             drawn.append(x)
-            p50, p99 = np.percentile(x, [50, 99])
+            p50, p99 = np.percentile(values[np.isfinite(values)], [50, 99])  # all of them, as summary.csv
             ax.plot(x, y, drawstyle="steps-post", color=colors[label], linewidth=1.5, gid=f"{column}:{label}",
                     label=f"{label}: p50 {p50:.3g} {unit}, p99 {p99:.3g} {unit}")
         _log_scale_if_wide(ax, drawn)
@@ -62,6 +69,10 @@ def latency(report: Report):
         ax.set_ylim(0, 1.01)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of finished requests")
+        if not drawn:  # e.g. TPOT when no finished request produced an output token
+            ax.text(0.5, 0.5, "no finished request to show", transform=ax.transAxes, ha="center", va="center",
+                    color="#777777")
+            continue
         # below the x label (an offset in points, whatever the figure size): never over a curve
         below = offset_copy(ax.transAxes, fig=fig, y=-36, units="points")
         ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.0), bbox_transform=below, fontsize=8.5)

@@ -33,6 +33,9 @@ def timeline(report: Report):
     running_ax, waiting_ax, preempt_ax = axes[:, 0]
     for lane, label in enumerate(labels):
         rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
+        if rows.empty:  # it never ran a step (every request rejected): a legend entry says so
+            running_ax.plot([], [], color=colors[label], linewidth=1.2, label=f"{label} (no steps: every request rejected)")
+            continue
         t = rows["time_s"].to_numpy(float)
         weights = rows["step_time_s"].to_numpy(float) if "step_time_s" in rows.columns else None
         counts = rows[["num_running", "num_waiting"]].to_numpy(float)
@@ -50,7 +53,7 @@ def timeline(report: Report):
     waiting_ax.set_ylabel("waiting requests")
     waiting_ax.set_title("Requests waiting for admission (the queue)", loc="left")
     for ax in (running_ax, waiting_ax):
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(1.0, ax.get_ylim()[1]))  # counts: an empty queue still reads 0..1, not 0..0.05
         ax.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
     if not any(len(line.get_xdata()) for line in preempt_ax.get_lines()):
         preempt_ax.text(0.5, 0.5, "no preemptions", transform=preempt_ax.transAxes, ha="center", va="center",

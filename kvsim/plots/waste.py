@@ -67,13 +67,17 @@ def waste_curves(report: Report):
     top = 0.0
     for ax, label in zip(axes.flat, allocators):
         rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
+        ax.set_title(label)
+        if rows.empty:  # it never ran a step
+            ax.text(0.5, 0.5, "no steps: every request rejected", transform=ax.transAxes, ha="center", va="center",
+                    color="#777777")
+            continue
         weights = rows["step_time_s"].to_numpy(float) if "step_time_s" in rows.columns else None
         t, v = binned(rows["time_s"].to_numpy(float), rows[list(_BYTE_COLUMNS)].to_numpy(float) / GIB, MAX_POINTS,
                       weights)
         ax.stackplot(t, v.T, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
                      labels=[CATEGORY_LABELS[c] for c in CATEGORIES], linewidth=0)
         top = max(top, float(v.sum(axis=1).max()) if len(v) else 0.0)
-        ax.set_title(label)
     for ax in axes.flat[len(allocators):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
@@ -85,7 +89,7 @@ def waste_curves(report: Report):
     for ax in axes.flat:
         ax.set_ylim(0, top * 1.02 or 1)
         ax.set_xlim(0, float(steps["time_s"].max()) or 1)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat), key=lambda hl: len(hl[0]))
     fig.legend(handles, labels, loc="outside lower center", ncols=len(CATEGORIES))
     titles(fig, "Where the KV budget goes over time, per allocator", report.subtitle())
     return fig
@@ -97,7 +101,10 @@ def figure2(report: Report):
     For ShareGPT-/Alpaca-like workloads the paper's own bars stand beside ours, hatched.
     """
     summary = report.table("summary", ("allocator", *_PCT_COLUMNS))
-    ours = {str(row["allocator"]): {c: float(row[f"{c}_pct"]) for c in CATEGORIES} for _, row in summary.iterrows()}
+    ours = {str(row["allocator"]): {c: float(row[f"{c}_pct"]) for c in CATEGORIES} for _, row in summary.iterrows()
+            if not all(math.isnan(float(row[f"{c}_pct"])) for c in CATEGORIES)}  # NaN: never ran a step
+    if not ours:
+        raise MissingData("summary.csv has no time-averaged figures (no allocator ran a step: every request rejected?)")
     paper = PAPER_FIGURE2 if is_paper_like(report) else {}
     names = [*ours, *paper]
     x = np.arange(len(names), dtype=float)
