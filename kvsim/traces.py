@@ -2,11 +2,12 @@
 
 The form is told by the header (CSV) or by a leading '{' (JSONL):
 
-    vidur  arrived_at,num_prefill_tokens,num_decode_tokens     seconds, as given
-    azure  TIMESTAMP,ContextTokens,GeneratedTokens             date-times -> seconds from the first
-    jsonl  {"arrival_time": s, "prompt_tokens": n, "output_tokens": n}   one object per line
+    vidur  arrived_at,num_prefill_tokens,num_decode_tokens     seconds
+    azure  TIMESTAMP,ContextTokens,GeneratedTokens             date-times
+    jsonl  {"arrival_time": s, "prompt_tokens": n, "output_tokens": n}   seconds, one object per line
 
-Extra columns or keys are ignored. A bad row is a KvsimError naming the file, line number and column.
+Arrival times become seconds from the first request (which arrives at t = 0, as in a synthetic workload), so
+epoch seconds or a slice from the middle of a day replay the same. Extra columns or keys are ignored. A bad row is a KvsimError naming the file, line number and column.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import csv
 import json
 import warnings
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -69,8 +70,10 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
         raise KvsimError("trace has no requests", source=source)
     columns = _columns_fast(form, rows) if form != "jsonl" else None
     arrival, prompt, output = columns if columns is not None else _columns_by_row(form, rows, source)
-    if form == "azure":
-        arrival -= arrival.min()  # absolute date-times -> seconds from the first request
+    # Seconds from the first request, whatever the form: absolute date-times, or epoch seconds in a JSONL, would
+    # otherwise start the clock decades in (throughput over that span, and a float's resolution at 1.7e9 s is
+    # 2.4e-7 s, coarser than a decode step's share of it).
+    arrival -= arrival.min()
     order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
     with np.errstate(over="ignore"):
         scaled = arrival[order] * time_scale  # (n,) checked below
@@ -86,8 +89,9 @@ def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. numpy's warning on a timezone offset: take the slow path
-            if form == "azure":
-                arrival = (np.array(times, dtype="datetime64[ns]") - np.datetime64(0, "ns")) / np.timedelta64(1, "s")
+            if form == "azure":  # nanosecond integers, made relative before they become float seconds
+                stamps = np.array(times, dtype="datetime64[ns]")  # (n,)
+                arrival = (stamps - stamps.min()) / np.timedelta64(1, "s")
             else:
                 arrival = np.array(times, dtype=np.float64)  # (n,)
             prompt, output = np.array(prompts, dtype=np.float64), np.array(outputs, dtype=np.float64)  # (n,)
@@ -103,7 +107,8 @@ def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, 
 def _columns_by_row(form: TraceForm, rows: list, source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Columns parsed cell by cell; the first bad cell raises a KvsimError naming its line and column."""
     arrival_col, prompt_col, output_col = COLUMNS[form]
-    arrival = np.empty(len(rows), dtype=np.float64)
+    # date-times as exact integer microseconds, made relative before they become float seconds
+    arrival = np.empty(len(rows), dtype=np.int64 if form == "azure" else np.float64)
     prompt = np.empty(len(rows), dtype=np.int64)
     output = np.empty(len(rows), dtype=np.int64)
     parse_time = _parse_datetime if form == "azure" else _parse_seconds
@@ -112,6 +117,8 @@ def _columns_by_row(form: TraceForm, rows: list, source: str) -> tuple[np.ndarra
         arrival[i] = parse_time(t, source, where + arrival_col)
         prompt[i] = _parse_count(p, source, where + prompt_col, minimum=1)
         output[i] = _parse_count(o, source, where + output_col, minimum=0)
+    if form == "azure":
+        arrival = (arrival - arrival.min()) / 1e6
     return arrival, prompt, output
 
 
@@ -170,8 +177,8 @@ def _parse_seconds(value: object, source: str, field: str) -> float:
     return seconds
 
 
-def _parse_datetime(value: object, source: str, field: str) -> float:
-    """POSIX seconds of an ISO date-time ('2023-11-16 18:15:46.6805900'); naive ones are read as UTC."""
+def _parse_datetime(value: object, source: str, field: str) -> int:
+    """POSIX microseconds of an ISO date-time ('2023-11-16 18:15:46.6805900'); naive ones are read as UTC."""
     text = str(value).strip()
     if "." in text:  # fromisoformat takes at most 6 fractional digits; Azure writes 7
         head, _, frac = text.partition(".")
@@ -181,9 +188,8 @@ def _parse_datetime(value: object, source: str, field: str) -> float:
         stamp = datetime.fromisoformat(text)
     except ValueError:
         raise KvsimError(f"expected a date-time like '2023-11-16 18:15:46.68', got {value!r}", source=source, field=field) from None
-    if stamp.tzinfo is None:
-        return (stamp - datetime(1970, 1, 1)).total_seconds()
-    return stamp.timestamp()
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc if stamp.tzinfo is not None else None)
+    return (stamp - epoch) // timedelta(microseconds=1)  # exact: a float of POSIX seconds keeps only ~0.2 µs
 
 
 def _parse_count(value: object, source: str, field: str, *, minimum: int) -> int:

@@ -152,3 +152,34 @@ def test_blank_lines_above_the_header_are_skipped_and_lines_still_counted(tmp_pa
     path.write_text("\n\n" + VIDUR)
     trace = read_trace(path)
     assert trace.form == "vidur" and trace.num_prompt_tokens.tolist() == [374, 396, 91, 879]
+
+
+def test_arrivals_count_from_the_first_request_in_every_form(tmp_path):
+    """Epoch seconds in a JSONL (or a slice from the middle of a day) started the clock at 1.7e9 s: throughput
+    was over 54 years, and at that magnitude a float resolves only 2.4e-7 s."""
+    start = 1_700_158_546.0
+    epoch = tmp_path / "epoch.jsonl"
+    epoch.write_text("".join(json.dumps({"arrival_time": start + t, "prompt_tokens": p, "output_tokens": o}) + "\n"
+                             for t, p, o in [(0.0, 374, 44), (0.25, 396, 109), (4.5, 879, 55), (1.5, 91, 16)]))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(JSONL)
+    assert read_trace(epoch).arrival_time.tolist() == read_trace(plain).arrival_time.tolist() == [0.0, 0.25, 1.5, 4.5]
+    later = tmp_path / "later.csv"
+    later.write_text(VIDUR.replace("\n0.0,", "\n100.0,").replace("\n0.25,", "\n100.25,").replace("\n4.5,", "\n104.5,")
+                     .replace("\n1.5,", "\n101.5,"))
+    assert read_trace(later, time_scale=2.0).arrival_time.tolist() == [0.0, 0.5, 3.0, 9.0]
+
+
+@pytest.mark.parametrize(
+    "stamps",
+    [
+        ("2023-11-16T18:15:46.123Z", "2023-11-16T18:15:47Z"),  # time zones: the row-by-row path
+        ("2023-11-16 18:15:46.1230000", "2023-11-16 18:15:47"),  # naive, 7 and 0 fractional digits: the numpy path
+        ("2023-11-16 18:15:46.123+00:00", "2023-11-16 19:15:47+01:00"),
+    ],
+)
+def test_azure_date_times_keep_their_microseconds(tmp_path, stamps):
+    # Turned into float POSIX seconds before subtracting, 0.877 s came back as 0.877000093460083.
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{s},10,1\n" for s in stamps))
+    assert read_trace(path).arrival_time.tolist() == [0.0, 0.877]
