@@ -84,7 +84,7 @@ def test_trace_workload(tmp_path):
     path = tmp_path / "w.yaml"
     path.write_text(POISSON.read_text())
     requests = generate_requests(load_workload(path, trace=str(tmp_path / "t.jsonl")))
-    assert requests == [RequestSpec(0, 1.0, 20, 0), RequestSpec(1, 2.0, 30, 4)]
+    assert requests == [RequestSpec(0, 0.0, 20, 0), RequestSpec(1, 1.0, 30, 4)]  # seconds from the first request
 
 
 @pytest.mark.skipif(not (SHARED / "traces" / "azure-conv-2023.csv").is_file(), reason="needs ../shared traces")
