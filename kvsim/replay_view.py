@@ -104,6 +104,20 @@ def summary_table(records: list[dict], *, title: str | None = None, width: int =
     return table
 
 
+def rejection_notes(result) -> list[str]:
+    """One line per allocator that rejected requests: how many, and the first one's reason (the table may have
+    no room for the `rejected` column, and a row of dashes alone does not say why)."""
+    n = len(result.arrival_s)
+    lines = []
+    for run in result.runs:
+        rejected = [(i, reason) for i, reason in enumerate(run.rejected_reason) if reason is not None]
+        if rejected:
+            i, reason = rejected[0]
+            lines.append(f"{run.label}: rejected {len(rejected):,} of {n:,} requests, e.g. request {i}: {reason} "
+                         "(each reason in requests.csv)")
+    return lines
+
+
 def run_replay_cli(
     workload_path: Path,
     *,
@@ -149,5 +163,7 @@ def run_replay_cli(
             f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
         )
         console.print(summary_table(records, title=title, width=console.width))
+        for line in rejection_notes(result):
+            console.print(line, markup=False, highlight=False)
         console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json)")
     return paths.out_dir

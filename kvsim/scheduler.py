@@ -129,7 +129,13 @@ class Scheduler:
         if seq.num_final_tokens > self.max_model_len:
             return f"prompt + output = {seq.num_final_tokens} tokens > max_model_len {self.max_model_len}"
         if not self.allocator.can_ever_fit(seq):
-            return f"needs {seq.num_final_tokens} tokens of KV, more than the allocator can ever hold"
+            alloc = self.allocator
+            needs = f"needs {seq.num_final_tokens} tokens of KV"
+            if hasattr(alloc, "slab_size"):  # flat: the reserve policy decides the slab, not the request
+                needs = f"its slab of {alloc.slab_size(seq):,} token slots ({alloc.reserve} reservation)"
+            watermark = getattr(alloc, "watermark_blocks", 0)
+            why = f" (admission keeps {watermark:,} of its {alloc.num_blocks:,} blocks free: the watermark)" if watermark else ""
+            return f"{needs}, more than the allocator can ever hold{why}"
         self.waiting.append(seq)
         return None
 

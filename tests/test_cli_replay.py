@@ -128,3 +128,13 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(out)])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [f"kvsim: error: --out: cannot write {out / 'summary.csv'}: Is a directory"]
+
+
+def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
+    """With every request rejected the table showed only dashes (the rejected column had no room at 80 columns)."""
+    path = write_tiny(tmp_path, count=5, budget_tokens=16)  # one 16-token block; every request needs 24+
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if "rejected 5 of 5 requests" in line]
+    assert len(notes) == 3 and notes[0].startswith("flat-oracle: rejected 5 of 5 requests, e.g. request 0: its slab of ")
+    assert "rejected" not in cli(["replay", str(write_tiny(tmp_path, count=5)), "--no-tensors", "--out", str(tmp_path / "p")]).stdout

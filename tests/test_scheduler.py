@@ -241,3 +241,15 @@ def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
         finished += sched.postprocess(out)
     assert sorted(s.seq_id for s in finished) == [0, 1, 2, 3]
     assert rows < steps  # runs happened, and none of them failed an append (that would assert)
+
+
+def test_a_rejection_names_the_flat_reservation_or_the_watermark_that_refused_it():
+    """The reason said only "needs N tokens": true of neither a flat-max slab nor a prompt the watermark shuts out."""
+    flat = make_scheduler(AllocatorConfig("flat", reserve="max"), budget_tokens=40, max_model_len=64)
+    assert flat.add_request(make_seq(0, 5, 5)) == (
+        "its slab of 64 token slots (max reservation), more than the allocator can ever hold")
+    paged = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.5), budget_tokens=16)
+    assert paged.add_request(make_seq(1, 12, 0)) == (
+        "needs 12 tokens of KV, more than the allocator can ever hold "
+        "(admission keeps 2 of its 4 blocks free: the watermark)")
+    assert paged.add_request(make_seq(2, 8, 0)) is None  # 2 blocks: admitted alongside the 2 kept free
