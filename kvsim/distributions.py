@@ -210,7 +210,8 @@ def arrival_from_fields(f: Fields) -> ArrivalProcess:
         result = ArrivalProcess("burst", size=f.int("size", min=1), every_s=f.float("every_s", min=0, exclusive=True))
     else:
         rate = f.float("rate", min=0, exclusive=True)
-        cv = f.float("cv", min=0, exclusive=True) if process == "gamma" else 1.0
+        # cv**2 must stay a normal float: a cv of 1e-300 made the gamma shape 1 / 0 (a ZeroDivisionError)
+        cv = f.float("cv", min=1e-6, max=1e6) if process == "gamma" else 1.0
         result = ArrivalProcess(process, rate=rate, cv=cv)
     f.done()
     return result

@@ -293,6 +293,8 @@ def test_list_items_are_named_by_index(tmp_path):
         ("requests.prompt_tokens", {"dist": "constant", "value": 10**30}, "requests.prompt_tokens.value: must be <= 16,777,216"),
         ("requests.prompt_tokens", {"dist": "zipf", "exponent": 1.1, "max": 10**12}, "requests.prompt_tokens.max: must be <= 16,777,216"),
         ("requests.prompt_tokens", {"dist": "empirical", "values": [10, 2**40]}, "requests.prompt_tokens.values[1]: must be <= 16,777,216"),
+        ("requests.arrival", {"process": "gamma", "rate": 10, "cv": 1e-300}, "requests.arrival.cv: must be >= 1e-06, got 1e-300"),
+        ("requests.arrival", {"process": "gamma", "rate": 10, "cv": 1e7}, "requests.arrival.cv: must be <= 1,000,000"),
     ],
 )
 def test_sizes_beyond_what_a_replay_can_hold_are_errors(tmp_path, field, value, message):
