@@ -517,3 +517,13 @@ def test_an_empty_queue_keeps_a_whole_request_axis(report_dir):
     steps.assign(num_waiting=0).to_parquet(report_dir / "steps.parquet", index=False)
     waiting_ax = draw(report_dir, "timeline").axes[1]
     assert waiting_ax.get_ylim() == (0.0, 1.0)  # was 0 .. 0.055: fractions of a request
+
+
+@pytest.mark.parametrize("text, kind", [("null", "NoneType"), ("[1, 2]", "list")])
+def test_a_meta_json_that_is_not_an_object_is_one_error_line(tmp_path, cli, text, kind):
+    """`null` was an AttributeError traceback as soon as a chart asked it for the model."""
+    report_dir = make_replay_report(tmp_path / "r", with_summary=False)
+    (report_dir / "meta.json").write_text(text)
+    result = cli(["plot", str(report_dir)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"kvsim: error: {report_dir / 'meta.json'}: expected a JSON object, got {kind}"]

@@ -168,6 +168,8 @@ def load_report(path: str | Path) -> Report:
             report.meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise KvsimError(f"cannot read meta.json: {exc}", source=str(path / "meta.json")) from None
+        if not isinstance(report.meta, dict):  # `null` or a list: every lookup in it would be a traceback
+            raise KvsimError(f"expected a JSON object, got {type(report.meta).__name__}", source=str(path / "meta.json"))
     if not report.is_replay:
         tables = {p.stem: _read_table(p) for p in sorted(path.glob("*.csv"))}
         report.bench = {stem: t for stem, t in tables.items() if {"op", "kernel"} <= set(t.columns)}
