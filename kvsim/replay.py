@@ -195,6 +195,10 @@ def run_replay(
     if not requests:
         raise KvsimError("the workload has no requests", source=source, field="requests")
     device, note = "none", None
+    num_attention_layers = len(model.attention_layers)
+    if options.tensors and options.num_layers > num_attention_layers:  # more would be timed as more than the model
+        raise KvsimError(f"{model.name} has {num_attention_layers} attention layers; materialise at most that many, "
+                         f"got {options.num_layers}", field="--layers")
     if options.tensors:
         from kvsim.engine.cache import resolve_device
 
@@ -247,15 +251,20 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     if options.tensors:
         from kvsim.engine.cache import KVCache
 
-        cache = KVCache(
-            spec,
-            allocator.num_slots,
-            device=options.device,
-            num_layers=options.num_layers,
-            integrity=options.integrity,
-            num_q_heads=ctx.model.num_attention_heads,
-            seed=ctx.seed,
-        )
+        try:
+            cache = KVCache(
+                spec,
+                allocator.num_slots,
+                device=options.device,
+                num_layers=options.num_layers,
+                integrity=options.integrity,
+                num_q_heads=ctx.model.num_attention_heads,
+                seed=ctx.seed,
+            )
+        except KvsimError as exc:  # the cache names its argument num_layers; the user typed --layers
+            if exc.field != "num_layers":
+                raise
+            raise KvsimError(str(exc).removeprefix("num_layers: "), field="--layers") from None
     runner = ModelRunner(cache, allocator, read_every=options.read_every or 1) if cache is not None else None
     needs_ids = config.prefix_caching or options.integrity
 

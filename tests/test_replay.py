@@ -307,3 +307,17 @@ def test_a_mistyped_device_is_an_error_even_without_tensors():
         ReplayOptions(device="tpu", tensors=False)
     for device in ("auto", "cpu", "cuda", "cuda:1"):
         assert ReplayOptions(device=device, tensors=False).device == device
+
+
+def test_layers_beyond_the_model_and_a_pool_too_big_for_memory_name_the_flag(tmp_path, monkeypatch):
+    """--layers 1000 on a 2-layer model tried to allocate 1000 layers (and would time them as the model's 2);
+    the free-memory refusal named `num_layers`, the cache's argument, not the flag."""
+    from kvsim.engine import cache
+    from kvsim.errors import KvsimError
+
+    workload = tiny_workload(tmp_path, count=2)
+    with pytest.raises(KvsimError, match=r"^--layers: \S+ has 2 attention layers; materialise at most that many, got 3$"):
+        run_replay(workload, ReplayOptions(device="cpu", num_layers=3), workers=1)
+    monkeypatch.setattr(cache, "free_memory_bytes", lambda device: 1000)
+    with pytest.raises(KvsimError, match=r"^--layers: the KV pool needs .* but cpu has 1000 B free"):
+        run_replay(workload, ReplayOptions(device="cpu", num_layers=2), workers=1)
