@@ -106,7 +106,13 @@ class ModelRunner:
         begin = 0
         if self.paged:
             table = self.allocator.block_table(seq)
+            bs = self.allocator.block_size
             held = next((j for j, b in enumerate(table) if b is not None), len(table))
-            begin = min(held * self.allocator.block_size, end)
+            begin = min(held * bs, end)
+            window = self.allocator.lanes[0].window
+            if window is not None:
+                # Positions before the window's first block are never read again; a swap-out dropped them, and
+                # the swap-in gives them fresh (unwritten) blocks, so only the window is checked.
+                begin = max(begin, min(end, max(0, end - window) // bs * bs))
         slots = self.allocator.slot_mapping(seq, begin, end)  # (end - begin,)
         self.cache.verify(seq.seq_id, slots, np.arange(begin, end, dtype=np.int64))

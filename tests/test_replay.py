@@ -321,3 +321,24 @@ def test_layers_beyond_the_model_and_a_pool_too_big_for_memory_name_the_flag(tmp
     monkeypatch.setattr(cache, "free_memory_bytes", lambda device: 1000)
     with pytest.raises(KvsimError, match=r"^--layers: the KV pool needs .* but cpu has 1000 B free"):
         run_replay(workload, ReplayOptions(device="cpu", num_layers=2), workers=1)
+
+
+SLIDING_MODEL = TINY_MODEL.replace('"model_type": "llama"', '"model_type": "mistral"').replace(
+    '"torch_dtype"', '"sliding_window": 32, "torch_dtype"'
+)
+
+
+def test_integrity_holds_for_a_sliding_window_model_swapped_out_and_back(tmp_path):
+    """Every layer slides (Mistral-style): blocks behind the window are freed while decoding, a swap-out drops
+    them, and the swap-in's integrity check must cover the window only (it used to flag position 0)."""
+    (tmp_path / "tiny-model.json").write_text(SLIDING_MODEL)
+    text = TINY.format(budget=300 * BPT, count=10, preemption="swap").replace("max: 200}", "max: 160}")
+    text = text.replace("  - {kind: paged, block_size: 16, prefix_caching: true}\n", "")
+    text = text.replace("  shared_prefix: {groups: 2, tokens: 48, fraction: 0.5}\n", "")
+    path = tmp_path / "sliding.yaml"
+    path.write_text(text)
+    options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2, read_every=1)
+    result = run_replay(load_workload(path), options)
+    paged = result.runs[1]
+    assert paged.num_preemptions.sum() > 0  # swaps happened, after the window had freed blocks
+    assert all(reason is None for reason in paged.rejected_reason)
