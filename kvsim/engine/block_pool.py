@@ -133,6 +133,23 @@ class BlockPool:
         self.num_blocks_allocated += num_blocks
         return out
 
+    def get_new_block(self) -> Block:
+        """`get_new_blocks(1)[0]` without the lists: a decode step opening one block."""
+        queue = self.free_queue
+        head = queue._head
+        block = head.next_free
+        assert block is not queue._tail, "free queue is empty"
+        nxt = block.next_free
+        head.next_free, nxt.prev_free = nxt, head
+        block.prev_free = block.next_free = None
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        queue.num_free_blocks -= 1
+        self.num_blocks_allocated += 1
+        return block
+
     def get_cached_block(self, block_hash: int) -> Block | None:
         return self.cached_block_hash_to_block.get(block_hash)
 

@@ -138,7 +138,7 @@ class PagedAllocator(KVAllocator):
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
         req = self._reqs[seq]
         total = seq.num_computed_tokens + num_new_tokens
-        if total < req.next_event:
+        if total <= req.quiet_until:
             return True
         return self._grow_decode(req, seq.num_computed_tokens, total)
 
@@ -148,8 +148,8 @@ class PagedAllocator(KVAllocator):
         failed = []
         for seq in seqs:
             req = reqs[seq]
-            total = seq.num_computed_tokens + 1
-            if total >= req.next_event and not grow(req, total - 1, total):
+            computed = seq.num_computed_tokens
+            if computed >= req.quiet_until and not grow(req, computed, computed + 1):  # computed + 1 > quiet_until
                 failed.append(seq)
         return failed
 
@@ -183,7 +183,7 @@ class PagedAllocator(KVAllocator):
         self._reqs[child] = req
         if computed % self.block_size:
             self._fork_partials[shared[-1].block_id] = computed % self.block_size
-        parent_req.next_event = req.next_event = 0  # both take the slow path once: copy-on-write check
+        parent_req.quiet_until = req.quiet_until = -1  # both take the slow path once: copy-on-write check
         return True
 
     def pop_copy_on_write(self) -> list[tuple[int, int]]:
@@ -365,7 +365,7 @@ class PagedAllocator(KVAllocator):
         for lane_idx, lane in enumerate(self.lanes):
             if lane.window is not None:
                 event = min(event, (req.freed[lane_idx] + 1) * bs + lane.window)
-        req.next_event = event
+        req.quiet_until = event - 1
 
     def _set_cap(self, req: PagedRequest, cap: int) -> None:
         used = min(cap, req.final)
@@ -374,28 +374,57 @@ class PagedAllocator(KVAllocator):
         req.cap, req.used = cap, used
 
     def _grow_uniform(self, req: PagedRequest, computed: int, total: int) -> bool:
-        """`_grow` for one lane of one-page blocks with no copy-on-write pending: the decode hot path's slow step."""
-        if req.next_event == 0:  # just forked: the general path checks copy-on-write
+        """`_grow` for one lane of one-page blocks with no copy-on-write pending: the decode hot path's slow step.
+
+        A decode token comes here twice per block: when it fills the last block (hash and cache it) and when
+        it opens the next one (one block from the pool). Both single-block cases are inlined.
+        """
+        if req.quiet_until < 0:  # just forked: the general path checks copy-on-write
             return self._grow(req, computed, total)
         bs, cap = self.block_size, req.cap
         if total > cap:
-            num_new = (total - cap + bs - 1) // bs
             pool = self.pool
-            if pool.free_queue.num_free_blocks < num_new:
-                return False
-            req.tables[0] += pool.get_new_blocks(num_new)
-            cap += num_new * bs
-            used = cap if cap < req.final else req.final
+            if total - cap <= bs:
+                if not pool.free_queue.num_free_blocks:
+                    return False
+                req.tables[0].append(pool.get_new_block())
+                cap += bs
+            else:
+                num_new = (total - cap + bs - 1) // bs
+                if pool.free_queue.num_free_blocks < num_new:
+                    return False
+                req.tables[0] += pool.get_new_blocks(num_new)
+                cap += num_new * bs
+            final = req.final
+            used = cap if cap < final else final
             self._sum_cap += cap - req.cap
             self._sum_used += used - req.used
             req.cap, req.used = cap, used
-        event = cap + 1
-        if req.token_bytes is not None:
-            if (req.num_hashed + 1) * bs <= total:
-                self._register(req, total)
-            if (req.num_hashed + 1) * bs < event:
-                event = (req.num_hashed + 1) * bs
-        req.next_event = event
+        token_bytes = req.token_bytes
+        if token_bytes is None:
+            req.quiet_until = cap
+            return True
+        j = req.num_hashed
+        filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
+        if filled == j + 1:  # one block filled: _register, inlined
+            hashes = req.hashes
+            if j < len(hashes):
+                h = hashes[j]
+            else:
+                step = bs * 8
+                h = hash((hashes[j - 1] if j else _ROOT_HASH, token_bytes[j * step : filled * step]))
+                hashes.append(h)
+            block = req.tables[0][j]
+            cached = self.pool.cached_block_hash_to_block
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+            req.num_hashed = j = filled
+        elif filled > j:
+            self._register(req, total)
+            j = req.num_hashed
+        event = (j + 1) * bs  # the next block to hash fills here
+        req.quiet_until = cap if cap < event else event - 1
         return True
 
     def _grow(self, req: PagedRequest, computed: int, total: int) -> bool:

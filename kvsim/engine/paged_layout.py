@@ -59,7 +59,7 @@ class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
     __slots__ = (
-        "seq", "final", "token_bytes", "tables", "freed", "state_pages", "hashes", "num_hashed", "next_event", "hit",
+        "seq", "final", "token_bytes", "tables", "freed", "state_pages", "hashes", "num_hashed", "quiet_until", "hit",
         "cap", "used",
     )
 
@@ -72,7 +72,7 @@ class PagedRequest:
         self.state_pages: list[Block] = []
         self.hashes: list[int] = []  # chained hashes of leading full blocks computed so far
         self.num_hashed = 0  # leading blocks registered in the prefix cache
-        self.next_event = 0  # append needs work once computed + new tokens reach this
+        self.quiet_until = -1  # an append up to this many computed + new tokens is one compare; -1: slow path
         self.hit = 0  # prefix-cache hit (or forked tokens) at admission
         self.cap = 0  # token slots allocated: num_blocks * block_size (same in every lane)
         self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
