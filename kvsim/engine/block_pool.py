@@ -105,6 +105,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[int, Block] = {}
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out by get_new_blocks since creation (for benchmarks)
+        self._uncached_mark, self._cached_mark = Block(-1), Block(-1)  # free_blocks' scratch chain ends
 
     @property
     def num_free_blocks(self) -> int:
@@ -172,23 +173,40 @@ class BlockPool:
         """One holder fewer for each of `blocks`, given in eviction order (a request's tail first).
 
         A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head.
+        Each kind is first linked into a chain of its own behind a scratch sentinel (two link writes a
+        block), then spliced into the queue once:
+
+            head <-> [uncached chain] <-> ...queue... <-> [cached chain] <-> tail
         """
         queue = self.free_queue
-        head, tail = queue._head, queue._tail
-        freed = 0
-        for block in blocks:  # append / appendleft, inlined
-            block.ref_count -= 1
-            if block.ref_count > 0:
-                self.num_shared_refs -= 1
+        u_mark, c_mark = self._uncached_mark, self._cached_mark
+        u_first = u_mark  # the uncached chain grows at its front: the last one freed is reused first
+        c_last = c_mark  # the cached chain grows at its back: the first one freed is evicted first
+        still_shared = freed = 0
+        for block in blocks:
+            ref_count = block.ref_count = block.ref_count - 1
+            if ref_count:
+                assert ref_count > 0, block
+                still_shared += 1
                 continue
-            assert block.ref_count == 0, block
             if block.block_hash is None:
-                first = head.next_free
-                head.next_free, block.prev_free = block, head
-                block.next_free, first.prev_free = first, block
+                block.next_free, u_first.prev_free = u_first, block
+                u_first = block
             else:
-                last = tail.prev_free
-                last.next_free, block.prev_free = block, last
-                block.next_free, tail.prev_free = tail, block
+                c_last.next_free, block.prev_free = block, c_last
+                c_last = block
             freed += 1
+        if u_first is not u_mark:
+            head = queue._head
+            u_last, nxt = u_mark.prev_free, head.next_free
+            head.next_free, u_first.prev_free = u_first, head
+            u_last.next_free, nxt.prev_free = nxt, u_last
+            u_mark.prev_free = None
+        if c_last is not c_mark:
+            tail = queue._tail
+            c_first, prev = c_mark.next_free, tail.prev_free
+            prev.next_free, c_first.prev_free = c_first, prev
+            c_last.next_free, tail.prev_free = tail, c_last
+            c_mark.next_free = None
+        self.num_shared_refs -= still_shared
         queue.num_free_blocks += freed

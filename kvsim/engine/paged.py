@@ -308,19 +308,16 @@ class PagedAllocator(KVAllocator):
         end = min(total, req.final) // bs
         if j >= end:
             return
-        step, table, cached = bs * 8, req.tables[0], self.pool.cached_block_hash_to_block
-        h = hashes[j - 1] if j else _ROOT_HASH
-        while j < end:
-            if j < len(hashes):
-                h = hashes[j]
-            else:
-                h = hash((h, token_bytes[j * step : (j + 1) * step]))
-                hashes.append(h)
-            block = table[j]
-            if block.block_hash is None and h not in cached:  # as BlockPool.cache_full_block, inlined
+        step = bs * 8
+        h = hashes[-1] if hashes else _ROOT_HASH
+        append = hashes.append
+        for start in range(len(hashes) * step, end * step, step):  # extend the chain to `end` blocks
+            h = hash((h, token_bytes[start : start + step]))
+            append(h)
+        cached = self.pool.cached_block_hash_to_block
+        for block, h in zip(req.tables[0][j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
+            if block.block_hash is None and cached.setdefault(h, block) is block:
                 block.block_hash = h
-                cached[h] = block
-            j += 1
         req.num_hashed = end
 
     def _fork_tail_duplicates(self) -> tuple[int, int]:
