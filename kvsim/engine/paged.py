@@ -99,14 +99,13 @@ class PagedAllocator(KVAllocator):
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[Block] = []
-        hashes: list[int] = []
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        token_bytes = self._token_bytes(seq)
-        if token_bytes is not None:
+        hashes = self._block_hashes(seq, [])
+        if hashes is not None:
             query = min(num_tokens, seq.num_final_tokens)
-            hashes, hit_blocks = self._lookup(token_bytes, (query - 1) // bs)
+            hit_blocks = self._lookup(hashes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         total = hit + min(num_new_tokens, num_tokens - hit)
         num_blocks = -(-total // bs)
@@ -115,8 +114,7 @@ class PagedAllocator(KVAllocator):
         if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
             return None
 
-        req = PagedRequest(seq, len(self.lanes), token_bytes)
-        req.hashes = hashes
+        req = PagedRequest(seq, len(self.lanes), hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
@@ -174,10 +172,10 @@ class PagedAllocator(KVAllocator):
         computed = parent.num_computed_tokens
         shared = parent_req.tables[0][: -(-computed // self.block_size)]
         self.pool.touch(shared)
-        req = PagedRequest(child, 1, self._token_bytes(child))
+        num_hashed = min(parent_req.num_hashed, computed // self.block_size)
+        req = PagedRequest(child, 1, self._block_hashes(child, parent_req.hashes[:num_hashed] if parent_req.hashes else []))
         req.tables[0] = list(shared)
-        req.num_hashed = min(parent_req.num_hashed, computed // self.block_size)
-        req.hashes = parent_req.hashes[: req.num_hashed]
+        req.num_hashed = num_hashed
         req.hit = computed
         self._set_cap(req, len(shared) * self.block_size)
         self._reqs[child] = req
@@ -277,43 +275,48 @@ class PagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _token_bytes(self, seq: Sequence) -> bytes | None:
-        """`seq`'s token ids as int64 bytes, sliced per block for hashing; None when nothing is hashed."""
+    def _block_hashes(self, seq: Sequence, hashes: list[int]) -> list[int] | None:
+        """Chained hashes of every full block of `seq`'s final tokens, extending `hashes` (its leading blocks'
+        hashes, e.g. a fork parent's); None when nothing is hashed.
+
+        All at admission, in one tight loop over one bytes copy: a decode step that fills a block then only
+        looks its hash up. `hash((parent_hash, block's int64 token bytes))`, with a fixed root parent.
+        """
         if not self.enable_prefix_caching or seq.token_ids is None:
             return None
-        return np.ascontiguousarray(seq.token_ids[: seq.num_final_tokens], dtype=np.int64).tobytes()
-
-    def _lookup(self, token_bytes: bytes, max_blocks: int) -> tuple[list[int], list[Block]]:
-        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included)."""
-        cached = self.pool.cached_block_hash_to_block
-        step = self.block_size * 8
-        hashes: list[int] = []
-        hits: list[Block] = []
-        parent = _ROOT_HASH
-        for j in range(max_blocks):
-            parent = hash((parent, token_bytes[j * step : (j + 1) * step]))
-            hashes.append(parent)
-            block = cached.get(parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hashes, hits
-
-    def _register(self, req: PagedRequest, total: int) -> None:
-        """Hash and cache every full block whose tokens are all within `total` (computed + scheduled)."""
-        token_bytes = req.token_bytes
-        if token_bytes is None:
-            return
-        bs, hashes, j = self.block_size, req.hashes, req.num_hashed
-        end = min(total, req.final) // bs
-        if j >= end:
-            return
+        bs = self.block_size
+        start, end = len(hashes), seq.num_final_tokens // bs
+        if start >= end:
+            return hashes
+        token_bytes = np.ascontiguousarray(seq.token_ids[start * bs : end * bs], dtype=np.int64).tobytes()
         step = bs * 8
         h = hashes[-1] if hashes else _ROOT_HASH
         append = hashes.append
-        for start in range(len(hashes) * step, end * step, step):  # extend the chain to `end` blocks
-            h = hash((h, token_bytes[start : start + step]))
+        for offset in range(0, len(token_bytes), step):
+            h = hash((h, token_bytes[offset : offset + step]))
             append(h)
+        return hashes
+
+    def _lookup(self, hashes: list[int], max_blocks: int) -> list[Block]:
+        """Cached blocks of the leading `hashes`, up to `max_blocks`, until the first miss."""
+        get = self.pool.cached_block_hash_to_block.get
+        hits: list[Block] = []
+        for h in hashes[:max_blocks]:
+            block = get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _register(self, req: PagedRequest, total: int) -> None:
+        """Cache every full block whose tokens are all within `total` (computed + scheduled) under its hash."""
+        hashes = req.hashes
+        if hashes is None:
+            return
+        j = req.num_hashed
+        end = min(total, req.final) // self.block_size
+        if j >= end:
+            return
         cached = self.pool.cached_block_hash_to_block
         for block, h in zip(req.tables[0][j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
             if block.block_hash is None and cached.setdefault(h, block) is block:
@@ -357,7 +360,7 @@ class PagedAllocator(KVAllocator):
         """The smallest computed + new token count at which an append must do more than compare."""
         bs = self.block_size
         event = req.cap + 1
-        if req.token_bytes is not None:
+        if req.hashes is not None:
             event = min(event, (req.num_hashed + 1) * bs)
         for lane_idx, lane in enumerate(self.lanes):
             if lane.window is not None:
@@ -397,20 +400,14 @@ class PagedAllocator(KVAllocator):
             self._sum_cap += cap - req.cap
             self._sum_used += used - req.used
             req.cap, req.used = cap, used
-        token_bytes = req.token_bytes
-        if token_bytes is None:
+        hashes = req.hashes
+        if hashes is None:
             req.quiet_until = cap
             return True
         j = req.num_hashed
         filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
         if filled == j + 1:  # one block filled: _register, inlined
-            hashes = req.hashes
-            if j < len(hashes):
-                h = hashes[j]
-            else:
-                step = bs * 8
-                h = hash((hashes[j - 1] if j else _ROOT_HASH, token_bytes[j * step : filled * step]))
-                hashes.append(h)
+            h = hashes[j]
             block = req.tables[0][j]
             cached = self.pool.cached_block_hash_to_block
             if block.block_hash is None and h not in cached:

@@ -59,18 +59,17 @@ class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
     __slots__ = (
-        "seq", "final", "token_bytes", "tables", "freed", "state_pages", "hashes", "num_hashed", "quiet_until", "hit",
+        "seq", "final", "tables", "freed", "state_pages", "hashes", "num_hashed", "quiet_until", "hit",
         "cap", "used",
     )
 
-    def __init__(self, seq: Sequence, num_lanes: int, token_bytes: bytes | None):
+    def __init__(self, seq: Sequence, num_lanes: int, hashes: list[int] | None):
         self.seq = seq
         self.final = seq.num_final_tokens
-        self.token_bytes = token_bytes  # int64 token ids as bytes, None without prefix caching
         self.tables: list[list[Block | None]] = [[] for _ in range(num_lanes)]  # pages, per lane
         self.freed = [0] * num_lanes  # leading blocks returned to the pool (sliding lanes)
         self.state_pages: list[Block] = []
-        self.hashes: list[int] = []  # chained hashes of leading full blocks computed so far
+        self.hashes = hashes  # chained hashes of every full block of the final tokens; None: no prefix caching
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare; -1: slow path
         self.hit = 0  # prefix-cache hit (or forked tokens) at admission
