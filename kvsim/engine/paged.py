@@ -102,10 +102,10 @@ class PagedAllocator(KVAllocator):
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        hashes = self._block_hashes(seq, [])
-        if hashes is not None:
+        token_bytes = self._token_bytes(seq)
+        if token_bytes is not None:
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks = self._lookup(hashes, (query - 1) // bs)
+            hashes, hit_blocks = self._lookup(token_bytes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         total = hit + min(num_new_tokens, num_tokens - hit)
         num_blocks = -(-total // bs)
@@ -114,7 +114,7 @@ class PagedAllocator(KVAllocator):
         if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
             return None
 
-        req = PagedRequest(seq, len(self.lanes), hashes)
+        req = PagedRequest(seq, len(self.lanes), None if token_bytes is None else self._chain(hashes, token_bytes))
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
@@ -173,7 +173,9 @@ class PagedAllocator(KVAllocator):
         shared = parent_req.tables[0][: -(-computed // self.block_size)]
         self.pool.touch(shared)
         num_hashed = min(parent_req.num_hashed, computed // self.block_size)
-        req = PagedRequest(child, 1, self._block_hashes(child, parent_req.hashes[:num_hashed] if parent_req.hashes else []))
+        token_bytes = self._token_bytes(child)
+        hashes = None if token_bytes is None else self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_bytes)
+        req = PagedRequest(child, 1, hashes)
         req.tables[0] = list(shared)
         req.num_hashed = num_hashed
         req.hit = computed
@@ -275,38 +277,46 @@ class PagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _block_hashes(self, seq: Sequence, hashes: list[int]) -> list[int] | None:
-        """Chained hashes of every full block of `seq`'s final tokens, extending `hashes` (its leading blocks'
-        hashes, e.g. a fork parent's); None when nothing is hashed.
-
-        All at admission, in one tight loop over one bytes copy: a decode step that fills a block then only
-        looks its hash up. `hash((parent_hash, block's int64 token bytes))`, with a fixed root parent.
-        """
+    def _token_bytes(self, seq: Sequence) -> bytes | None:
+        """The int64 bytes of `seq`'s token ids over its full blocks (final length), sliced per block for
+        hashing; None when nothing is hashed."""
         if not self.enable_prefix_caching or seq.token_ids is None:
             return None
-        bs = self.block_size
-        start, end = len(hashes), seq.num_final_tokens // bs
-        if start >= end:
-            return hashes
-        token_bytes = np.ascontiguousarray(seq.token_ids[start * bs : end * bs], dtype=np.int64).tobytes()
-        step = bs * 8
-        h = hashes[-1] if hashes else _ROOT_HASH
-        append = hashes.append
-        for offset in range(0, len(token_bytes), step):
-            h = hash((h, token_bytes[offset : offset + step]))
-            append(h)
-        return hashes
+        end = seq.num_final_tokens // self.block_size * self.block_size
+        return np.ascontiguousarray(seq.token_ids[:end], dtype=np.int64).tobytes()
 
-    def _lookup(self, hashes: list[int], max_blocks: int) -> list[Block]:
-        """Cached blocks of the leading `hashes`, up to `max_blocks`, until the first miss."""
-        get = self.pool.cached_block_hash_to_block.get
+    def _lookup(self, token_bytes: bytes, max_blocks: int) -> tuple[list[int], list[Block]]:
+        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included).
+
+        Hashes stop at the first miss: a request refused at admission (and retried each step) pays little.
+        """
+        cached = self.pool.cached_block_hash_to_block
+        step = self.block_size * 8
+        hashes: list[int] = []
         hits: list[Block] = []
-        for h in hashes[:max_blocks]:
-            block = get(h)
+        parent = _ROOT_HASH
+        for j in range(max_blocks):
+            parent = hash((parent, token_bytes[j * step : (j + 1) * step]))
+            hashes.append(parent)
+            block = cached.get(parent)
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return hashes, hits
+
+    def _chain(self, hashes: list[int], token_bytes: bytes) -> list[int]:
+        """`hashes` (of leading blocks) extended to every full block of `token_bytes`: hash((parent, block)).
+
+        All of an admitted request's blocks at once, in one tight loop: a decode step that fills a block
+        then only looks its hash up.
+        """
+        step = self.block_size * 8
+        h = hashes[-1] if hashes else _ROOT_HASH
+        append = hashes.append
+        for offset in range(len(hashes) * step, len(token_bytes), step):
+            h = hash((h, token_bytes[offset : offset + step]))
+            append(h)
+        return hashes
 
     def _register(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) under its hash."""
