@@ -85,6 +85,65 @@ def test_uncached_reused_first_then_cached_in_lru_order():
     assert pool.get_cached_block(100) is b0
 
 
+@pytest.mark.parametrize("num_left_free", [0, 1, 3])
+def test_free_splices_uncached_to_the_head_and_cached_to_the_tail(num_left_free):
+    """A request's tail-first free: uncached blocks reused first (last freed first), cached ones evicted in
+    the order freed, shared ones stay held; whatever was already free stays between them."""
+    pool = BlockPool(8 + num_left_free, enable_caching=True)
+    blocks = pool.get_new_blocks(8)
+    already_free = [b.block_id for b in pool.free_queue.blocks()]
+    for b in blocks[:5]:
+        pool.cache_full_block(b, 300 + b.block_id)
+    pool.touch([blocks[1], blocks[6]])  # shared: a free leaves them held
+    pool.free_blocks(reversed(blocks))  # 7 6 5 4 3 2 1 0
+    assert ids(pool.free_queue.blocks()) == [5, 7] + already_free + [4, 3, 2, 0]
+    assert (blocks[1].ref_count, blocks[6].ref_count, pool.num_shared_refs) == (1, 1, 0)
+    assert_links(pool.free_queue)
+    assert mark_links_are_clear(pool)
+    pool.free_blocks([blocks[6], blocks[1]])
+    assert ids(pool.free_queue.blocks()) == [6, 5, 7] + already_free + [4, 3, 2, 0, 1]
+    assert_links(pool.free_queue)
+    assert ids(pool.get_new_blocks(4 + num_left_free)) == [6, 5, 7] + already_free + [4]
+    assert pool.get_cached_block(304) is None and blocks[4].block_hash is None  # evicted
+    assert pool.get_cached_block(303) is blocks[3]
+
+
+def mark_links_are_clear(pool: BlockPool) -> bool:
+    """free_blocks' scratch sentinels keep no block alive between calls."""
+    marks = (pool._uncached_mark, pool._cached_mark)
+    return all(m.prev_free is None and m.next_free is None for m in marks)
+
+
+def test_free_of_only_shared_or_only_one_kind_keeps_the_links():
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_full_block(c, 1)
+    pool.touch([a])
+    pool.free_blocks([a])  # still held: nothing moves
+    assert pool.free_queue.blocks() == [] and pool.num_free_blocks == 0
+    pool.free_blocks([b, d])  # uncached only, into an empty queue
+    assert ids(pool.free_queue.blocks()) == [3, 1]
+    pool.free_blocks([c])  # cached only
+    assert ids(pool.free_queue.blocks()) == [3, 1, 2]
+    assert_links(pool.free_queue)
+    assert mark_links_are_clear(pool)
+
+
+def test_get_new_block_matches_get_new_blocks():
+    twins = [BlockPool(3, enable_caching=True) for _ in range(2)]
+    for pool in twins:
+        held = pool.get_new_blocks(3)
+        pool.cache_full_block(held[0], 10)
+        pool.cache_full_block(held[2], 12)
+        pool.free_blocks(held)
+    taken = [[twins[0].get_new_block() for _ in range(3)], twins[1].get_new_blocks(3)]
+    assert ids(taken[0]) == ids(taken[1]) == [1, 0, 2]
+    for pool, blocks in zip(twins, taken):
+        assert [(b.ref_count, b.block_hash) for b in blocks] == [(1, None)] * 3
+        assert pool.num_free_blocks == 0 and pool.cached_block_hash_to_block == {} and pool.num_blocks_allocated == 6
+        assert_links(pool.free_queue)
+
+
 def test_touch_revives_a_free_cached_block_from_the_middle():
     pool = BlockPool(3, enable_caching=True)
     blocks = pool.get_new_blocks(3)

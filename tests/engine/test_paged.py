@@ -141,6 +141,48 @@ def test_uncached_blocks_reused_first_and_cached_evicted_lru():
     assert admit(alloc, make_seq(0, 5, 1)) == 0  # a's was evicted
 
 
+def probe_hit(alloc: PagedAllocator, token_ids: np.ndarray) -> int:
+    """Prefix-cache hit (tokens) of a request with these token ids, admitted and freed at once."""
+    seq = Sequence(99, len(token_ids), 0, token_ids=token_ids)
+    hit = alloc.allocate(seq, len(token_ids))
+    assert hit is not None
+    alloc.free(seq)
+    return hit
+
+
+def test_a_block_filled_by_decode_is_cached_when_its_last_token_is_scheduled():
+    alloc = make_alloc(12, enable_prefix_caching=True)
+    a = make_seq(0, 5, 7)  # final 12: block 0 full at admission, blocks 1 and 2 filled by decode
+    admit(alloc, a)
+
+    def num_cached() -> int:
+        return sum(alloc.pool.blocks[i].block_hash is not None for i in alloc.block_table(a))
+
+    assert num_cached() == 1
+    for total in range(6, 13):
+        assert alloc.append_decode([a]) == []  # schedules token total - 1
+        assert num_cached() == total // 4, total  # cached once its last token is scheduled, not before
+        a.num_computed_tokens += 1
+    assert alloc.block_table(a) == [0, 1, 2]
+    alloc.free(a)
+    assert probe_hit(alloc, np.concatenate([a.token_ids[:12], [7]])) == 12 and alloc.num_free_blocks == 12
+
+
+def test_a_fork_chains_its_own_block_hashes_from_its_parents():
+    alloc = make_alloc(12, enable_prefix_caching=True)
+    a = make_seq(0, 8, 4)
+    admit(alloc, a)
+    b = make_seq(1, 8, 4, prefix=a.token_ids[:8])  # same prompt, its own output tokens
+    assert alloc.fork(a, b)
+    b.num_computed_tokens = 8
+    for _ in range(4):
+        assert alloc.append_decode([b]) == []
+        b.num_computed_tokens += 1
+    assert alloc.block_table(b)[:2] == alloc.block_table(a)[:2] and len(alloc.block_table(b)) == 3
+    assert probe_hit(alloc, np.concatenate([b.token_ids[:12], [7]])) == 12  # b's third block is cached
+    assert probe_hit(alloc, np.concatenate([a.token_ids[:12], [7]])) == 8  # a has not written its own yet
+
+
 def test_watermark_refuses_admission_but_not_growth():
     alloc = make_alloc(100, watermark=0.05)
     assert alloc.watermark_blocks == 5
