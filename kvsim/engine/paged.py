@@ -99,6 +99,7 @@ class PagedAllocator(KVAllocator):
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[Block] = []
+        hashes: list[int] | None = None
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
@@ -114,7 +115,9 @@ class PagedAllocator(KVAllocator):
         if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
             return None
 
-        req = PagedRequest(seq, len(self.lanes), None if token_bytes is None else self._chain(hashes, token_bytes))
+        if hashes is not None:
+            hashes = self._chain(hashes, token_bytes)  # admitted: hash the rest of its blocks now, once
+        req = PagedRequest(seq, len(self.lanes), hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
@@ -174,7 +177,9 @@ class PagedAllocator(KVAllocator):
         self.pool.touch(shared)
         num_hashed = min(parent_req.num_hashed, computed // self.block_size)
         token_bytes = self._token_bytes(child)
-        hashes = None if token_bytes is None else self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_bytes)
+        hashes = None
+        if token_bytes is not None:  # the shared blocks keep the parent's hashes; the child's own chain from them
+            hashes = self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_bytes)
         req = PagedRequest(child, 1, hashes)
         req.tables[0] = list(shared)
         req.num_hashed = num_hashed
@@ -367,7 +372,8 @@ class PagedAllocator(KVAllocator):
                 self._fork_partials.pop(block.block_id, None)
 
     def _refresh(self, req: PagedRequest) -> None:
-        """The smallest computed + new token count at which an append must do more than compare."""
+        """`quiet_until`: the most computed + new tokens an append serves with one compare (the next block to
+        open, to hash, or to leave a sliding window comes one token later)."""
         bs = self.block_size
         event = req.cap + 1
         if req.hashes is not None:
