@@ -75,6 +75,7 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = budget_bytes // self.page_bytes  # pages of the pool
         self.num_slots = self.num_blocks * bs
         self.watermark_blocks = int(watermark * self.num_blocks)
+        self._block_bytes_dtype = np.dtype((np.void, bs * 8))  # one block of int64 token ids, for hashing
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -103,10 +104,10 @@ class PagedAllocator(KVAllocator):
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        token_bytes = self._token_bytes(seq)
-        if token_bytes is not None:
+        token_blocks = self._token_blocks(seq)
+        if token_blocks is not None:
             query = min(num_tokens, seq.num_final_tokens)
-            hashes, hit_blocks = self._lookup(token_bytes, (query - 1) // bs)
+            hashes, hit_blocks = self._lookup(token_blocks, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         total = hit + min(num_new_tokens, num_tokens - hit)
         num_blocks = -(-total // bs)
@@ -116,7 +117,7 @@ class PagedAllocator(KVAllocator):
             return None
 
         if hashes is not None:
-            hashes = self._chain(hashes, token_bytes)  # admitted: hash the rest of its blocks now, once
+            hashes = self._chain(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once
         req = PagedRequest(seq, len(self.lanes), hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -176,10 +177,10 @@ class PagedAllocator(KVAllocator):
         shared = parent_req.tables[0][: -(-computed // self.block_size)]
         self.pool.touch(shared)
         num_hashed = min(parent_req.num_hashed, computed // self.block_size)
-        token_bytes = self._token_bytes(child)
+        token_blocks = self._token_blocks(child)
         hashes = None
-        if token_bytes is not None:  # the shared blocks keep the parent's hashes; the child's own chain from them
-            hashes = self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_bytes)
+        if token_blocks is not None:  # the shared blocks keep the parent's hashes; the child's own chain from them
+            hashes = self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_blocks)
         req = PagedRequest(child, 1, hashes)
         req.tables[0] = list(shared)
         req.num_hashed = num_hashed
@@ -282,44 +283,43 @@ class PagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _token_bytes(self, seq: Sequence) -> bytes | None:
-        """The int64 bytes of `seq`'s token ids over its full blocks (final length), sliced per block for
-        hashing; None when nothing is hashed."""
+    def _token_blocks(self, seq: Sequence) -> list[bytes] | None:
+        """`seq`'s token ids as int64 bytes, one object per full block of its final length (what a block's hash
+        is taken of); None when nothing is hashed. One C call cuts them all (a void-dtype view's tolist)."""
         if not self.enable_prefix_caching or seq.token_ids is None:
             return None
         end = seq.num_final_tokens // self.block_size * self.block_size
-        return np.ascontiguousarray(seq.token_ids[:end], dtype=np.int64).tobytes()
+        token_ids = np.ascontiguousarray(seq.token_ids[:end], dtype=np.int64)  # (end,)
+        return token_ids.view(self._block_bytes_dtype).tolist()  # end // block_size bytes objects
 
-    def _lookup(self, token_bytes: bytes, max_blocks: int) -> tuple[list[int], list[Block]]:
+    def _lookup(self, token_blocks: list[bytes], max_blocks: int) -> tuple[list[int], list[Block]]:
         """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included).
 
         Hashes stop at the first miss: a request refused at admission (and retried each step) pays little.
         """
-        cached = self.pool.cached_block_hash_to_block
-        step = self.block_size * 8
+        get = self.pool.cached_block_hash_to_block.get
         hashes: list[int] = []
         hits: list[Block] = []
         parent = _ROOT_HASH
-        for j in range(max_blocks):
-            parent = hash((parent, token_bytes[j * step : (j + 1) * step]))
+        for block_bytes in token_blocks[:max_blocks]:
+            parent = hash((parent, block_bytes))
             hashes.append(parent)
-            block = cached.get(parent)
+            block = get(parent)
             if block is None:
                 break
             hits.append(block)
         return hashes, hits
 
-    def _chain(self, hashes: list[int], token_bytes: bytes) -> list[int]:
-        """`hashes` (of leading blocks) extended to every full block of `token_bytes`: hash((parent, block)).
+    def _chain(self, hashes: list[int], token_blocks: list[bytes]) -> list[int]:
+        """`hashes` (of leading blocks) extended to every block of `token_blocks`: hash((parent hash, bytes)).
 
         All of an admitted request's blocks at once, in one tight loop: a decode step that fills a block
         then only looks its hash up.
         """
-        step = self.block_size * 8
         h = hashes[-1] if hashes else _ROOT_HASH
         append = hashes.append
-        for offset in range(len(hashes) * step, len(token_bytes), step):
-            h = hash((h, token_bytes[offset : offset + step]))
+        for block_bytes in token_blocks[len(hashes) :]:
+            h = hash((h, block_bytes))
             append(h)
         return hashes
 
