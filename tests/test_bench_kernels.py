@@ -111,6 +111,16 @@ def test_paged_flex_attention_equals_contiguous_sdpa(block_size):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_compiled_paged_flex_attention_equals_sdpa_on_cpu(block_size):
+    # The compiled kernel takes the block lists (full blocks skip mask_mod), unlike eager: the path the GPU
+    # bench times. Inductor compiles FlexAttention for CPU too, so its block-list logic is checked here.
+    pool, tables, seq_lens, q, ref = _paged_problem(block_size, [3, 2 * block_size, 300], head_dim=64)
+    mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, pool.shape[1] * block_size)
+    out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=True)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_paged_flex_attention_reads_a_block_two_sequences_share():
     # prefix caching: both sequences start with physical block 2; the inverse table is per sequence
     gen = torch.Generator().manual_seed(3)
