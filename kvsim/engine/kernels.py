@@ -12,6 +12,8 @@ along dim 2 of the 6-D pool took 2-8 s for a 64-128 MiB gather that the 3-D view
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -76,14 +78,17 @@ if HAS_TRITON:
 
 
 def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
-    """The fused K+V scatter as one Triton kernel (CUDA only); slots < 0 are skipped, any head count works.
+    """The fused K+V scatter as one Triton kernel; slots < 0 are skipped, any head count works.
 
-    Needs each token's [H, D] row contiguous in both `src` and `kv_flat` (true of the pool and of slices of
-    the write buffer); other strides are passed to the kernel.
+    Runs on CUDA, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is
+    imported), which is how the tests check it without a GPU. Needs each token's [H, D] row contiguous in both
+    `src` and `kv_flat` (true of the pool and of slices of the write buffer); other strides are passed to the
+    kernel.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    assert kv_flat.is_cuda and src.is_cuda and slots.is_cuda
+    assert kv_flat.device == src.device == slots.device
+    assert kv_flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1", "the triton scatter needs CUDA or the interpreter"
     two, num_layers, num_tokens, h, d = src.shape
     assert two == 2 and kv_flat.shape[3:] == (h, d) and slots.shape == (num_tokens,)
     assert src.stride(4) == 1 and src.stride(3) == d and kv_flat.stride(4) == 1 and kv_flat.stride(3) == d

@@ -3,12 +3,19 @@ matches a float64 reference, integrity values are deterministic, token-unique an
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from kvsim.engine import kernels
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 L, S, H, D, BS = 2, 24, 2, 4, 4  # layers, slots, kv heads, head dim, block size
 
@@ -132,3 +139,41 @@ def test_triton_scatter_matches_index_copy_and_skips_negative_slots():
         kernels.scatter_index_copy(flat_b, slots[keep], src[:, :, keep])
         torch.cuda.synchronize()
         assert torch.equal(flat_a, flat_b)
+
+
+# Run in a child process: Triton picks its interpreter when a kernel is defined (at import), from this variable.
+_TRITON_ON_CPU = textwrap.dedent("""
+    import torch
+    from kvsim.engine import kernels
+
+    assert kernels.HAS_TRITON
+    gen = torch.Generator().manual_seed(0)
+    cases = [  # (layers, slots, heads, head_dim, dtype, tokens): rows of 32, 96, 256 and 4096 elements
+        (2, 24, 1, 32, torch.bfloat16, 6), (2, 24, 3, 32, torch.float16, 6), (3, 40, 8, 32, torch.float32, 9),
+        (1, 16, 32, 128, torch.bfloat16, 5),  # a row longer than the kernel's 2048-element tile: two tiles
+    ]
+    for num_layers, num_slots, h, d, dtype, n in cases:
+        flat_a = torch.randn(2, num_layers, num_slots, h, d, generator=gen).to(dtype)  # the pool's old contents
+        flat_b = flat_a.clone()
+        src = torch.randn(2, num_layers, 2 * n, h, d, generator=gen).to(dtype)[:, :, :n]  # strided tokens
+        slots = torch.randperm(num_slots, generator=gen)[:n]
+        slots[1::3] = -1  # padding: skipped
+        kernels.scatter_triton(flat_a, slots, src)
+        keep = slots >= 0
+        kernels.scatter_index_copy(flat_b, slots[keep], src[:, :, keep])
+        assert torch.equal(flat_a, flat_b), (num_layers, h, d, dtype)
+    empty = torch.zeros(2, 1, 4, 2, 8)
+    kernels.scatter_triton(empty, torch.full((3,), -1), torch.ones(2, 1, 3, 2, 8))  # all padding: nothing written
+    assert not empty.any()
+    print("ok", len(cases))
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_scatter_under_the_interpreter_matches_index_copy():
+    # The fused K+V Triton kernel, run on CPU tensors by Triton's interpreter: same bytes as index_copy_, slots
+    # < 0 skipped, any head count, rows longer than one tile. (The GPU test below runs the compiled kernel.)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _TRITON_ON_CPU], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "4"]
