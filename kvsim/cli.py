@@ -175,7 +175,7 @@ def bench_kernels(
     out: Annotated[str, typer.Option("--out", help="Directory for kernels-<device>.csv.")] = "reports/bench",
 ) -> None:
     """K/V write and decode-attention kernels, paged vs contiguous, against a copy and a read roofline."""
-    from kvsim.bench.kernels import show_bench_kernels
+    from kvsim.bench.kernels_view import show_bench_kernels
 
     show_bench_kernels(
         model, block_sizes=block_sizes, batch_sizes=batch_sizes, context_lens=context_lens, kv_dtype=kv_dtype,

@@ -8,16 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from kvsim.bench import flex_paged
-from kvsim.bench.kernels import (
-    COLUMNS,
-    KernelShape,
-    bench_kernels,
-    measure,
-    model_shape,
-    parse_sizes,
-    random_block_tables,
-    slot_mapping,
-)
+from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_tables, slot_mapping
+from kvsim.bench.kernel_timing import measure
+from kvsim.bench.kernels import COLUMNS, bench_kernels
+from kvsim.bench.kernels_view import parse_sizes
 from kvsim.engine import kernels
 from kvsim.errors import KvsimError
 

@@ -9,7 +9,7 @@ import torch
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.engine.kv_cache_spec import KVCacheSpec
-from kvsim.profile import PagedPool, PerRequestTensors, replay_stream
+from kvsim.profile_stream import PagedPool, PerRequestTensors, replay_stream
 from kvsim.requests import RequestSpec
 
 # One layer, one KV head of dim 1, bf16: 2 (K, V) x 2 bytes = 4 bytes per token.

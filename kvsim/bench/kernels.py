@@ -1,29 +1,24 @@
-"""`kvsim bench kernels`: what paging costs in the write and decode-attention kernels, against a roofline.
-
-For one layer of a model's real shapes and each (batch size, context length, block size): the K/V write
-through a slot mapping (index_copy_, index_put_, the fused Triton scatter), and decode attention (contiguous
-SDPA baseline, gather-then-SDPA, paged FlexAttention and its contiguous control), beside a same-size
-device-to-device copy and a read-only reduction measured in the same run. CPU numbers are not GPU numbers.
-"""
+"""`kvsim bench kernels`, the sweep: per (batch, context length, block size) of one model layer, time the K/V
+write (index_copy_, index_put_, Triton scatter) and decode attention (SDPA, gather-then-SDPA, paged and contiguous
+FlexAttention) beside a same-size copy and a read-only reduction (the rooflines); one CSV row per kernel."""
 
 from __future__ import annotations
 
 import platform
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvsim.bench import flex_paged
+from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_tables, slot_mapping
+from kvsim.bench.kernel_timing import measure
 from kvsim.engine import kernels
 from kvsim.engine.cache import TORCH_DTYPES, resolve_device
 from kvsim.errors import KvsimError
 
-BENCH_DTYPES = ("bf16", "fp16", "fp32")  # SDPA and FlexAttention compute in these
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 # GPU sizes reach KV reads of GiBs (>> L2); CPU sizes keep the whole run to seconds.
 DEFAULT_SIZES = {"cuda": ((8, 64), (2048, 16384)), "cpu": ((2,), (256,))}
@@ -34,109 +29,6 @@ COLUMNS = [
     "p20_us", "p80_us", "reps", "bandwidth_gbps", "roofline_gbps", "pct_of_roofline", "max_abs_err",
     "working_set_bytes", "l2_bytes", "l2_flushed", "flex_compiled",
 ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class KernelShape:
-    """One attention layer as the kernels see it (per TP rank): KV heads, query heads, head dim, dtype."""
-
-    model: str
-    num_kv_heads: int
-    num_q_heads: int
-    head_dim: int
-    kv_dtype: str
-    dtype_bytes: int
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        """K and V of `num_tokens` tokens of one layer."""
-        return 2 * num_tokens * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def write_bytes(self, num_tokens: int) -> int:
-        """A scatter's algorithmic traffic: read the new K/V, write it to the pool, read int64 slots."""
-        return 2 * self.kv_bytes(num_tokens) + 8 * num_tokens
-
-    def decode_bytes(self, batch: int, context_len: int, index_bytes: int = 0) -> int:
-        """One decode step: read every sequence's K/V, read q and write the output (+ the block table read)."""
-        return self.kv_bytes(batch * context_len) + 2 * batch * self.num_q_heads * self.head_dim * self.dtype_bytes + index_bytes
-
-
-def model_shape(model: str, kv_dtype: str = "bf16") -> KernelShape:
-    """The first attention layer of `model` (catalogue name, HF id or config.json). MLA reads one latent head."""
-    from kvsim.catalogue import resolve_model
-    from kvsim.sizing import kv_cache_spec
-
-    if kv_dtype not in BENCH_DTYPES:
-        raise KvsimError(f"the kernel benchmark runs {', '.join(BENCH_DTYPES)}, got {kv_dtype!r}", field="--kv-dtype")
-    spec = resolve_model(model)
-    kv = kv_cache_spec(spec, kv_dtype=kv_dtype)
-    if kv.num_kv_heads == 0:
-        raise KvsimError(f"{spec.name} has no attention layer to benchmark", field="--model")
-    return KernelShape(spec.name, kv.num_kv_heads, spec.num_attention_heads, kv.head_dim, kv_dtype, kv.dtype_bytes)
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Microseconds per call over `reps` repetitions: median and the 20th/80th percentiles."""
-
-    median_us: float
-    p20_us: float
-    p80_us: float
-    reps: int
-
-
-def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Timing:
-    """Time `fn`, already warmed up (and compiled) by the caller, over at least `reps` repetitions.
-
-    CUDA: CUDA events around each call, L2 flushed before each by zeroing a buffer twice its size (as
-    triton.testing.do_bench does), and repetitions added until they span about 100 ms.
-    CPU: a perf_counter loop of at least `reps` calls, more (up to 1000) until they span 0.2 s, so that a
-    shared machine's scheduler preempting one call does not move the median.
-    """
-    import time
-
-    if device.type != "cuda":
-        times: list[float] = []
-        while len(times) < reps or (sum(times) < 2e5 and len(times) < 1000):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        reps = len(times)
-    else:
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        flush = torch.empty(max(2 * l2, 2**28) // 4, dtype=torch.int32, device=device)
-        probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        probe[0].record()
-        for _ in range(5):
-            fn()
-        probe[1].record()
-        torch.cuda.synchronize(device)
-        estimate_ms = max(probe[0].elapsed_time(probe[1]) / 5, 1e-3)
-        reps = max(reps, min(1000, int(100 / estimate_ms)))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) * 1e3 for start, end in events]
-    p20, median, p80 = np.percentile(times, [20, 50, 80])
-    return Timing(float(median), float(p20), float(p80), reps)
-
-
-def random_block_tables(batch: int, context_len: int, block_size: int, generator: torch.Generator) -> torch.Tensor:
-    """(B, ceil(context_len / block_size)) int64: a random permutation of the pool's blocks, as a long-running
-    allocator leaves them (no two neighbouring logical blocks are physically adjacent on purpose)."""
-    blocks_per_seq = -(-context_len // block_size)
-    perm = torch.randperm(batch * blocks_per_seq, generator=generator)
-    return perm.view(batch, blocks_per_seq)
-
-
-def slot_mapping(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """(B * context_len,) int64: the pool slot of every token of every sequence, sequence-major."""
-    positions = torch.arange(context_len, device=block_tables.device)  # (T,)
-    blocks = block_tables[:, positions // block_size]  # (B, T)
-    return (blocks * block_size + positions % block_size).reshape(-1)
 
 
 def versions() -> tuple[str, str]:
@@ -162,19 +54,6 @@ def slugify(name: str) -> str:
 def device_slug(device: torch.device) -> str:
     """`slugify` of the CUDA device's name, or 'cpu'."""
     return slugify(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
-
-
-def parse_sizes(text: str | None, field: str) -> tuple[int, ...] | None:
-    """'8,16,32' -> (8, 16, 32); None stays None (the device's default); a KvsimError naming `field` otherwise."""
-    if text is None:
-        return None
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise KvsimError(f"expected comma-separated whole numbers like 8,16,32, got {text!r}", field=field) from None
-    if not sizes or min(sizes) < 1:
-        raise KvsimError(f"expected whole numbers >= 1, got {text!r}", field=field)
-    return sizes
 
 
 class _Case:
@@ -338,67 +217,3 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
     path = out / f"kernels-{device_slug(dev)}.csv"
     frame.to_csv(path, index=False)
     return frame, path
-
-
-def render_table(frame, console) -> None:
-    """Two rich tables, a row per (batch, context, block size): writes as % of the copy roofline, and
-    decode times with the paging cost (paged / contiguous FlexAttention) and the best % of the read roofline."""
-    from rich.table import Table
-
-    def pick(rows, kernel, field):
-        hit = rows[(rows["kernel"] == kernel) & (rows["status"] == "ok")]
-        return hit[field].iat[0] if len(hit) else None
-
-    def fmt(value, spec="{:.0f}"):
-        return "-" if value is None or value != value else spec.format(value)
-
-    def us(value):  # 3 significant digits up to 999, whole microseconds above
-        return fmt(value, "{:.3g}" if value is not None and value < 1000 else "{:.0f}")
-
-    title = f"{frame['model'].iat[0]} on {frame['device'].iat[0]}"
-    writes = Table(title=f"K/V write, % of copy bandwidth: {title}")
-    decode = Table(title=f"Decode attention, us per step: {title}")
-    for table, cols in ((writes, ("batch", "context", "block", "copy GB/s", *WRITE_KERNELS)),
-                        (decode, ("batch", "context", "block", "sdpa", "gather", "flex paged", "flex contig",
-                                  "paged/contig", "best % read"))):  # fmt: skip
-        for col in cols:
-            table.add_column(col, justify="right")
-    for (batch, ctx), group in frame.groupby(["batch_size", "context_len"], sort=False):
-        shared = group[group["block_size"].isna()]
-        for bs, rows in group.dropna(subset=["block_size"]).groupby("block_size", sort=False):
-            key = (str(batch), str(ctx), str(int(bs)))
-            writes.add_row(*key, fmt(pick(shared, "copy", "bandwidth_gbps"), "{:.1f}"),
-                           *(fmt(pick(rows, k, "pct_of_roofline")) for k in WRITE_KERNELS))  # fmt: skip
-            paged, contig = pick(rows, "flex_paged", "median_us"), pick(rows, "flex_contiguous", "median_us")
-            ok = group[(group["op"] == "decode") & (group["status"] == "ok") & (group["block_size"].isna() | (group["block_size"] == bs))]
-            decode.add_row(
-                *key, us(pick(shared, "sdpa_contiguous", "median_us")), us(pick(rows, "gather_sdpa", "median_us")),
-                us(paged), us(contig), fmt(paged / contig if paged and contig else None, "{:.3f}"),
-                fmt(ok["pct_of_roofline"].max() if len(ok) else None),
-            )  # fmt: skip
-    console.print(writes)
-    console.print(decode)
-    if frame["device"].iat[0].startswith("cpu"):
-        console.print("[yellow]CPU run: one thread, eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
-
-
-def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,
-                       kv_dtype: str, device: str, reps: int | None, out_dir: str, compile_flex: bool | None) -> Path:
-    """The `kvsim bench kernels` command: run the sweep with a status line, print the table and the CSV path."""
-    from rich.console import Console
-
-    console = Console()
-    dev = resolve_device(device)
-    with console.status("benchmarking kernels") as status:
-        frame, path = bench_kernels(
-            model, block_sizes=parse_sizes(block_sizes, "--block-sizes"), batch_sizes=parse_sizes(batch_sizes, "--batch-sizes"),
-            context_lens=parse_sizes(context_lens, "--context-lens"), kv_dtype=kv_dtype, device=device,
-            reps=reps if reps is not None else (10 if dev.type == "cuda" else 3), out_dir=out_dir,
-            compile_flex=compile_flex, progress=lambda text: status.update(f"benchmarking kernels: {text}"),
-        )  # fmt: skip
-    render_table(frame, console)
-    failed = frame[frame["status"].str.startswith("error")]
-    for _, r in failed.iterrows():
-        console.print(f"[red]{r['kernel']} (block {r['block_size']}, batch {r['batch_size']}, context {r['context_len']}): {r['status']}[/red]")
-    console.print(f"wrote {path}")
-    return path

@@ -1,0 +1,87 @@
+"""What `kvsim bench kernels` shows: its size options parsed, the sweep run under a status line, and two rich
+tables (writes as % of the copy roofline, decode times with the paging cost); presentation only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvsim.bench.kernels import WRITE_KERNELS, bench_kernels
+from kvsim.engine.cache import resolve_device
+from kvsim.errors import KvsimError
+
+
+def parse_sizes(text: str | None, field: str) -> tuple[int, ...] | None:
+    """'8,16,32' -> (8, 16, 32); None stays None (the device's default); a KvsimError naming `field` otherwise."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise KvsimError(f"expected comma-separated whole numbers like 8,16,32, got {text!r}", field=field) from None
+    if not sizes or min(sizes) < 1:
+        raise KvsimError(f"expected whole numbers >= 1, got {text!r}", field=field)
+    return sizes
+
+
+def render_table(frame, console) -> None:
+    """Two rich tables, a row per (batch, context, block size): writes as % of the copy roofline, and
+    decode times with the paging cost (paged / contiguous FlexAttention) and the best % of the read roofline."""
+    from rich.table import Table
+
+    def pick(rows, kernel, field):
+        hit = rows[(rows["kernel"] == kernel) & (rows["status"] == "ok")]
+        return hit[field].iat[0] if len(hit) else None
+
+    def fmt(value, spec="{:.0f}"):
+        return "-" if value is None or value != value else spec.format(value)
+
+    def us(value):  # 3 significant digits up to 999, whole microseconds above
+        return fmt(value, "{:.3g}" if value is not None and value < 1000 else "{:.0f}")
+
+    title = f"{frame['model'].iat[0]} on {frame['device'].iat[0]}"
+    writes = Table(title=f"K/V write, % of copy bandwidth: {title}")
+    decode = Table(title=f"Decode attention, us per step: {title}")
+    for table, cols in ((writes, ("batch", "context", "block", "copy GB/s", *WRITE_KERNELS)),
+                        (decode, ("batch", "context", "block", "sdpa", "gather", "flex paged", "flex contig",
+                                  "paged/contig", "best % read"))):  # fmt: skip
+        for col in cols:
+            table.add_column(col, justify="right")
+    for (batch, ctx), group in frame.groupby(["batch_size", "context_len"], sort=False):
+        shared = group[group["block_size"].isna()]
+        for bs, rows in group.dropna(subset=["block_size"]).groupby("block_size", sort=False):
+            key = (str(batch), str(ctx), str(int(bs)))
+            writes.add_row(*key, fmt(pick(shared, "copy", "bandwidth_gbps"), "{:.1f}"),
+                           *(fmt(pick(rows, k, "pct_of_roofline")) for k in WRITE_KERNELS))  # fmt: skip
+            paged, contig = pick(rows, "flex_paged", "median_us"), pick(rows, "flex_contiguous", "median_us")
+            ok = group[(group["op"] == "decode") & (group["status"] == "ok") & (group["block_size"].isna() | (group["block_size"] == bs))]
+            decode.add_row(
+                *key, us(pick(shared, "sdpa_contiguous", "median_us")), us(pick(rows, "gather_sdpa", "median_us")),
+                us(paged), us(contig), fmt(paged / contig if paged and contig else None, "{:.3f}"),
+                fmt(ok["pct_of_roofline"].max() if len(ok) else None),
+            )  # fmt: skip
+    console.print(writes)
+    console.print(decode)
+    if frame["device"].iat[0].startswith("cpu"):
+        console.print("[yellow]CPU run: one thread, eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
+
+
+def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,
+                       kv_dtype: str, device: str, reps: int | None, out_dir: str, compile_flex: bool | None) -> Path:
+    """The `kvsim bench kernels` command: run the sweep with a status line, print the table and the CSV path."""
+    from rich.console import Console
+
+    console = Console()
+    dev = resolve_device(device)
+    with console.status("benchmarking kernels") as status:
+        frame, path = bench_kernels(
+            model, block_sizes=parse_sizes(block_sizes, "--block-sizes"), batch_sizes=parse_sizes(batch_sizes, "--batch-sizes"),
+            context_lens=parse_sizes(context_lens, "--context-lens"), kv_dtype=kv_dtype, device=device,
+            reps=reps if reps is not None else (10 if dev.type == "cuda" else 3), out_dir=out_dir,
+            compile_flex=compile_flex, progress=lambda text: status.update(f"benchmarking kernels: {text}"),
+        )  # fmt: skip
+    render_table(frame, console)
+    failed = frame[frame["status"].str.startswith("error")]
+    for _, r in failed.iterrows():
+        console.print(f"[red]{r['kernel']} (block {r['block_size']}, batch {r['batch_size']}, context {r['context_len']}): {r['status']}[/red]")
+    console.print(f"wrote {path}")
+    return path
