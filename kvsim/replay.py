@@ -200,7 +200,7 @@ def run_replay(
         raise KvsimError(f"{model.name} has {num_attention_layers} attention layers; materialise at most that many, "
                          f"got {options.num_layers}", field="--layers")
     if options.tensors:
-        from kvsim.engine.cache import resolve_device
+        from kvsim.engine.device import resolve_device
 
         try:
             resolved = resolve_device(options.device)

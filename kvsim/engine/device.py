@@ -1,0 +1,51 @@
+"""Where a KV pool lives: kv dtype names as torch dtypes, the device to put it on, and that device's free memory."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvsim.errors import KvsimError
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    TORCH_DTYPES.update(fp8=torch.float8_e4m3fn, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a user error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda or auto)", field="device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KvsimError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)", field="device")
+    if dev.type not in ("cpu", "cuda"):
+        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda or auto)", field="device")
+    return dev
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes the pool may take: CUDA free memory, or the host's available RAM (MemAvailable) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
