@@ -5,8 +5,9 @@
 # Writes reports/gpu-<device>/<step>.log, reports/bench/kernels-<device>.csv (+ its charts),
 # reports/profile/<device>/ and reports/poisson-<device>/. A failing step is logged and the next one runs;
 # the exit status is the number of failed steps. When $OUT is set (the device tool's return folder), the
-# outputs are copied there as well. Env: BENCH_ARGS / PROFILE_ARGS / REPLAY_ARGS add options to a step;
-# SNAPSHOT=1 dumps CUDA memory snapshots in the profile; STEP_TIMEOUT (s, default 540) caps each step.
+# outputs are packed there as gpu-run-<device>.tar.gz (unpack at the repo root), with the logs beside it.
+# Env: BENCH_ARGS / PROFILE_ARGS / REPLAY_ARGS add options to a step; SNAPSHOT=1 dumps CUDA memory snapshots
+# in the profile; STEP_TIMEOUT (s, default 540) caps each step.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,7 +56,11 @@ for step in "${steps[@]}"; do
     plot)  # charts next to the kernel CSVs and the replay report (those that exist)
       dirs=()
       for dir in reports/bench "reports/poisson-$slug"; do [ -d "$dir" ] && dirs+=("$dir"); done
-      run_step plot $PY -m kvsim plot "${dirs[@]}"
+      if [ ${#dirs[@]} -eq 0 ]; then  # `kvsim plot` with no folder would redraw every report under reports/
+        echo "== plot: nothing to plot (no bench CSV or replay report from this run)" | tee "$logs/plot.log"
+      else
+        run_step plot $PY -m kvsim plot "${dirs[@]}"
+      fi
       ;;
     *)
       echo "gpu_run: unknown step '$step' (env, tests, bench, profile, replay, plot)" >&2
@@ -68,10 +73,10 @@ outputs=()
 for path in "$logs" reports/bench/*"kernels-$slug".* "reports/profile/$slug" "reports/poisson-$slug"; do
   [ -e "$path" ] && outputs+=("$path")
 done
-if [ -n "${OUT:-}" ]; then
-  for path in "${outputs[@]}"; do
-    cp -r --parents "$path" "$OUT/"
-  done
+if [ -n "${OUT:-}" ] && [ ${#outputs[@]} -gt 0 ]; then
+  # One archive (the device tool returns few files, two folders deep at most), plus the logs to read at once.
+  tar -czf "$OUT/gpu-run-$slug.tar.gz" "${outputs[@]}"
+  cat "$logs"/*.log >"$OUT/gpu-run-$slug.log"
 fi
 echo "gpu_run: ${#steps[@]} step(s), $failed failed; outputs: ${outputs[*]}"
 exit "$failed"
