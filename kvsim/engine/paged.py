@@ -10,18 +10,20 @@ import operator
 
 import numpy as np
 
-from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.allocator import KVAllocator
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged_breakdown import PagedBreakdown
+from kvsim.engine.paged_fork import ForkCopyOnWrite
 from kvsim.engine.paged_layout import Lane, PagedRequest, page_layout
+from kvsim.engine.paged_prefix import PrefixCaching
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
-_ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
 _BLOCK_ID = operator.attrgetter("block_id")
 
 
-class PagedAllocator(KVAllocator):
+class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator):
     """Block tables over a pool of `budget // page_bytes` pages; slot = block_id * block_size + offset.
 
     Layout of one request (block_size 4, 10 tokens computed, final length 13, 4 blocks held):
@@ -31,7 +33,9 @@ class PagedAllocator(KVAllocator):
                       ^^^^^^^^^^^^^ token states
 
     Uniform models have one lane and page = one block. Mixed models get one lane for the full-attention
-    groups and one per sliding window; the primary lane (full, else the first) defines slots.
+    groups and one per sliding window; the primary lane (full, else the first) defines slots. Prefix caching,
+    forks with copy-on-write and `breakdown()` are mixins (paged_prefix, paged_fork, paged_breakdown) over
+    the state this class keeps.
     """
 
     def __init__(
@@ -167,36 +171,6 @@ class PagedAllocator(KVAllocator):
         if self._fork_partials:
             self._forget_partials(req.tables[0])
 
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """`child` shares the blocks of `parent`'s computed tokens; a shared partial block is copied on write."""
-        if not self._shareable:
-            return False  # mixed models: sliding and state blocks cannot be shared
-        assert child not in self._reqs
-        parent_req = self._reqs[parent]
-        computed = parent.num_computed_tokens
-        shared = parent_req.tables[0][: -(-computed // self.block_size)]
-        self.pool.touch(shared)
-        num_hashed = min(parent_req.num_hashed, computed // self.block_size)
-        token_blocks = self._token_blocks(child)
-        hashes = None
-        if token_blocks is not None:  # the shared blocks keep the parent's hashes; the child's own chain from them
-            hashes = self._chain(parent_req.hashes[:num_hashed] if parent_req.hashes else [], token_blocks)
-        req = PagedRequest(child, 1, hashes)
-        req.tables[0] = list(shared)
-        req.num_hashed = num_hashed
-        req.hit = computed
-        self._set_cap(req, len(shared) * self.block_size)
-        self._reqs[child] = req
-        if computed % self.block_size:
-            self._fork_partials[shared[-1].block_id] = computed % self.block_size
-        parent_req.quiet_until = req.quiet_until = -1  # both take the slow path once: copy-on-write check
-        return True
-
-    def pop_copy_on_write(self) -> list[tuple[int, int]]:
-        """Pending (src_block_id, dst_block_id) copies made by copy-on-write; the cache layer copies the data."""
-        out, self._cow = self._cow, []
-        return out
-
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits alone: its whole prompt admitted at once (watermark kept), then decoded to the end.
 
@@ -249,127 +223,7 @@ class PagedAllocator(KVAllocator):
             slots[block_ids < 0] = -1
         return slots
 
-    def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
-        computed = 0
-        for req in self._reqs.values():
-            c = max(req.seq.num_computed_tokens, req.hit)
-            computed += req.used if c > req.used else c
-        bs = self.block_size
-        token_states = len(self._reqs) * self._state_bytes
-        reservation = 0
-        internal = len(self._reqs) * self._state_pad + self.budget_bytes - self.num_blocks * self.page_bytes
-        for lane, freed in zip(self.lanes, self._sum_freed):
-            token_states += (computed - freed) * lane.bytes_per_token
-            reservation += (self._sum_used - computed) * lane.bytes_per_token
-            internal += (self._sum_cap - self._sum_used) * lane.bytes_per_token + (self._sum_cap - freed) // bs * lane.pad_bytes
-        # Shared blocks were counted once per holder: take the extra copies out. A shared full block is
-        # token states for every holder; a fork's shared partial block is token states up to the fork, and
-        # each slot after it is reservation if any holder will still write it there, else internal.
-        saved = self.pool.num_shared_refs * self.page_bytes
-        dup_res, dup_int = self._fork_tail_duplicates() if self._fork_partials else (0, 0)
-        bpt = self.lanes[0].bytes_per_token
-        token_states -= saved - (dup_res + dup_int) * bpt
-        reservation -= dup_res * bpt
-        internal -= dup_int * bpt
-        return MemoryBreakdown(
-            budget_bytes=self.budget_bytes,
-            token_states_bytes=token_states,
-            reservation_bytes=reservation,
-            internal_fragmentation_bytes=internal,
-            external_fragmentation_bytes=0,
-            free_bytes=self.pool.num_free_blocks * self.page_bytes,
-            shared_saved_bytes=saved,
-        )
-
     # --- internals ---------------------------------------------------------------------------------------
-
-    def _token_blocks(self, seq: Sequence) -> list[bytes] | None:
-        """`seq`'s token ids as int64 bytes, one object per full block of its final length (what a block's hash
-        is taken of); None when nothing is hashed. One C call cuts them all (a void-dtype view's tolist)."""
-        if not self.enable_prefix_caching or seq.token_ids is None:
-            return None
-        end = seq.num_final_tokens // self.block_size * self.block_size
-        token_ids = np.ascontiguousarray(seq.token_ids[:end], dtype=np.int64)  # (end,)
-        return token_ids.view(self._block_bytes_dtype).tolist()  # end // block_size bytes objects
-
-    def _lookup(self, token_blocks: list[bytes], max_blocks: int) -> tuple[list[int], list[Block]]:
-        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included).
-
-        Hashes stop at the first miss: a request refused at admission (and retried each step) pays little.
-        """
-        get = self.pool.cached_block_hash_to_block.get
-        hashes: list[int] = []
-        hits: list[Block] = []
-        parent = _ROOT_HASH
-        for block_bytes in token_blocks[:max_blocks]:
-            parent = hash((parent, block_bytes))
-            hashes.append(parent)
-            block = get(parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hashes, hits
-
-    def _chain(self, hashes: list[int], token_blocks: list[bytes]) -> list[int]:
-        """`hashes` (of leading blocks) extended to every block of `token_blocks`: hash((parent hash, bytes)).
-
-        All of an admitted request's blocks at once, in one tight loop: a decode step that fills a block
-        then only looks its hash up.
-        """
-        h = hashes[-1] if hashes else _ROOT_HASH
-        append = hashes.append
-        for block_bytes in token_blocks[len(hashes) :]:
-            h = hash((h, block_bytes))
-            append(h)
-        return hashes
-
-    def _register(self, req: PagedRequest, total: int) -> None:
-        """Cache every full block whose tokens are all within `total` (computed + scheduled) under its hash."""
-        hashes = req.hashes
-        if hashes is None:
-            return
-        j = req.num_hashed
-        end = min(total, req.final) // self.block_size
-        if j >= end:
-            return
-        cached = self.pool.cached_block_hash_to_block
-        for block, h in zip(req.tables[0][j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
-            if block.block_hash is None and cached.setdefault(h, block) is block:
-                block.block_hash = h
-        req.num_hashed = end
-
-    def _fork_tail_duplicates(self) -> tuple[int, int]:
-        """Slots past the fork point of shared partial blocks counted more than once: (reservation, internal).
-
-        Each holder counts the tail [tokens, block_size) of such a block as its own reservation (positions
-        before its final length) or internal fragmentation; physically it is one tail, reservation up to the
-        longest holder's final length. A holder has not computed into the block (it would have copied it),
-        so the block is the one at its computed length.
-        """
-        bs = self.block_size
-        tails: dict[int, list[int]] = {}  # block id -> tail slots each holder will still write
-        for req in self._reqs.values():
-            c = max(req.seq.num_computed_tokens, req.hit)
-            table = req.tables[0]
-            if c % bs and c // bs < len(table):
-                block_id = table[c // bs].block_id
-                if block_id in self._fork_partials:
-                    assert c % bs == self._fork_partials[block_id], (req.seq, block_id)
-                    tails.setdefault(block_id, []).append(max(0, req.final - c))
-        dup_res = dup_int = 0
-        for block_id, writes in tails.items():
-            tail = bs - self._fork_partials[block_id]
-            assert len(writes) == self.pool.blocks[block_id].ref_count, (block_id, writes)
-            writes = [min(w, tail) for w in writes]
-            dup_res += sum(writes) - max(writes)
-            dup_int += sum(tail - w for w in writes) - (tail - max(writes))
-        return dup_res, dup_int
-
-    def _forget_partials(self, blocks: list[Block | None]) -> None:
-        """Drop fork-partial records of `blocks` that are no longer shared."""
-        for block in blocks:
-            if block is not None and block.ref_count <= 1:
-                self._fork_partials.pop(block.block_id, None)
 
     def _refresh(self, req: PagedRequest) -> None:
         """`quiet_until`: the most computed + new tokens an append serves with one compare (the next block to
@@ -466,13 +320,7 @@ class PagedAllocator(KVAllocator):
                 req.freed[lane_idx] = stop
                 self._sum_freed[lane_idx] += (stop - start) * bs
         if cow:
-            src = table0[computed // bs]
-            (dst,) = pool.get_new_blocks(1)
-            pool.free_blocks((src,))
-            table0[computed // bs] = dst
-            if src.ref_count <= 1:
-                self._fork_partials.pop(src.block_id, None)
-            self._cow.append((src.block_id, dst.block_id))
+            self._copy_on_write(table0, computed // bs)
         if grow_blocks:
             for lane_idx, lane in enumerate(self.lanes):
                 req.tables[lane_idx] += pool.get_new_blocks(grow_blocks * lane.pages_per_block)
