@@ -44,9 +44,8 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     from kvsim.engine.flat import RESERVES
     from kvsim.workload import load_workload
 
-    if not torch.cuda.is_available():
-        raise KvsimError("needs a CUDA device: it measures PyTorch's CUDA caching allocator, and torch sees no GPU here",
-                         field="kvsim profile")  # fmt: skip
+    if not settings:
+        raise KvsimError(f"name at least one setting (from {', '.join(SETTINGS)})", field="--settings")
     for name in settings:
         if name not in SETTINGS:
             raise KvsimError(f"unknown setting {name!r} (choose from {', '.join(SETTINGS)})", field="--settings")
@@ -58,6 +57,9 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     if not step_ms > 0:
         raise KvsimError(f"must be > 0, got {step_ms}", field="--step-ms")
     load_workload(workload, seed=seed, limit=limit)  # a bad file fails here, in one line, not in every child
+    if not torch.cuda.is_available():
+        raise KvsimError("needs a CUDA device: it measures PyTorch's CUDA caching allocator, and torch sees no GPU here",
+                         field="kvsim profile")  # fmt: skip
     timelines, summaries = [], []
     with tempfile.TemporaryDirectory(prefix="kvsim-profile-") as tmp:
         for setting in settings:

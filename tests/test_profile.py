@@ -121,6 +121,17 @@ def test_profile_on_cpu_says_it_needs_cuda_in_one_line(cli):
     assert len(lines) == 1 and "needs a CUDA device" in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["--settings", ""], "--settings"), (["--settings", "default,huge"], "--settings"), (["--block-size", "0"], "--block-size")],
+)
+def test_profile_rejects_bad_options_in_one_line_before_looking_for_cuda(cli, args, field):
+    result = cli(["profile", "workloads/poisson.yaml", *args])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], result.output
+
+
 TINY_WORKLOAD = """
 name: tiny-profile
 seed: 1
