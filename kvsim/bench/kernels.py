@@ -16,7 +16,7 @@ from kvsim.bench import flex_paged
 from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_tables, slot_mapping
 from kvsim.bench.kernel_timing import measure
 from kvsim.engine import kernels
-from kvsim.engine.cache import TORCH_DTYPES, resolve_device
+from kvsim.engine.device import TORCH_DTYPES, resolve_device
 from kvsim.errors import KvsimError
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
