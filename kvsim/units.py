@@ -47,8 +47,11 @@ def dtype_bytes(name: str, *, field: str = "dtype", source: str | None = None, k
     return DTYPE_BYTES[key]
 
 
-def parse_bytes(text: str | int | float, *, field: str = "bytes", source: str | None = None) -> int:
-    """'80GiB' -> 85899345920, '4GB' -> 4e9, 1024 -> 1024. Decimal (GB) and binary (GiB) units both accepted."""
+def parse_bytes(text: str | int | float, *, field: str = "bytes", source: str | None = None, allow_zero: bool = False) -> int:
+    """'80GiB' -> 85899345920, '4GB' -> 4e9, 1024 -> 1024. Decimal (GB) and binary (GiB) units both accepted.
+
+    Sizes must be positive, except where `allow_zero` (a pool that may be absent, such as swap space).
+    """
     if isinstance(text, bool):
         raise KvsimError(f"expected a byte size like '80GiB', got {text!r}", source=source, field=field)
     if isinstance(text, (int, float)):
@@ -61,8 +64,8 @@ def parse_bytes(text: str | int | float, *, field: str = "bytes", source: str | 
     if not value * _UNITS[unit] < float("inf"):  # '1e400GB' would overflow int()
         raise KvsimError(f"byte size must be finite, got {text!r}", source=source, field=field)
     result = int(value * _UNITS[unit])
-    if result <= 0:
-        raise KvsimError(f"byte size must be positive, got {text!r}", source=source, field=field)
+    if result < 0 or (result == 0 and not allow_zero):
+        raise KvsimError(f"byte size must be {'>= 0' if allow_zero else 'positive'}, got {text!r}", source=source, field=field)
     return result
 
 

@@ -148,7 +148,7 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
         max_num_batched_tokens=f.int("max_num_batched_tokens", d.max_num_batched_tokens, min=1),
         preemption=f.choice("preemption", ("recompute", "swap"), d.preemption),
         watermark=f.float("watermark", d.watermark, min=0, max=1, exclusive=False),
-        swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes),
+        swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes, allow_zero=True),
     )
     if config.watermark >= 1:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")

@@ -80,10 +80,10 @@ class Fields:
             raise self.error(key, f"must be true or false, got {_show(value)}")
         return value
 
-    def bytes(self, key: str, default: Any = _REQUIRED) -> int | None:
+    def bytes(self, key: str, default: Any = _REQUIRED, *, allow_zero: bool = False) -> int | None:
         if not self.has(key):
             return self.get(key, default)
-        return parse_bytes(self.get(key), field=self.path(key), source=self.source)
+        return parse_bytes(self.get(key), field=self.path(key), source=self.source, allow_zero=allow_zero)
 
     def int_list(self, key: str, *, min: int, max: int | None = None) -> list[int]:
         return [int(self._number(v, f"{self.path(key)}[{i}]", integer=True, min=min, max=max)) for i, v in enumerate(self._list(key))]

@@ -137,6 +137,8 @@ def test_allocator_watermark_comes_from_the_scheduler_unless_set(tmp_path):
     )
     assert w.scheduler.swap_space_bytes == 2**30 and w.scheduler.preemption == "swap"
     assert w.scheduler.max_num_seqs == 256  # defaults fill what is not given
+    no_swap = load_workload(write(tmp_path, with_change("scheduler", {"swap_space": 0, "preemption": "swap"}), "no-swap.yaml"))
+    assert no_swap.scheduler.swap_space_bytes == 0  # allowed: swap preemption then always recomputes
 
 
 def test_overrides_seed_limit_and_defaults(tmp_path):
@@ -195,6 +197,8 @@ def test_trace_forms(tmp_path):
         ("requests.prompt_tokn", {}, "requests: unknown field(s) prompt_tokn"),
         ("kv_dtype", "fp64", "kv_dtype: unknown dtype 'fp64'"),
         ("kv_budget", "lots", "kv_budget: expected a byte size"),
+        ("kv_budget", "0GiB", "kv_budget: byte size must be positive"),
+        ("scheduler", {"swap_space": -1}, "scheduler.swap_space: byte size must be >= 0"),
         ("gpu_memory_utilization", 0.9, "kv_budget: give exactly one of kv_budget"),
         ("max_model_len", -1, "max_model_len: must be >= 1"),
         ("model", "", "model: must be a non-empty string"),
