@@ -75,7 +75,7 @@ def _lookup(name: str) -> str:
     close = difflib.get_close_matches(key, [c.lower() for c in candidates], n=4, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise KvsimError(
-        f"unknown model {name!r}{hint} (`kvsim models` lists the catalogue; --config reads any config.json)",
+        f"unknown model {name!r}{hint} (`kvsim models` lists the catalogue; a path to any config.json works too)",
         field="--model",
     )
 
