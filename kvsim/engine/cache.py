@@ -19,7 +19,7 @@ from kvsim.engine.timing import StepTimer
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
 
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # same-width integer view for integrity bits
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # same-width integer view: copies and gathers move bits, never convert
 
 
 class KVCache(CacheWrites, CacheReads, CacheSwaps):
@@ -101,8 +101,7 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
     def nbytes(self) -> int:
         """Bytes of the materialised pool (0 when accounting only); not the simulated budget."""
         s = self.spec
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_blocks * s.block_size * s.num_kv_heads * s.head_dim * elem
+        return 2 * self.num_layers * self.num_blocks * s.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
 
     @property
     def enabled(self) -> bool:

@@ -47,7 +47,7 @@ class CacheSwaps:
                 torch.index_select(self._slot_rows, 1, index, out=host_rows)
                 host_rows[:, torch.from_numpy(gone)] = 0
         held = slots >= 0
-        num_dropped = len(slots) if not held.all() and not held.any() else int(np.argmax(held))
+        num_dropped = int(np.argmax(held)) if held.any() else len(slots)  # leading slots a window freed
         return SwapHandle(host, len(index), num_dropped)
 
     def swap_in(self, handle: SwapHandle | None, slots: np.ndarray) -> None:

@@ -86,7 +86,7 @@ class CacheWrites:
         """Store the K/V of N new tokens (all materialised layers) at `slots`: one scatter, timed as "write".
 
         slots, seq_ids, positions: (N,) int arrays (from the allocators' `slot_mapping`). Without integrity
-        the data is random; with it, each token's bit patterns (see `integrity_values`).
+        the data is random; with it, each token's bit patterns (see `IntegrityPatterns.expected`).
         """
         if not self.enabled or len(slots) == 0:
             return

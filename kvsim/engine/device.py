@@ -29,11 +29,11 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda or auto)", field="device") from None
+        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda, cuda:N or auto)", field="device") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise KvsimError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)", field="device")
     if dev.type not in ("cpu", "cuda"):
-        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda or auto)", field="device")
+        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda, cuda:N or auto)", field="device")
     return dev
 
 
