@@ -40,7 +40,7 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     import pandas as pd
     import torch
 
-    from kvsim.bench.kernels import slugify
+    from kvsim.engine.device import slugify
     from kvsim.engine.flat import RESERVES
     from kvsim.workload import load_workload
 

@@ -4,8 +4,6 @@ FlexAttention) beside a same-size copy and a read-only reduction (the rooflines)
 
 from __future__ import annotations
 
-import platform
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +14,7 @@ from kvsim.bench import flex_paged
 from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_tables, slot_mapping
 from kvsim.bench.kernel_timing import measure
 from kvsim.engine import kernels
-from kvsim.engine.device import TORCH_DTYPES, resolve_device
+from kvsim.engine.device import TORCH_DTYPES, device_name, device_slug, resolve_device
 from kvsim.errors import KvsimError
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
@@ -32,28 +30,13 @@ COLUMNS = [
 
 
 def versions() -> tuple[str, str]:
+    """(torch version, triton version or '' without triton), written into every CSV row."""
     try:
         import triton
 
         return torch.__version__, triton.__version__
     except ImportError:
         return torch.__version__, ""
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
-
-
-def slugify(name: str) -> str:
-    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def device_slug(device: torch.device) -> str:
-    """`slugify` of the CUDA device's name, or 'cpu'."""
-    return slugify(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
 
 
 class _Case:

@@ -1,8 +1,11 @@
-"""Where a KV pool lives: kv dtype names as torch dtypes, the device to put it on, and that device's free memory."""
+"""Where a KV pool lives: kv dtype names as torch dtypes, the device to put it on, its free memory, and its name
+in reports."""
 
 from __future__ import annotations
 
 import os
+import platform
+import re
 
 import torch
 
@@ -49,3 +52,20 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_name(device: torch.device) -> str:
+    """The device as reports name it: the CUDA device's name, or the host processor for 'cpu'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def slugify(name: str) -> str:
+    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_slug(device: torch.device) -> str:
+    """`slugify` of the CUDA device's name, or 'cpu'."""
+    return slugify(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
