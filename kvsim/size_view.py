@@ -38,6 +38,8 @@ def show_size(
     utilization: float = 0.9,
     weight_dtype: str | None = None,
     max_num_batched_tokens: int = 8192,
+    kernel_block_size: int = 16,
+    mamba_cache_mode: str = "none",
     params: float | None = None,
     layout: bool = False,
     num_blocks: int | None = None,
@@ -49,7 +51,8 @@ def show_size(
 
     from kvsim.catalogue import resolve_model
     from kvsim.hf_config import load_hf_config
-    from kvsim.sizing import is_mla, size_report
+    from kvsim.size_report import size_report
+    from kvsim.sizing import is_mla
 
     if (model is None) == (config is None):
         raise KvsimError("give exactly one of --model NAME or --config FILE", field="--model")
@@ -81,6 +84,8 @@ def show_size(
         utilization=utilization,
         weight_dtype=weight_dtype,
         max_num_batched_tokens=max_num_batched_tokens,
+        kernel_block_size=kernel_block_size,
+        mamba_cache_mode=mamba_cache_mode,
     )
     pool = offset = None
     if layout or address:
@@ -155,22 +160,73 @@ def _print_report(console: Console, report) -> None:
         "uncapped: every layer keeps every token.",
         style="dim",
     )
+    if report.hybrid is not None:
+        _print_hybrid_pages(console, report.hybrid)
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
-        tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
-        how = (
-            f"as vLLM computes it (max_num_batched_tokens {report.max_num_batched_tokens:,})"
-            if cap.vllm_exact
-            else "in whole blocks, state once (vLLM pads state pages; not modelled)"
-        )
+        _print_vllm_lines(console, report)
+        if cap.max_sequences_uncapped != cap.max_sequences:
+            console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
+
+
+def _print_hybrid_pages(console: Console, h) -> None:
+    """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
+    how = (
+        f"raised from --block-size {h.requested_block_size} so that one attention page holds one layer's state"
+        if h.raised
+        else f"--block-size {h.requested_block_size} already holds one layer's state"
+    )
+    pad = f"state page padded to {h.page_bytes:,} B (+{h.padding_pct:.2f}%)" if h.padding_pct else "state page needs no padding"
+    console.print(
+        f"vLLM block_size for this model: {h.block_size:,} tokens ({how}: {h.block_size:,} x "
+        f"{h.attention_bytes_per_token:,} B = {h.page_bytes:,} B >= {h.state_page_bytes:,} B); {pad}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    prefix = "off (mamba_cache_mode none, vLLM's default for hybrid models)" if h.mamba_cache_mode == "none" else f"on (mamba_cache_mode {h.mamba_cache_mode})"
+    console.print(
+        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} (FlashAttention/FlashInfer default; "
+        f"the raise counts in multiples of max(kernel block, --block-size)), prefix caching {prefix}",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _print_vllm_lines(console: Console, report) -> None:
+    """vLLM's two start-up lines (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
+    cap, n = report.capacity, report.context_tokens
+    tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
+    if cap.vllm is None:
+        how = "in whole blocks, state once (vLLM's arithmetic not followed for this layout)"
+    else:
+        how = f"as vLLM computes it (max_num_batched_tokens {report.max_num_batched_tokens:,}"
+        how += f", block_size {cap.vllm.block_size:,})" if cap.vllm.hybrid else ")"
+    console.print(
+        f"{how}: GPU KV cache size: {tokens} tokens, "
+        f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
+        highlight=False,
+        soft_wrap=True,
+    )
+    v = cap.vllm
+    if v is not None and v.hybrid is not None:
+        state_blocks = 2 if v.hybrid.mamba_cache_mode == "align" else 1
         console.print(
-            f"{how}: GPU KV cache size: {tokens} tokens, "
-            f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
+            f"  vLLM pool: {v.group_size} tensors of {v.num_blocks:,} pages of {v.page_bytes:,} B; {v.num_groups} groups "
+            f"of {v.group_size} layers (state groups take {state_blocks} block per request); "
+            f"tokens = {v.num_blocks:,} // {v.num_groups} x {v.token_block_size:,}; "
+            f"{v.blocks_per_request:,} blocks per request",
+            style="dim",
             highlight=False,
             soft_wrap=True,
         )
-        if cap.max_sequences_uncapped != cap.max_sequences:
-            console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
+        own = f"{cap.own_tokens_block_rounded:,}" if cap.own_tokens_block_rounded is not None else "0"
+        console.print(
+            f"kvsim's own estimate, whole {report.spec.block_size}-token blocks, each sequence's state once (not paged): {own} tokens, "
+            f"{cap.own_sequences_block_rounded:.2f}x",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from kvsim.sizing import cdiv
+
 GiB = 2**30
 
 
@@ -174,12 +176,63 @@ def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
     assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 5.54x" in out
 
 
-def test_hybrid_state_model_says_its_block_figures_are_kvsims(cli):
-    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"]).stdout
-    assert "not modelled" in out
+def test_hybrid_state_model_prints_vllms_lines_and_its_raised_block_size(cli):
+    # Was "not modelled" (kvsim's own estimate): vLLM's arithmetic is now followed for state layers too.
+    # qwen3-next-80b-a3b on an H100 at tp 4: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks
+    # 37,309,411,328 // 278,528 // 12 = 11,162; tokens 11,162 // 4 x 272; 11,162 / (964 + 3) = 11.54
+    # (each step in tests/test_vllm_sizing.py)
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4"]).stdout
+    assert "vLLM block_size for this model: 272 tokens (raised from --block-size 16" in out
+    assert "state page padded to 278,528 B (+1.49%)" in out
+    assert "block_size 272): GPU KV cache size: 758,880 tokens, Maximum concurrency for 262,144 tokens per request: 11.54x" in out
+    assert "prefix caching off (mamba_cache_mode none" in out and "attention kernel block 16" in out
+    assert "kvsim's own estimate, whole 16-token blocks" in out and "not modelled" not in out
     data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"])
-    assert data["block_rounded_is_vllm_exact"] is False
+    assert data["block_rounded_is_vllm_exact"] is True
+    # tp 2: 2 (K, V) x 1 head x 256 x 2 B = 1,024 B per token per layer; state 1,097,728 / 2 = 548,864 B:
+    # 16 x cdiv(548,864, 16,384) = 16 x 34 (33.5 rounds up) = 544; page 544 x 1,024 = 557,056 B
+    # budget 136,257,837,465 - 80,000,000,000 = 56,257,837,465; num_blocks = 100,991 pages // 12 = 8,415
+    assert (data["vllm_block_size"], data["vllm_state_page_bytes"], data["vllm_state_page_padded_bytes"]) == (544, 548864, 557056)
+    assert data["vllm_num_blocks"] == 8415 and data["max_tokens_block_rounded"] == 8415 // 4 * 544 == 1144032
+    # per request: cdiv(262,144, 544) = 482 + 3 state groups = 485 blocks
+    assert data["max_sequences_block_rounded"] == round(8415 / (cdiv(262144, 544) + 3), 4) == 17.3505
     assert run_json(cli, ["--model", "gemma-3-27b", "--gpu", "h200"])["block_rounded_is_vllm_exact"] is True
+
+
+def test_a_block_size_too_small_for_the_state_is_raised_and_said_so(cli):
+    # --block-size 32: vLLM aligns to max(16, 32) = 32: 32 x cdiv(274,432, 32 x 1,024) = 32 x 9 = 288
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--tp", "4", "--block-size", "32"]).stdout
+    assert "vLLM block_size for this model: 288 tokens (raised from --block-size 32" in out
+    assert "288 x 1,024 B = 294,912 B >= 274,432 B" in out
+    # --block-size 512 already holds the state: kept, the state page padded up to 524,288 B
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--tp", "4", "--block-size", "512"]).stdout
+    assert "vLLM block_size for this model: 512 tokens (--block-size 512 already holds one layer's state" in out
+    assert run_json(cli, ["--model", "qwen3-next-80b-a3b", "--tp", "4", "--block-size", "512"])["vllm_block_size_raised"] is False
+
+
+JAMBA_V01 = {  # ai21labs/Jamba-v0.1's config.json fields sizing reads (transformers JambaConfig defaults)
+    "model_type": "jamba", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16", "attn_layer_period": 8, "attn_layer_offset": 4,
+    "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+}
+BAMBA_9B = {  # ibm-ai-platform/Bamba-9B
+    "model_type": "bamba", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16", "attn_layer_indices": [9, 18, 27], "mamba_d_state": 128,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_n_groups": 1,
+}
+
+
+def test_jamba_and_bamba_configs_print_vllms_lines(cli, tmp_path):
+    # Jamba-v0.1, tp 2: block 16 x cdiv(155,648, 32,768) = 80; num_blocks (77,309,411,328 - 51.6e9) // 163,840 // 4
+    # = 39,229; tokens 39,229 // 8 groups x 80 = 392,240; 39,229 / (3,277 + 7) = 11.95
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--params", "51.6e9", "--gpu", "h100-80gb", "--tp", "2"]).stdout
+    assert "vLLM block_size for this model: 80 tokens" in out and "(+5.26%)" in out
+    assert "GPU KV cache size: 392,240 tokens, Maximum concurrency for 262,144 tokens per request: 11.95x" in out
+    # Bamba-9B, tp 1, 4,096 tokens: block 16 x cdiv(2,147,840, 65,536) = 528; num_blocks (77,309,411,328 - 19.56e9)
+    # // 2,162,688 // 3 = 8,900; tokens 8,900 // 11 groups x 528 = 427,152; 8,900 / (8 + 10) = 494.44
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--params", "9.78e9", "--gpu", "h100-80gb", "--context", "4096"]).stdout
+    assert "vLLM block_size for this model: 528 tokens" in out and "(+0.69%)" in out
+    assert "GPU KV cache size: 427,152 tokens, Maximum concurrency for 4,096 tokens per request: 494.44x" in out
 
 
 def test_real_falcon_and_gemma3_configs_through_the_cli(cli, tmp_path):

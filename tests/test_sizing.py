@@ -1,4 +1,4 @@
-"""Size math: KV per token under TP and dtypes, per-sequence caps, block rounding, weights, budgets, capacity."""
+"""Size math: KV per token under TP and dtypes, per-sequence caps, block rounding, weights, budgets."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ from kvsim.errors import KvsimError
 from kvsim.sizing import (
     block_rounded_bytes_per_sequence,
     bytes_per_sequence,
-    capacity,
     cdiv,
     kv_budget_bytes,
     kv_cache_spec,
-    size_report,
-    vllm_kv_cache_size,
     weight_bytes,
 )
 
@@ -184,95 +181,3 @@ def test_budget_smaller_than_weights_names_the_figures():
 def test_utilization_range(utilization):
     with pytest.raises(KvsimError, match="--utilization"):
         kv_budget_bytes(80 * GiB, utilization=utilization, weight_bytes=0)
-
-
-# --- capacity -----------------------------------------------------------------------------------------
-
-
-def test_capacity_matches_vllm_for_a_uniform_model():
-    """qwen3-0.6b on an H100 80GB at 0.9: vLLM's num_blocks / cdiv(max_model_len, block_size)."""
-    model = resolve_model("qwen3-0.6b")
-    spec = kv_cache_spec(model)
-    budget = kv_budget_bytes(80 * GiB, utilization=0.9, weight_bytes=weight_bytes(model))
-    assert budget == 76117311488
-    cap = capacity(spec, budget, 40960)
-    assert cap.max_tokens == 663690  # budget // 114688
-    assert cap.max_tokens_block_rounded == 41480 * 16 == 663680
-    assert cap.max_sequences_block_rounded == 41480 / 2560 == 16.203125  # 41,480 blocks of 1,835,008 B
-    assert cap.max_sequences == pytest.approx(76117311488 / (114688 * 40960))
-    assert cap.max_sequences_uncapped == cap.max_sequences
-
-
-def test_capacity_of_a_sliding_model_counts_capped_sequences():
-    spec = kv_cache_spec(resolve_model("gemma-2-9b"))
-    cap = capacity(spec, 10 * GiB, 8192)
-    assert cap.max_sequences == pytest.approx(10 * GiB / (172032 * 8192 + 172032 * 4096))
-    assert cap.max_sequences_uncapped == pytest.approx(10 * GiB / (344064 * 8192))
-    assert cap.max_tokens == 10 * GiB // 344064
-
-
-def test_size_report_defaults_to_max_model_len_and_json_keys():
-    report = size_report(resolve_model("llama-3.1-8b"), memory_bytes=80 * GiB, gpu_name="x")
-    out = report.as_json()
-    assert out["context_tokens"] == 131072
-    assert out["bytes_per_sequence"] == 131072 * 131072
-    for key in ("model", "kv_dtype", "kv_bytes_per_token", "full_attention_bytes_per_token", "sliding_window_bytes_per_token",
-                "sliding_window_cap_bytes_per_sequence", "state_bytes_per_sequence", "block_size", "block_bytes",
-                "context_tokens", "bytes_per_sequence", "tp", "kv_budget_bytes", "max_tokens", "max_sequences"):
-        assert key in out, key
-    assert "kv_budget_bytes" not in size_report(resolve_model("llama-3.1-8b")).as_json()
-
-
-@pytest.mark.parametrize("field, kwargs", [("--context", {"context_tokens": 0}), ("--block-size", {"block_size": 0}), ("--tp", {"tp": 0})])
-def test_non_positive_options(field, kwargs):
-    with pytest.raises(KvsimError, match=field):
-        size_report(resolve_model("llama-3.1-8b"), **kwargs)
-
-
-# --- vLLM's start-up lines ------------------------------------------------------------------------------
-
-
-def test_vllm_lines_pad_hybrid_groups_and_bound_sliding_blocks_by_the_batch():
-    """gemma-3-27b: 10 full + 52 sliding layers -> group_size 10: 1 full group, 6 sliding (8 padding layers)."""
-    spec = kv_cache_spec(resolve_model("gemma-3-27b"))
-    # page per layer = 16 x 2 x 16 x 128 x 2 = 131,072 B; num_blocks = 10 GiB // (131,072 x 10) = 8,192
-    tokens, concurrency = vllm_kv_cache_size(spec, 10 * GiB, 131072)
-    assert tokens == 8192 // 7 * 16 == 18720
-    # per request: cdiv(131072, 16) + 6 x (cdiv(min(1023 + 8192, 131072), 16) + 1) = 8,192 + 6 x 577
-    assert concurrency == 8192 / (8192 + 6 * 577)
-
-
-def test_vllm_lines_equal_groups_need_no_padding():
-    """gpt-oss-120b: 18 full + 18 sliding(128): two groups of 18; a block of one layer is 32,768 B."""
-    spec = kv_cache_spec(resolve_model("gpt-oss-120b"))
-    tokens, concurrency = vllm_kv_cache_size(spec, 20 * GiB, 131072)
-    num_blocks = 20 * GiB // (32768 * 18)
-    assert num_blocks == 36408 and tokens == 36408 // 2 * 16 == 291264
-    assert concurrency == 36408 / (8192 + cdiv(127 + 8192, 16) + 1)  # 8,192 + 521 blocks
-
-
-def test_vllm_lines_all_sliding_model_and_a_smaller_batch_budget():
-    """mistral-7b-v0.1: one sliding(4096) group of 32 layers; 2 MiB blocks."""
-    spec = kv_cache_spec(resolve_model("mistral-7b-v0.1"))
-    tokens, concurrency = vllm_kv_cache_size(spec, 20 * GiB, 32768, max_num_batched_tokens=2048)
-    assert tokens == 10240 * 16
-    assert concurrency == 10240 / (cdiv(4095 + 2048, 16) + 1)  # 385 blocks
-    # a short max length bounds the window's blocks: cdiv(min(4095 + 2048, 1000), 16) + 1 = 64
-    assert vllm_kv_cache_size(spec, 20 * GiB, 1000, max_num_batched_tokens=2048)[1] == 10240 / 64
-
-
-def test_vllm_lines_not_claimed_for_state_layers():
-    spec = kv_cache_spec(resolve_model("qwen3-next-80b-a3b"))
-    assert vllm_kv_cache_size(spec, 20 * GiB, 32768) is None
-    cap = capacity(spec, 20 * GiB, 32768)
-    assert not cap.vllm_exact and cap.max_tokens_block_rounded == (20 * GiB // spec.block_bytes) * 16
-
-
-def test_utilization_checked_even_without_a_device():
-    with pytest.raises(KvsimError, match="--utilization"):
-        size_report(resolve_model("llama-3.1-8b"), utilization=1.5)
-
-
-def test_weights_too_big_names_the_gpu_option_when_a_gpu_was_given():
-    with pytest.raises(KvsimError, match="^--gpu: weights"):
-        size_report(resolve_model("qwen3-32b"), memory_bytes=24 * GiB, gpu_name="NVIDIA L4")
