@@ -10,11 +10,11 @@ from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.errors import KvsimError
 from kvsim.models import ModelSpec
 from kvsim.sizing import (
-    positive_int,
     block_rounded_bytes_per_sequence,
     bytes_per_sequence,
     kv_budget_bytes,
     kv_cache_spec,
+    positive_int,
     sliding_cap_bytes_per_sequence,
     weight_bytes,
 )

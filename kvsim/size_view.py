@@ -172,7 +172,7 @@ def _print_report(console: Console, report) -> None:
 def _print_hybrid_pages(console: Console, h) -> None:
     """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
     how = (
-        f"raised from --block-size {h.requested_block_size} so that one attention page holds one layer's state"
+        f"raised from --block-size {h.requested_block_size}, in multiples of {h.alignment}, until one attention page holds one layer's state"
         if h.raised
         else f"--block-size {h.requested_block_size} already holds one layer's state"
     )
@@ -185,8 +185,8 @@ def _print_hybrid_pages(console: Console, h) -> None:
     )
     prefix = "off (mamba_cache_mode none, vLLM's default for hybrid models)" if h.mamba_cache_mode == "none" else f"on (mamba_cache_mode {h.mamba_cache_mode})"
     console.print(
-        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} (FlashAttention/FlashInfer default; "
-        f"the raise counts in multiples of max(kernel block, --block-size)), prefix caching {prefix}",
+        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} (FlashAttention / FlashInfer default), "
+        f"prefix caching {prefix}",
         style="dim",
         highlight=False,
         soft_wrap=True,

@@ -96,7 +96,8 @@ def hybrid_pages(
         return None
     state_page = state_pages.pop()
     align = max(kernel_block_size, spec.block_size)
-    # the smallest multiple of `align` tokens whose page holds one state page
+    # the smallest multiple of `align` tokens whose page holds one state page; vLLM only ever raises
+    # block_size (with align >= block_size this never keeps a smaller one, but says what vLLM does)
     block_size = max(spec.block_size, align * cdiv(state_page, align * per_token))
     return HybridPages(
         requested_block_size=spec.block_size,
