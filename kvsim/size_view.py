@@ -185,7 +185,8 @@ def _print_hybrid_pages(console: Console, h) -> None:
     )
     prefix = "off (mamba_cache_mode none, vLLM's default for hybrid models)" if h.mamba_cache_mode == "none" else f"on (mamba_cache_mode {h.mamba_cache_mode})"
     console.print(
-        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} (FlashAttention / FlashInfer default), "
+        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} "
+        f"({'FlashAttention / FlashInfer default' if h.kernel_block_size == 16 else '--kernel-block-size'}), "
         f"prefix caching {prefix}",
         style="dim",
         highlight=False,
@@ -213,7 +214,7 @@ def _print_vllm_lines(console: Console, report) -> None:
         state_blocks = 2 if v.hybrid.mamba_cache_mode == "align" else 1
         console.print(
             f"  vLLM pool: {v.group_size} tensors of {v.num_blocks:,} pages of {v.page_bytes:,} B; {v.num_groups} groups "
-            f"of {v.group_size} layers (state groups take {state_blocks} block per request); "
+            f"of {v.group_size} layers (state groups take {state_blocks} block{'s' if state_blocks > 1 else ''} per request); "
             f"tokens = {v.num_blocks:,} // {v.num_groups} x {v.token_block_size:,}; "
             f"{v.blocks_per_request:,} blocks per request",
             style="dim",

@@ -60,9 +60,9 @@ class HybridPages:
 
 
 def _check_options(kernel_block_size: int, mamba_cache_mode: str) -> None:
-    positive_int(kernel_block_size, "kernel_block_size")
+    positive_int(kernel_block_size, "--kernel-block-size")
     if mamba_cache_mode not in MAMBA_CACHE_MODES:
-        raise KvsimError(f"expected one of {', '.join(MAMBA_CACHE_MODES)}, got {mamba_cache_mode!r}", field="mamba_cache_mode")
+        raise KvsimError(f"expected one of {', '.join(MAMBA_CACHE_MODES)}, got {mamba_cache_mode!r}", field="--mamba-cache-mode")
 
 
 def _bytes_per_layer(total: int, group: KVCacheGroupSpec) -> int | None:

@@ -176,6 +176,23 @@ def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
     assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 5.54x" in out
 
 
+def test_hybrid_vllm_settings_from_the_command_line(cli):
+    # --kernel-block-size 32: block_size 32 x cdiv(274,432, 32 x 1,024) = 32 x 9 = 288; page 288 x 1,024 = 294,912 B
+    # num_blocks 37,309,411,328 // 294,912 // 12 = 126,509 // 12 = 10,542; tokens 10,542 // 4 x 288 = 758,880
+    # --mamba-cache-mode align: each state group takes 2 blocks: cdiv(262,144, 288) + 3 x 2 = 911 + 6 = 917;
+    # 10,542 / 917 = 11.50
+    out = cli(["size", "-m", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4", "--kernel-block-size", "32",
+               "--mamba-cache-mode", "align"]).stdout  # fmt: skip
+    assert "vLLM block_size for this model: 288 tokens (raised from --block-size 16, in multiples of 32" in out
+    assert "attention kernel block 32 (--kernel-block-size), prefix caching on (mamba_cache_mode align)" in out
+    assert "GPU KV cache size: 758,880 tokens, Maximum concurrency for 262,144 tokens per request: 11.50x" in out
+    assert "state groups take 2 blocks per request" in out and "917 blocks per request" in out
+    for args, line in ((["--mamba-cache-mode", "all"], "--mamba-cache-mode: expected one of none, align, got 'all'"),
+                       (["--kernel-block-size", "0"], "--kernel-block-size: must be a positive integer, got 0")):  # fmt: skip
+        result = cli(["size", "-m", "qwen3-next-80b-a3b", *args])
+        assert result.exit_code == 2 and result.output.strip() == f"kvsim: error: {line}"
+
+
 def test_hybrid_state_model_prints_vllms_lines_and_its_raised_block_size(cli):
     # Was "not modelled" (kvsim's own estimate): vLLM's arithmetic is now followed for state layers too.
     # qwen3-next-80b-a3b on an H100 at tp 4: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks

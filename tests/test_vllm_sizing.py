@@ -234,7 +234,7 @@ def test_unequal_attention_pages_are_not_followed():
     assert hybrid_pages(spec) is None and vllm_startup(spec, GiB, 4096) is None
 
 
-@pytest.mark.parametrize("kwargs, field", [({"mamba_cache_mode": "all"}, "mamba_cache_mode"), ({"kernel_block_size": 0}, "kernel_block_size")])
+@pytest.mark.parametrize("kwargs, field", [({"mamba_cache_mode": "all"}, "--mamba-cache-mode"), ({"kernel_block_size": 0}, "--kernel-block-size")])
 def test_unknown_vllm_settings_are_errors(kwargs, field):
     spec = kv_cache_spec(resolve_model("qwen3-next-80b-a3b"))
     with pytest.raises(KvsimError, match=field):
