@@ -140,7 +140,8 @@ def run_replay_cli(
 
     With `json_out` the summary goes to stdout as JSON and everything else (progress, paths) to stderr.
     """
-    from kvsim.replay import ReplayOptions, run_replay
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
     from kvsim.reports import jsonable, summary_records, write_reports
     from kvsim.workload import load_workload
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import multiprocessing
 import queue as queue_module
 
-from kvsim.replay import AllocatorRun, ProgressFn, replay_allocator
+from kvsim.replay_loop import replay_allocator
+from kvsim.replay_options import ProgressFn
+from kvsim.replay_records import AllocatorRun
 
 
 # Inherited by forked workers (never pickled): the request stream and everything a worker needs.

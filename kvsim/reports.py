@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvsim.errors import KvsimError
-from kvsim.replay import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
+from kvsim.replay_records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
 
 CATEGORIES = (
     "token_states",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.scheduler import SchedSeq, SchedulerOutput
+from kvsim.scheduler_output import SchedSeq, SchedulerOutput
 
 
 class ModelRunner:

@@ -51,7 +51,8 @@ def main() -> int:
         return 2
 
     t_import = time.perf_counter()
-    from kvsim.replay import ReplayOptions, run_replay
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
     from kvsim.reports import summary_records, write_reports
     from kvsim.workload import load_workload
 

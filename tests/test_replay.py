@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsim.replay import ReplayOptions, run_replay
+from kvsim.replay import run_replay
+from kvsim.replay_options import ReplayOptions
 from kvsim.workload import load_workload
 
 BYTE_COLUMNS = (
@@ -244,7 +245,8 @@ def test_no_tensors_never_imports_torch(tmp_path):
 
     path = write_tiny(tmp_path, count=4)
     code = (
-        "import sys; from kvsim.replay import ReplayOptions, run_replay; from kvsim.workload import load_workload; "
+        "import sys; from kvsim.replay import run_replay; from kvsim.replay_options import ReplayOptions; "
+        "from kvsim.workload import load_workload; "
         f"run_replay(load_workload({str(path)!r}), ReplayOptions(tensors=False)); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
@@ -252,7 +254,7 @@ def test_no_tensors_never_imports_torch(tmp_path):
 
 
 def test_auto_device_without_cuda_is_cpu_tensors_with_sampled_reads(tmp_path):
-    from kvsim.replay import CPU_READ_EVERY
+    from kvsim.replay_options import CPU_READ_EVERY
 
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 
 from kvsim.engine.factory import AllocatorConfig
-from kvsim.replay import STEP_COLUMNS, AllocatorRun, ReplayOptions, ReplayResult, run_replay
+from kvsim.replay import run_replay
+from kvsim.replay_options import ReplayOptions
+from kvsim.replay_records import STEP_COLUMNS, AllocatorRun, ReplayResult
 from kvsim.reports import requests_frame, summary_records, write_reports
 from kvsim.workload import load_workload
 

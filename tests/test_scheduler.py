@@ -7,7 +7,8 @@ import pytest
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.roofline import Roofline
-from kvsim.scheduler import SchedSeq, Scheduler
+from kvsim.scheduler import Scheduler
+from kvsim.scheduler_output import SchedSeq
 
 # 1 layer, 1 KV head, head_dim 1, bf16: K+V = 4 bytes per token; block_size 4 -> 16-byte blocks.
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=4)
