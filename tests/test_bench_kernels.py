@@ -71,6 +71,110 @@ def test_measure_on_cpu_repeats_until_a_fifth_of_a_second():
     assert 80_000 <= slow.p20_us <= slow.median_us <= slow.p80_us
 
 
+class FakeCuda:
+    """CUDA events on a fake clock: a kernel call takes `call_ms`, an L2 flush `flush_ms`; logs what ran."""
+
+    def __init__(self, call_ms: float, flush_ms: float = 0.1):
+        self.clock, self.call_ms, self.flush_ms, self.log, self.syncs = 0.0, call_ms, flush_ms, [], 0
+
+    def install(self, monkeypatch):
+        from kvsim.bench import kernel_timing
+
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.time = None
+
+            def record(self):
+                self.time = fake.clock
+                fake.log.append("event")
+
+            def elapsed_time(self, end):
+                return end.time - self.time
+
+        class Flush:
+            def zero_(self):
+                fake.clock += fake.flush_ms
+                fake.log.append("flush")
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: setattr(fake, "syncs", fake.syncs + 1))
+        monkeypatch.setattr(kernel_timing, "_flush_buffer", lambda device: Flush())
+
+    def kernel(self):
+        self.clock += self.call_ms
+        self.log.append("call")
+
+
+def test_measure_on_cuda_warms_up_then_flushes_the_l2_before_every_timed_call(monkeypatch):
+    from kvsim.bench import kernel_timing
+
+    gpu = FakeCuda(call_ms=0.5)
+    gpu.install(monkeypatch)
+    timing = measure(gpu.kernel, torch.device("cuda"), reps=10)
+    # 5 calls estimate 0.5 ms a call; WARMUP_MS of calls; then calls until they span REPEAT_MS, each flushed first
+    warmup = int(kernel_timing.WARMUP_MS / 0.5)
+    assert timing.reps == int(kernel_timing.REPEAT_MS / 0.5) == 200
+    assert gpu.log[: 2 + 5 + warmup] == ["event", *["call"] * 5, "event", *["call"] * warmup]
+    assert gpu.log[2 + 5 + warmup :] == ["flush", "event", "call", "event"] * timing.reps
+    assert timing.median_us == pytest.approx(500) and timing.p20_us == pytest.approx(500)
+    assert gpu.syncs == 2  # the estimate, then all the timed calls at once
+    slow = FakeCuda(call_ms=40.0)
+    slow.install(monkeypatch)
+    assert measure(slow.kernel, torch.device("cuda"), reps=10).reps == 10  # at least `reps`
+    assert slow.log.count("call") == 5 + 0 + 10  # 25 ms of warm-up is less than one 40 ms call
+
+
+def test_compiled_flex_attention_specialises_the_batch(monkeypatch):
+    # Inductor's flex-decoding kernel needs a static batch; automatic dynamic shapes would make it symbolic at
+    # the second batch size, and CUDA would fall back to a kernel that rejects small KV blocks.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([x for x in example_inputs if isinstance(x, torch.SymInt)
+                       or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))])  # fmt: skip
+        return gm.forward
+
+    attend = flex_paged.compile_flex_attention(backend)
+    for batch in (2, 3, 5):
+        pool, tables, seq_lens, q, ref = _paged_problem(4, [6] * batch)
+        mask = flex_paged.decode_block_mask(tables, seq_lens, 4, pool.shape[1] * 4)
+        k, v = flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1])
+        torch.testing.assert_close(attend(q, k, v, block_mask=mask, enable_gqa=True), ref, atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 3 and graphs == [[], [], []]  # one static graph per batch size, no symbolic sizes
+
+
+def test_which_block_sizes_compiled_flex_attention_takes_on_cuda():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    skip = flex_paged.unsupported_block_size(8, torch.bfloat16, cuda, compiled=True)
+    assert skip.startswith("skipped:") and ">= 16" in skip and "bfloat16" in skip
+    for bs in (16, 32, 64, 128, 256):
+        assert flex_paged.unsupported_block_size(bs, torch.bfloat16, cuda, compiled=True) is None
+        assert flex_paged.unsupported_block_size(bs, torch.float16, cuda, compiled=True) is None
+    assert flex_paged.unsupported_block_size(24, torch.bfloat16, cuda, compiled=True) is not None  # not a power of 2
+    assert flex_paged.unsupported_block_size(8, torch.float32, cuda, compiled=True) is None  # fp32 dots reduce over 8
+    assert flex_paged.unsupported_block_size(4, torch.float32, cuda, compiled=True) is not None
+    # eager FlexAttention and the CPU kernels take any block size
+    assert flex_paged.unsupported_block_size(8, torch.bfloat16, cuda, compiled=False) is None
+    assert flex_paged.unsupported_block_size(1, torch.bfloat16, cpu, compiled=True) is None
+
+
+def test_pool_split_kv_gives_each_sequence_the_split_of_a_contiguous_cache(monkeypatch):
+    class Props:
+        multi_processor_count = 132  # H100 SXM
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+    cuda = torch.device("cuda")
+    # batch 8 x 8 KV heads: Inductor splits each sequence 132 // 64 * 2 = 4 ways over a contiguous cache; the
+    # pool holds 8 sequences' blocks, so 4 x 8 splits give each sequence the same 4 tiles
+    assert flex_paged.pool_split_kv(8, 8, 8 * 2048, 2048, cuda) == 32
+    assert flex_paged.pool_split_kv(8, 8, 8 * 2048 + 48, 2048, cuda) == 36  # spare blocks: one more tile's worth
+    assert flex_paged.pool_split_kv(64, 8, 64 * 2048, 2048, cuda) is None  # one split each anyway: the default
+    assert flex_paged.pool_split_kv(8, 8, 8 * 2048, 2048, torch.device("cpu")) is None
+
+
 def _paged_problem(block_size: int, seq_lens: list[int], *, num_q_heads=4, num_kv_heads=2, head_dim=16, device="cpu"):
     """Random K/V scattered into a shuffled pool (plus spare blocks), and the per-sequence reference output."""
     gen = torch.Generator().manual_seed(block_size)
@@ -181,6 +285,57 @@ def test_tiny_cpu_run_writes_the_csv(tmp_path):
     assert (abs(bw - ok["bandwidth_gbps"]) <= 1e-9 * bw).all()
 
 
+def test_a_block_size_flex_attention_cannot_tile_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    blocks = []
+    real = flex_paged.flex_decode
+    monkeypatch.setattr(flex_paged, "flex_decode", lambda q, k, v, m, **kw: blocks.append(m.BLOCK_SIZE[1]) or real(q, k, v, m, **kw))
+    monkeypatch.setattr(flex_paged, "unsupported_block_size", lambda bs, *a: "skipped: too small" if bs == 4 else None)
+    frame, _ = bench_kernels("llama-3.1-8b", block_sizes=(4, 8), batch_sizes=(2,), context_lens=(16,), device="cpu",
+                             reps=1, out_dir=tmp_path)  # fmt: skip
+    flex = frame[frame["kernel"].str.startswith("flex")].set_index(["kernel", "block_size"])["status"]
+    assert flex[("flex_paged", 4)] == flex[("flex_contiguous", 4)] == "skipped: too small"
+    assert flex[("flex_paged", 8)] == flex[("flex_contiguous", 8)] == "ok"
+    assert blocks and set(blocks) == {8}  # nothing ran FlexAttention over 4-token blocks
+
+
+def test_each_block_sizes_pool_is_freed_before_the_next_is_allocated(tmp_path, monkeypatch):
+    import weakref
+
+    from kvsim.bench import kernels as bench
+
+    pools, real = [], bench._new_pool
+
+    def new_pool(*args):
+        assert all(ref() is None for ref in pools), "the previous block size's pool is still alive"
+        pool = real(*args)
+        pools.append(weakref.ref(pool))
+        return pool
+
+    monkeypatch.setattr(bench, "_new_pool", new_pool)
+    bench_kernels("llama-3.1-8b", block_sizes=(4, 8, 16), batch_sizes=(1,), context_lens=(16,), device="cpu", reps=1,
+                  out_dir=tmp_path)  # fmt: skip
+    assert len(pools) == 3
+
+
+def test_the_csv_holds_every_finished_case_when_a_later_one_fails(tmp_path, monkeypatch):
+    from kvsim.bench import kernels as bench
+
+    real, seen = bench.bench_case, []
+
+    def bench_case(shape, batch, context_len, *args, **kwargs):
+        if batch == 3:
+            raise KeyboardInterrupt  # a time limit's signal, say
+        return real(shape, batch, context_len, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_case", bench_case)
+    with pytest.raises(KeyboardInterrupt):
+        bench_kernels("llama-3.1-8b", block_sizes=(4,), batch_sizes=(1, 2, 3), context_lens=(8,), device="cpu", reps=1,
+                      out_dir=tmp_path, progress=seen.append)  # fmt: skip
+    csv = pd.read_csv(tmp_path / "kernels-cpu.csv")
+    assert sorted(set(csv["batch_size"])) == [1, 2] and list(csv.columns) == COLUMNS
+    assert seen[:2] == ["batch 1, context 8, block 4", "batch 2, context 8, block 4"]
+
+
 def test_cli_rejects_bad_sizes_in_one_line(cli):
     result = cli(["bench", "kernels", "--batch-sizes", "two"])
     assert result.exit_code == 2
@@ -192,6 +347,7 @@ def test_cli_cpu_run_says_its_numbers_are_not_gpu_numbers(cli, tmp_path):
                   "--reps", "1", "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "not GPU numbers" in result.output
+    assert "s] benchmarking kernels: batch 1, context 16, block 16" in result.output  # no terminal: a line per step
     assert (tmp_path / "kernels-cpu.csv").is_file()
 
 
@@ -200,8 +356,12 @@ def test_cli_cpu_run_says_its_numbers_are_not_gpu_numbers(cli, tmp_path):
 def test_compiled_paged_flex_attention_equals_sdpa_on_cuda(block_size):
     pool, tables, seq_lens, q, ref = _paged_problem(block_size, [3, 2 * block_size, 300], head_dim=64, device="cuda")
     mask = flex_paged.decode_block_mask(tables, seq_lens, block_size, pool.shape[1] * block_size)
-    out = flex_paged.flex_decode(q, flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1]), mask, compiled=True)
-    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)  # TF32 dots; a masking bug reads x100 garbage
+    k, v = flex_paged.pool_as_sequence(pool[0]), flex_paged.pool_as_sequence(pool[1])
+    split = flex_paged.pool_split_kv(len(seq_lens), k.shape[1], k.shape[2], 300, q.device)
+    assert split is not None and split > 1  # batch 3 x 2 heads: the pool's split spreads each sequence out
+    for split_kv in (None, split):  # Inductor's own split, and the one the bench gives the paged pool
+        out = flex_paged.flex_decode(q, k, v, mask, compiled=True, split_kv=split_kv)
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)  # TF32 dots; a masking bug reads x100 garbage
 
 
 @pytest.mark.gpu

@@ -84,29 +84,83 @@ def pool_as_sequence(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(1, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
+# Compiled FlexAttention on CUDA runs Triton kernels whose KV tile is at most one KV block (BLOCK_N = min(64,
+# block_size)), and `tl.dot` needs a reduction dimension of at least 16 elements for 16-bit inputs (8 for fp32):
+# the P @ V product reduces over BLOCK_N, so smaller blocks fail to compile. Tiles are powers of two.
+MIN_CUDA_BLOCK_SIZE = {1: 32, 2: 16, 4: 8}  # element size in bytes -> smallest KV block compiled flex takes
+
+
+def unsupported_block_size(block_size: int, dtype: torch.dtype, device: torch.device, compiled: bool) -> str | None:
+    """Why compiled FlexAttention cannot run KV blocks of `block_size` on `device`, or None when it can.
+
+    Only the CUDA (Triton) kernels have the limit; eager FlexAttention and the CPU kernels take any block size.
+    """
+    if not compiled or device.type != "cuda":
+        return None
+    least = MIN_CUDA_BLOCK_SIZE.get(dtype.itemsize, 16)
+    if block_size >= least and block_size & (block_size - 1) == 0:
+        return None
+    return (f"skipped: compiled FlexAttention on CUDA needs KV blocks of a power of two >= {least} tokens in "
+            f"{str(dtype).removeprefix('torch.')} (Triton's tl.dot over a {block_size}-token tile)")
+
+
+def pool_split_kv(batch: int, num_kv_heads: int, kv_len: int, max_seq_len: int, device: torch.device) -> int | None:
+    """The SPLIT_KV that gives paged decode the parallelism a contiguous cache of `max_seq_len` gets (CUDA only).
+
+    Inductor's flex-decoding kernel splits each (sequence, KV head) over SPLIT_KV programs, 2 per SM over
+    batch * heads, and with full blocks each program takes a tile of KV_LEN / SPLIT_KV positions of the
+    sequence's block list. KV_LEN is the whole pool here (every sequence's blocks), so with the default split
+    one program per (sequence, head) would read the whole sequence while the others idle: decode at small
+    batch would look several times slower paged than contiguous for a reason that is not paging. Scaling
+    SPLIT_KV by kv_len / max_seq_len gives each sequence the tiles a contiguous cache of its length gets; the
+    extra programs find no blocks and exit. None (Inductor's default) off CUDA or when the default is 1.
+    """
+    if device.type != "cuda":
+        return None
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    default = max(num_sms // max(batch * num_kv_heads, 1) * 2, 1)  # Inductor's get_split_k
+    if default == 1:
+        return None
+    return default * -(-kv_len // max_seq_len)
+
+
 _COMPILED = None
 
 
+def compile_flex_attention(backend: str | object = "inductor"):
+    """`torch.compile(flex_attention)` with static shapes; a recompile limit hit raises instead of running eager.
+
+    Static (dynamic=False): after a second batch size, automatic dynamic shapes would make the batch
+    symbolic, and Inductor picks its flex-decoding kernel only for a static batch; the fallback kernel pads
+    the single query row to a whole tile, reads K/V once per query head, and rejects KV blocks smaller than
+    its tile. Every (shape, block size) compiles once instead.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(flex_attention, backend=backend, dynamic=False)
+
+
 def compiled_flex_attention():
-    """`torch.compile(flex_attention)`, built once; a recompile limit hit raises instead of silently running eager."""
+    """`compile_flex_attention()`, built once."""
     global _COMPILED
     if _COMPILED is None:
-        import torch._dynamo
-
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        _COMPILED = torch.compile(flex_attention)
+        _COMPILED = compile_flex_attention()
     return _COMPILED
 
 
-def flex_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, *, compiled: bool) -> torch.Tensor:
+def flex_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, *, compiled: bool,
+                split_kv: int | None = None) -> torch.Tensor:
     """One decode step of attention through `block_mask`; GQA is handled by FlexAttention itself.
 
     q: (B, num_heads, 1, head_dim); key/value: (1 or B, num_kv_heads, kv_len, head_dim) -> (B, num_heads, 1, head_dim).
     Eager FlexAttention materialises the scores (slow, but exact): use it only where compiling is too costly (CPU).
+    `split_kv` (compiled only, see `pool_split_kv`) sets the decoding kernel's SPLIT_KV.
     """
     if compiled:
-        return compiled_flex_attention()(q, key, value, block_mask=block_mask, enable_gqa=True)
+        options = {"SPLIT_KV": split_kv} if split_kv else None
+        return compiled_flex_attention()(q, key, value, block_mask=block_mask, enable_gqa=True, kernel_options=options)
     import warnings
 
     with warnings.catch_warnings():

@@ -20,11 +20,23 @@ class Timing:
     reps: int
 
 
-def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Timing:
-    """Time `fn`, already warmed up (and compiled) by the caller, over at least `reps` repetitions.
+FLUSH_BYTES = 2**28  # the L2 flush buffer: at least this, and at least twice the L2 (as triton.testing.do_bench)
+WARMUP_MS = 25  # CUDA: calls before timing, as do_bench's warm-up (clocks up, caches and allocator settled)
+REPEAT_MS = 100  # CUDA: repetitions until the timed calls span about this long (at most 1000)
 
-    CUDA: CUDA events around each call, L2 flushed before each by zeroing a buffer twice its size (as
-    triton.testing.do_bench does), and repetitions added until they span about 100 ms.
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer whose zeroing evicts the L2: max(2 x L2, FLUSH_BYTES) bytes on `device`."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return torch.empty(max(2 * l2, FLUSH_BYTES) // 4, dtype=torch.int32, device=device)
+
+
+def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Timing:
+    """Time `fn`, already called once (compiled) by the caller, over at least `reps` repetitions.
+
+    CUDA (triton.testing.do_bench's method): 5 calls estimate the time of one; calls for WARMUP_MS more;
+    then CUDA events around each call, the L2 flushed before each by zeroing a buffer (`_flush_buffer`),
+    repetitions added until they span about REPEAT_MS (at most 1000).
     CPU: a perf_counter loop of at least `reps` calls, more (up to 1000) until they span 0.2 s, so that a
     shared machine's scheduler preempting one call does not move the median.
     """
@@ -38,8 +50,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Tim
             times.append((time.perf_counter() - start) * 1e6)
         reps = len(times)
     else:
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        flush = torch.empty(max(2 * l2, 2**28) // 4, dtype=torch.int32, device=device)
+        flush = _flush_buffer(device)
         probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         probe[0].record()
         for _ in range(5):
@@ -47,7 +58,9 @@ def measure(fn: Callable[[], object], device: torch.device, *, reps: int) -> Tim
         probe[1].record()
         torch.cuda.synchronize(device)
         estimate_ms = max(probe[0].elapsed_time(probe[1]) / 5, 1e-3)
-        reps = max(reps, min(1000, int(100 / estimate_ms)))
+        for _ in range(min(1000, int(WARMUP_MS / estimate_ms))):
+            fn()
+        reps = max(reps, min(1000, int(REPEAT_MS / estimate_ms)))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
             flush.zero_()

@@ -4,6 +4,7 @@ FlexAttention) beside a same-size copy and a read-only reduction (the rooflines)
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +26,7 @@ COLUMNS = [
     "device", "torch_version", "triton_version", "model", "kv_dtype", "num_kv_heads", "num_q_heads", "head_dim",
     "block_size", "batch_size", "context_len", "op", "kernel", "status", "num_tokens", "bytes", "median_us",
     "p20_us", "p80_us", "reps", "bandwidth_gbps", "roofline_gbps", "pct_of_roofline", "max_abs_err",
-    "working_set_bytes", "l2_bytes", "l2_flushed", "flex_compiled",
+    "working_set_bytes", "l2_bytes", "l2_flushed", "flex_compiled", "flex_split_kv",
 ]  # fmt: skip
 
 
@@ -63,6 +64,11 @@ class _Case:
         return F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
 
 
+def _new_pool(num_blocks: int, block_size: int, shape: KernelShape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's paged pool, [2, 1, num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
+    return torch.zeros(2, 1, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+
+
 def _time(fn: Callable[[], torch.Tensor | None], device: torch.device, reps: int):
     """Warm `fn` up (compiling it), then `measure` it: (Timing, first output, "ok"). A kernel's failure
     (compile error, OOM) becomes (None, None, "error: ...") instead of aborting the sweep."""
@@ -75,13 +81,16 @@ def _time(fn: Callable[[], torch.Tensor | None], device: torch.device, reps: int
 
 
 def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tuple[int, ...], device: torch.device,
-               *, reps: int, compiled: bool, seed: int = 0) -> list[dict]:
-    """Every kernel of one (batch, context length) across `block_sizes`: one dict per CSV row (no context columns)."""
+               *, reps: int, compiled: bool, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Every kernel of one (batch, context length) across `block_sizes`: one dict per CSV row (no context columns).
+
+    `progress` hears "block N" as each block size starts.
+    """
     case = _Case(shape, batch, context_len, device, seed)
     n = case.num_tokens
     rows: list[dict] = []
 
-    def row(op, kernel, block_size, nbytes, timing, status, roofline=None, err=None):
+    def row(op, kernel, block_size, nbytes, timing, status, roofline=None, err=None, split_kv=None):
         """Append one row; a roofline row (op 'roofline') is its own roofline. Returns the achieved GB/s."""
         bw = nbytes / (timing.median_us * 1e-6) / 1e9 if timing else None
         roofline = bw if op == "roofline" else roofline
@@ -90,7 +99,7 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
             median_us=timing.median_us if timing else None, p20_us=timing.p20_us if timing else None,
             p80_us=timing.p80_us if timing else None, reps=timing.reps if timing else None, bandwidth_gbps=bw,
             roofline_gbps=roofline, pct_of_roofline=100 * bw / roofline if bw and roofline else None,
-            max_abs_err=err, working_set_bytes=shape.kv_bytes(n),
+            max_abs_err=err, working_set_bytes=shape.kv_bytes(n), flex_split_kv=split_kv,
         ))  # fmt: skip
         return bw
 
@@ -107,11 +116,13 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
         ref = case.reference()
 
     for bs in block_sizes:
+        if progress:
+            progress(f"block {bs}")
         gen = torch.Generator().manual_seed(seed + bs)
         tables = random_block_tables(batch, context_len, bs, gen).to(device)  # (B, M)
         slots = slot_mapping(tables, context_len, bs)  # (B*T,)
         num_blocks = tables.numel()
-        kv_cache = torch.zeros(2, 1, num_blocks, bs, shape.num_kv_heads, shape.head_dim, dtype=case.k.dtype, device=device)
+        kv_cache = _new_pool(num_blocks, bs, shape, case.k.dtype, device)
         kv_flat = kv_cache.view(2, 1, num_blocks * bs, shape.num_kv_heads, shape.head_dim)
         writers = {"index_copy": kernels.scatter_index_copy, "index_put": kernels.scatter_index_put,
                    "triton": kernels.scatter_triton}  # fmt: skip
@@ -128,28 +139,40 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
             kv = kernels.gather_paged(kv_cache, tables)  # [2, 1, B, M*bs, H, D]
             return kernels.decode_attention(case.q[:, :, 0], kv[0, 0], kv[1, 0], case.seq_lens).unsqueeze(2)
 
-        paged_mask = flex_paged.decode_block_mask(tables, case.seq_lens, bs, num_blocks * bs)
-        k_pool, v_pool = flex_paged.pool_as_sequence(kv_cache[0, 0]), flex_paged.pool_as_sequence(kv_cache[1, 0])
-        decoders = {
-            "gather_sdpa": (gather_sdpa, tables.numel() * tables.element_size()),
-            "flex_paged": (lambda m=paged_mask, k=k_pool, v=v_pool: flex_paged.flex_decode(case.q, k, v, m, compiled=compiled),
-                           tables.numel() * 4),
-        }  # fmt: skip
-        if context_len % bs == 0:
-            identity = torch.arange(tables.shape[1], device=device).expand(batch, -1)
-            contiguous_mask = flex_paged.decode_block_mask(identity, case.seq_lens, bs, context_len)
-            decoders["flex_contiguous"] = (
-                lambda m=contiguous_mask: flex_paged.flex_decode(case.q, case.k, case.v, m, compiled=compiled),
-                tables.numel() * 4,
-            )
+        decode_bytes = shape.decode_bytes(batch, context_len)
+        decoders = {"gather_sdpa": (gather_sdpa, tables.numel() * tables.element_size(), None)}
+        flex_skip = flex_paged.unsupported_block_size(bs, case.k.dtype, device, compiled)
+        if flex_skip:  # the Triton kernel cannot tile these blocks: say so instead of a compile error per kernel
+            for name in ("flex_paged", "flex_contiguous"):
+                row("decode", name, bs, decode_bytes, None, flex_skip)
         else:
-            row("decode", "flex_contiguous", bs, shape.decode_bytes(batch, context_len), None,
-                "skipped: context_len is not a multiple of block_size")  # fmt: skip
-        for name, (fn, index_bytes) in decoders.items():
+            split = flex_paged.pool_split_kv(batch, shape.num_kv_heads, num_blocks * bs, context_len, device) if compiled else None
+            paged_mask = flex_paged.decode_block_mask(tables, case.seq_lens, bs, num_blocks * bs)
+            k_pool, v_pool = flex_paged.pool_as_sequence(kv_cache[0, 0]), flex_paged.pool_as_sequence(kv_cache[1, 0])
+            decoders["flex_paged"] = (
+                lambda m=paged_mask, k=k_pool, v=v_pool: flex_paged.flex_decode(case.q, k, v, m, compiled=compiled, split_kv=split),
+                tables.numel() * 4, split,
+            )  # fmt: skip
+            del k_pool, v_pool  # views of the pool: only the lambda may keep it alive
+            if context_len % bs == 0:
+                identity = torch.arange(tables.shape[1], device=device).expand(batch, -1)
+                contiguous_mask = flex_paged.decode_block_mask(identity, case.seq_lens, bs, context_len)
+                decoders["flex_contiguous"] = (
+                    lambda m=contiguous_mask: flex_paged.flex_decode(case.q, case.k, case.v, m, compiled=compiled),
+                    tables.numel() * 4, None,
+                )
+            else:
+                row("decode", "flex_contiguous", bs, decode_bytes, None,
+                    "skipped: context_len is not a multiple of block_size")  # fmt: skip
+        for name, (fn, index_bytes, split_kv) in decoders.items():
             timing, out, status = _time(fn, device, reps)
             err = float((out.float() - ref.float()).abs().max()) if timing else None
-            row("decode", name, bs, shape.decode_bytes(batch, context_len, index_bytes), timing, status, read_bw, err)
-        del kv_cache, kv_flat, paged_mask, decoders, gather_sdpa  # free this pool before the next one
+            row("decode", name, bs, shape.decode_bytes(batch, context_len, index_bytes), timing, status, read_bw, err, split_kv)
+            del out
+        # Free this pool before the next block size allocates its own: nothing may hold a view of it, and
+        # compiling FlexAttention leaves reference cycles (Dynamo's tracing state) that hold its inputs.
+        del kv_cache, kv_flat, decoders, gather_sdpa, writers
+        gc.collect()
     return rows
 
 
@@ -179,6 +202,9 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
         l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else None,
         l2_flushed=dev.type == "cuda", flex_compiled=compiled,
     )  # fmt: skip
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{device_slug(dev)}.csv"
     rows = []
     threads = torch.get_num_threads()
     if dev.type == "cpu":  # one thread: on a busy machine every multi-threaded op waits for a time slice
@@ -186,17 +212,14 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
     try:
         for batch in batch_sizes or default_batches:
             for context_len in context_lens or default_contexts:
-                if progress:
-                    progress(f"batch {batch}, context {context_len}")
-                for r in bench_case(shape, batch, context_len, block_sizes, dev, reps=reps, compiled=compiled):
+                where = f"batch {batch}, context {context_len}"
+                on_block = (lambda text, where=where: progress(f"{where}, {text}")) if progress else None
+                for r in bench_case(shape, batch, context_len, block_sizes, dev, reps=reps, compiled=compiled, progress=on_block):
                     rows.append({**context, "batch_size": batch, "context_len": context_len, **r})
+                # Rewritten after every case: a run stopped by a time limit keeps the cases it finished.
+                pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     finally:
         torch.set_num_threads(threads)
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels-{device_slug(dev)}.csv"
-    frame.to_csv(path, index=False)
-    return frame, path
+    return pd.DataFrame(rows, columns=COLUMNS), path

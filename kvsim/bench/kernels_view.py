@@ -68,16 +68,26 @@ def render_table(frame, console) -> None:
 def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,
                        kv_dtype: str, device: str, reps: int | None, out_dir: str, compile_flex: bool | None) -> Path:
     """The `kvsim bench kernels` command: run the sweep with a status line, print the table and the CSV path."""
+    import time
+
     from rich.console import Console
 
     console = Console()
     dev = resolve_device(device)
+    start = time.monotonic()
     with console.status("benchmarking kernels") as status:
+
+        def progress(text: str) -> None:
+            if console.is_terminal:
+                status.update(f"benchmarking kernels: {text}")
+            else:  # a log (e.g. a GPU run piped through tee) shows how far a long or killed run got, and when
+                console.print(f"[{time.monotonic() - start:6.0f} s] benchmarking kernels: {text}", markup=False, highlight=False)
+
         frame, path = bench_kernels(
             model, block_sizes=parse_sizes(block_sizes, "--block-sizes"), batch_sizes=parse_sizes(batch_sizes, "--batch-sizes"),
             context_lens=parse_sizes(context_lens, "--context-lens"), kv_dtype=kv_dtype, device=device,
             reps=reps if reps is not None else (10 if dev.type == "cuda" else 3), out_dir=out_dir,
-            compile_flex=compile_flex, progress=lambda text: status.update(f"benchmarking kernels: {text}"),
+            compile_flex=compile_flex, progress=progress,
         )  # fmt: skip
     render_table(frame, console)
     failed = frame[frame["status"].str.startswith("error")]
