@@ -41,7 +41,8 @@ class CacheSwaps:
             host_rows = host.view(self._bits).view(2 * self.num_layers, len(index), -1)  # [2L, n, H*D]
             if on_cuda:
                 rows = self._slot_rows.index_select(1, index)
-                rows[:, self._index(gone)] = 0
+                if len(gone):
+                    rows[:, self._index(gone)] = 0
                 host_rows.copy_(rows, non_blocking=True)
             else:
                 torch.index_select(self._slot_rows, 1, index, out=host_rows)
@@ -61,6 +62,9 @@ class CacheSwaps:
         index = self._index(slots[held])
         with self.timer.measure("swap"):
             rows = handle.kv.view(self._bits).view(2 * self.num_layers, len(slots), -1)  # [2L, n, H*D]
+            # Copy first, select after: on CUDA the swap-out's device-to-host copy into handle.kv may still be
+            # in flight, so the host must not read it; the copy back is ordered after it on the stream.
+            rows = rows.to(self.device, non_blocking=True)
             if len(held) < len(slots):
-                rows = rows[:, torch.from_numpy(held)]
-            self._slot_rows.index_copy_(1, index, rows.to(self.device, non_blocking=True))
+                rows = rows.index_select(1, self._index(held))
+            self._slot_rows.index_copy_(1, index, rows)

@@ -224,6 +224,37 @@ def test_timer_sums_measurements_of_one_kind():
     assert disabled.step_times() == {}
 
 
+def test_swap_in_moves_the_swapped_kv_to_the_device_before_selecting_rows():
+    # On CUDA the swap-out's device-to-host copy is asynchronous: the host must not read handle.kv (indexing it
+    # there reads memory the copy may still be writing). swap_in's first use of it beyond views is the copy back.
+    from torch.overrides import TorchFunctionMode
+
+    c = make_cache(64)
+    slots = paged_slots([3, 8, 5], 10)
+    c.write(slots, np.zeros(10, dtype=np.int64), np.arange(10))
+    swapped = slots.copy()
+    swapped[:4] = -1  # a sliding window freed the first block: swap_in selects the rows it holds
+    handle = c.swap_out(swapped)
+    new_slots = paged_slots([0, 1, 2], 10)
+    new_slots[:4] = -1
+    base = handle.kv.untyped_storage().data_ptr()
+    views = {"view", "reshape", "__get__", "untyped_storage", "data_ptr", "dim", "size", "element_size"}
+    uses = []
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            touches = any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == base for a in args)
+            if touches and name not in views:
+                uses.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Uses():
+        c.swap_in(handle, new_slots)
+    assert uses and uses[0] == "to", uses
+    assert torch.equal(c.kv_flat[:, :, 4:10], c.kv_flat[:, :, slots[4:]])  # and the rows it held landed
+
+
 @pytest.mark.gpu
 def test_cuda_round_trip_swap_and_timing():
     c = make_cache(256, device="cuda", spec=make_spec("bf16", 2))
