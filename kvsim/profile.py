@@ -15,6 +15,9 @@ from kvsim.errors import KvsimError
 from kvsim.profile_stream import PagedPool, PerRequestTensors, replay_stream
 
 SETTINGS = {"default": None, "expandable": "expandable_segments:True"}
+# The allocator reads its settings from the first of these that is set (newer torch: PYTORCH_ALLOC_CONF first;
+# older: PYTORCH_CUDA_ALLOC_CONF only), once, when CUDA initialises: a child gets both or neither.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 MODES = ("per-request", "paged-pool")
 GRANULE = 2 * 2**20  # the caching allocator rounds large blocks to 2 MiB: the budget's slack for the pool
 TORCH_STATS = {  # timeline column <- torch.cuda.memory_stats() key
@@ -70,10 +73,8 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
                 job = dict(workload=str(workload), seed=seed, limit=limit, mode=mode, reserve=reserve, block_size=block_size,
                            step_s=step_ms / 1e3, sample_every=sample_every, prefix=prefix,
                            snapshot=prefix + ".pickle" if snapshot else None)  # fmt: skip
-                env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-                if SETTINGS[setting]:
-                    env["PYTORCH_CUDA_ALLOC_CONF"] = SETTINGS[setting]
-                proc = subprocess.run([sys.executable, "-m", "kvsim.profile", json.dumps(job)], env=env, capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "kvsim.profile", json.dumps(job)], env=child_env(setting),
+                                      capture_output=True, text=True)  # fmt: skip
                 label = dict(setting=setting, alloc_conf=SETTINGS[setting] or "", mode=mode,
                              reserve=reserve if mode == "per-request" else "", block_size=block_size if mode == "paged-pool" else None)  # fmt: skip
                 if proc.returncode != 0:
@@ -96,6 +97,18 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     if len(timeline):
         _chart(timeline, out / "memory.png")
     return timeline, summary, out
+
+
+def child_env(setting: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the child that runs `setting`: the parent's, with the allocator settings replaced.
+
+    An inherited PYTORCH_ALLOC_CONF (which newer torch reads before PYTORCH_CUDA_ALLOC_CONF) would otherwise
+    give every setting the same allocator, and label the runs wrongly.
+    """
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in ALLOC_CONF_VARS}
+    if SETTINGS[setting]:
+        env.update(dict.fromkeys(ALLOC_CONF_VARS, SETTINGS[setting]))
+    return env
 
 
 def _chart(timeline, path: Path) -> None:
@@ -185,9 +198,9 @@ def _run_job(job: dict) -> None:
         config = AllocatorConfig("paged", block_size=job["block_size"], watermark=workload.scheduler.watermark)
         backend = PagedPool(make_allocator(config, spec, budget, max_model_len=workload.max_model_len), budget, empty)
 
-    def stats() -> dict:
+    def stats() -> dict:  # a key torch renamed fails the run here instead of reading as zeros
         s = torch.cuda.memory_stats()
-        return {column: s.get(key, 0) for column, key in TORCH_STATS.items()}
+        return {column: s[key] for column, key in TORCH_STATS.items()}
 
     requests = generate_requests(workload)
     start = time.perf_counter()
@@ -199,8 +212,8 @@ def _run_job(job: dict) -> None:
                   model=model.name, budget_bytes=budget, requests=len(requests))  # fmt: skip
     final = torch.cuda.memory_stats()
     for column in ("allocated_bytes", "reserved_bytes", "inactive_split_bytes"):
-        totals[f"peak_{column}"] = final.get(f"{column}.all.peak", 0)
-    totals.update(torch_num_ooms=final.get("num_ooms", 0), num_alloc_retries=final.get("num_alloc_retries", 0))
+        totals[f"peak_{column}"] = final[f"{column}.all.peak"]
+    totals.update(torch_num_ooms=final["num_ooms"], num_alloc_retries=final["num_alloc_retries"])
     if job["snapshot"]:
         torch.cuda.memory._dump_snapshot(job["snapshot"])
         torch.cuda.memory._record_memory_history(enabled=None)
