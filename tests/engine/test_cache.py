@@ -3,6 +3,11 @@ the accounting-only mode, the device-memory refusal, and the step timer."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -307,3 +312,37 @@ def test_copy_blocks_reads_every_source_before_writing():
     before = c.kv_cache[:, :, 2:4].clone()
     c.copy_blocks([(2, 3), (3, 4)])  # block 3 is both a destination and a source
     assert torch.equal(c.kv_cache[:, :, 3], before[:, :, 0]) and torch.equal(c.kv_cache[:, :, 4], before[:, :, 1])
+
+
+# Run in a child process: Triton picks its interpreter when a kernel is defined (at import), from this variable.
+_CACHE_TRITON_WRITES_ON_CPU = """
+import numpy as np, torch
+from kvsim.engine.cache import KVCache
+from kvsim.engine.kv_cache_spec import KVCacheSpec
+
+spec = KVCacheSpec.uniform(num_layers=6, num_kv_heads=2, head_dim=8, block_size=4, dtype="bf16", dtype_bytes=2)
+caches = {}
+for kernel in ("triton", "index_copy"):
+    c = caches[kernel] = KVCache(spec, 64, device="cpu", num_layers=3, seed=1)
+    c.write_kernel = kernel  # CUDA's default kernel, forced onto CPU tensors (the interpreter runs it)
+rng = np.random.default_rng(0)
+slots, run = rng.permutation(64)[:10], rng.permutation(64)[:12].reshape(3, 4)  # a prefill, then 3 decode steps of 4
+for c in caches.values():
+    c.write(slots, np.zeros(10, dtype=np.int64), np.arange(10))
+    c.write_steps(run, np.arange(4), np.arange(12).reshape(3, 4))  # the write buffer's strided slices
+    c.write(slots[:3], np.zeros(3, dtype=np.int64), np.arange(3))  # a smaller write reuses the grown buffer
+a, b = caches["triton"].kv_cache, caches["index_copy"].kv_cache
+assert a.abs().sum() > 0 and torch.equal(a, b)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_cache_writes_through_the_triton_kernel_match_index_copy():
+    # The replay's CUDA write path (KVCache.write / write_steps with the Triton scatter over its integer views
+    # and strided write buffer), run by Triton's interpreter on CPU tensors.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _CACHE_TRITON_WRITES_ON_CPU], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok"]
