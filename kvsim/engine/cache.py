@@ -109,9 +109,16 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
         return self.kv_cache is not None
 
     def _index(self, values) -> torch.Tensor:
-        """An int64 index tensor on the device from any int sequence or array (same shape)."""
-        array = np.ascontiguousarray(values, dtype=np.int64)
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        """An int64 index tensor on the device from any int sequence or array (same shape).
+
+        On CUDA the indices are staged in pinned memory: a copy from pageable memory may make the driver wait
+        for the stream's queued kernels (a host sync in the step loop); a pinned one is queued and returns, and
+        the caching host allocator keeps the staging block until the copy has run.
+        """
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
     # --- integrity bookkeeping (IntegrityPatterns) ----------------------------------------------------
     def register(self, seq_id: int, token_ids: np.ndarray) -> None:

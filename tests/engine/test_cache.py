@@ -229,6 +229,31 @@ def test_timer_sums_measurements_of_one_kind():
     assert disabled.step_times() == {}
 
 
+def test_indices_reach_cuda_from_pinned_memory_without_blocking(monkeypatch):
+    # A host-to-device copy from pageable memory may wait for the stream's queued kernels; the step loop must not.
+    c = make_cache(64)
+    c.device = torch.device("cuda")  # only _index's choice is under test: the copy itself is faked below
+    copies = []
+    real_to = torch.Tensor.to
+
+    def pin_memory(self):
+        pinned = self.clone()
+        pinned.pinned = True
+        return pinned
+
+    def to(self, *args, **kwargs):
+        if args and str(args[0]) == "cuda":
+            copies.append((getattr(self, "pinned", False), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    index = c._index(np.array([[3, 1], [2, 0]]))
+    assert copies == [(True, True)]  # staged in pinned memory, copied without waiting
+    assert index.dtype == torch.int64 and index.tolist() == [[3, 1], [2, 0]]
+
+
 def test_swap_in_moves_the_swapped_kv_to_the_device_before_selecting_rows():
     # On CUDA the swap-out's device-to-host copy is asynchronous: the host must not read handle.kv (indexing it
     # there reads memory the copy may still be writing). swap_in's first use of it beyond views is the copy back.
