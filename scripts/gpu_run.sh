@@ -65,7 +65,7 @@ run_step() {  # name, command...: run with a time cap, tee to the step's log, co
   timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$logs/$name.log"
   local rc=${PIPESTATUS[0]}
   local why=""
-  [ "$rc" -eq 124 ] && why=" (time limit)"
+  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && why=" (time limit)"  # 137: killed 10 s after the TERM
   echo "== $name: exit $rc$why after $((SECONDS - start)) s" | tee -a "$logs/$name.log"
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
   pack
