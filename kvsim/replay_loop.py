@@ -131,6 +131,9 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         kernels = (nan, nan, nan)
         if cache is not None:
             if measured:
+                # The clock needs this step's own kernel time before the next step is scheduled: on CUDA this
+                # waits for the step's last event, the one host sync per step that measured timing costs by
+                # design. The roofline clock never waits; its kernel columns are resolved after the loop.
                 times = cache.timer.step_times()
                 dt = sum(times.values()) * 1e-6 * scale
                 kernels = (times.get("write", nan), times.get("read", nan), times.get("attention", nan))
