@@ -61,6 +61,7 @@ def run_replay(
                 field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
+    clock, clock_note = _kernel_clock(model, gpu, options.timing, source)
     requests = generate_requests(workload)
     if not requests:
         raise KvsimError("the workload has no requests", source=source, field="requests")
@@ -85,7 +86,8 @@ def run_replay(
             # CPU tensors are the default since every step's write is one cheap scatter and the reads, which
             # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes ~18 s instead of hours.
         options = replace(options, device=device, read_every=read_every)
-    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
+    note = "; ".join(n for n in (note, clock_note) if n) or None
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
     result = ReplayResult(
         workload=workload,
         model_name=model.name,
@@ -97,6 +99,7 @@ def run_replay(
         arrival_s=np.array([r.arrival_time for r in requests], dtype=np.float64),
         num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
         max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
+        clock=clock.label if clock is not None else "roofline",
     )
     configs = list(workload.allocators)
     if workers is None:
@@ -109,6 +112,23 @@ def run_replay(
     else:
         result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
     return result
+
+
+def _kernel_clock(model, gpu, timing: str, source: str):
+    """(the kernels-db clock or None, a note for the header): `kernels-db` fails with a one-line error naming
+    what the database lacks; `auto` falls back to the roofline and says why."""
+    if timing not in ("kernels-db", "auto"):
+        return None, None
+    from kvsim.kernel_clock import kernel_clock
+
+    try:
+        return kernel_clock(model, gpu), None
+    except KvsimError as exc:
+        if timing == "auto":
+            return None, f"roofline clock: the kernels-db clock does not apply ({exc})"
+        if exc.field in ("model", "hardware"):
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
+        raise
 
 
 @contextmanager

@@ -68,8 +68,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         preemption=sc.preemption,
         swap_space_bytes=sc.swap_space_bytes,
         cache=cache,
-        roofline=ctx.roofline,
-        allow_runs=options.timing == "roofline",
+        roofline=ctx.clock or ctx.roofline,
+        allow_runs=options.timing != "measured",
         make_token_ids=token_ids if needs_ids else None,
     )
     n = len(requests)
@@ -126,7 +126,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         if out.run_time_s is not None:
             dt = out.run_time_s + pending_swap_bytes / roofline.host_bandwidth_bytes_per_s
         else:
-            dt = _step_time(roofline, out, pending_swap_bytes)
+            dt = _step_time(roofline, out, pending_swap_bytes) if ctx.clock is None else ctx.clock.output_time(out, pending_swap_bytes)
         pending_swap_bytes = 0
         kernels = (nan, nan, nan)
         if cache is not None:

@@ -11,7 +11,8 @@ from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.errors import KvsimError
 from kvsim.roofline import Roofline
 
-TIMINGS = ("roofline", "measured")
+TIMINGS = ("roofline", "measured", "kernels-db", "auto")  # auto: kernels-db where it applies, else roofline
+DEFAULT_TIMING = "roofline"  # what a replay runs on when the user names no clock
 # Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
 # request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
 # of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors near 20 s.
@@ -38,7 +39,7 @@ class ReplayOptions:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):  # a typo is caught even with --no-tensors
             raise KvsimError(f"unknown device {self.device!r} (choose cpu, cuda, cuda:N or auto)", field="--device")
         if self.timing not in TIMINGS:
-            raise KvsimError(f"unknown timing {self.timing!r} (choose roofline or measured)", field="--timing")
+            raise KvsimError(f"unknown timing {self.timing!r} (choose roofline, measured, kernels-db or auto)", field="--timing")
         if self.timing == "measured" and not self.tensors:
             raise KvsimError("measured timing needs the cache tensors (drop --no-tensors)", field="--timing")
         if self.integrity and not self.tensors:
@@ -62,6 +63,7 @@ class ReplayContext:
     roofline: Roofline
     scheduler_config: object  # kvsim.workload.SchedulerConfig
     seed: int
+    clock: object | None = None  # kvsim.kernel_clock.KernelClock for --timing kernels-db; None: the roofline
 
     def spec(self, block_size: int) -> KVCacheSpec:
         from kvsim.sizing import kv_cache_spec

@@ -72,6 +72,7 @@ class ReplayResult:
     max_tokens: np.ndarray
     runs: list[AllocatorRun] = field(default_factory=list)
     note: str | None = None  # what the replay decided for the user (e.g. accounting only without CUDA)
+    clock: str = "roofline"  # the step clock in words (kernels-db names the database and its vLLM version)
 
 
 def step_columns(rows: array, num_rows: int) -> dict[str, np.ndarray]:

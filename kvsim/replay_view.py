@@ -161,7 +161,7 @@ def run_replay_cli(
     if not quiet:
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
-            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
+            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it), clock: {result.clock}"
         )
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):

@@ -162,6 +162,7 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
         "materialised_layers": opts.num_layers if opts.tensors else 0,
         "integrity": opts.integrity,
         "timing": opts.timing,
+        "clock": result.clock,
         "seed": workload.seed,
         "workload": workload.name,
         "workload_path": str(workload.path),
