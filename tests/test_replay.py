@@ -171,7 +171,7 @@ def test_options_that_need_tensors_say_so():
         ReplayOptions(tensors=False, timing="measured")
     with pytest.raises(KvsimError, match="--integrity"):
         ReplayOptions(tensors=False, integrity=True)
-    with pytest.raises(KvsimError, match="roofline or measured"):
+    with pytest.raises(KvsimError, match="roofline, measured, kernels-db or auto"):
         ReplayOptions(timing="wall")
     with pytest.raises(KvsimError, match="--read-every"):
         ReplayOptions(read_every=0)

@@ -1,0 +1,96 @@
+"""Static batches on the kernels-db clock against aiconfigurator's own static estimate (its SDK's static mode).
+
+    python3 scripts/kernel_clock_static.py [--hardware h100-80gb] [--isl 1024] [--osl 128]
+        [--models llama-3.1-8b,qwen3-32b,qwen3-30b-a3b,deepseek-v3] [--batches 1,4,16,64,256]
+
+For each model and batch size B: a kvsim replay (accounting only) of B requests all arriving at t=0, each with
+`isl` prompt tokens and `osl - 1` decode steps (aiconfigurator's first token comes from the context phase, so
+its `osl` tokens take `osl - 1` generation steps), with max_num_batched_tokens = B * isl and max_num_seqs = B so
+the whole batch prefills in one step as in a static batch, and a KV budget that holds it all. kvsim's mean TTFT
+and TPOT are printed beside `EngineHandle.run_static(batch_size=B, isl, osl)` (TTFT = its context ms,
+TPOT = its generation ms / (osl - 1)) and the difference in %. Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+WORKLOAD = """\
+name: static-b{batch}
+seed: 0
+model: {model}
+kv_dtype: bf16
+hardware: {hardware}
+kv_budget: {budget}
+max_model_len: {max_model_len}
+requests:
+  count: {batch}
+  arrival: {{process: burst, size: {batch}, every_s: 1000000}}
+  prompt_tokens: {{dist: constant, value: {isl}}}
+  output_tokens: {{dist: constant, value: {decode_steps}}}
+allocators:
+  - {{kind: paged, block_size: 16}}
+scheduler: {{max_num_seqs: {batch}, max_num_batched_tokens: {tokens}, preemption: recompute}}
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hardware", default="h100-80gb")
+    parser.add_argument("--models", default="llama-3.1-8b,qwen3-32b,qwen3-30b-a3b,deepseek-v3")
+    parser.add_argument("--batches", default="1,4,16,64,256")
+    parser.add_argument("--isl", type=int, default=1024)
+    parser.add_argument("--osl", type=int, default=128)
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from kvsim.catalogue import resolve_model
+    from kvsim.hardware import get_gpu
+    from kvsim.kernel_clock import kernel_clock
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
+    from kvsim.sizing import kv_cache_spec
+    from kvsim.workload import load_workload
+
+    logging.disable(logging.WARNING)
+    gpu = get_gpu(args.hardware)
+    print(f"isl {args.isl}, osl {args.osl}, {gpu.name}; aiconfigurator = EngineHandle.run_static(batch_size=B, "
+          f"isl={args.isl}, osl={args.osl}) (static mode)\n")
+    print("| model | B | kvsim TTFT ms | aic TTFT ms | diff | kvsim TPOT ms | aic TPOT ms | diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    worst = 0.0
+    for name in args.models.split(","):
+        model = resolve_model(name)
+        clock = kernel_clock(model, gpu)
+        handle = clock._handle  # the SDK's compiled engine for the same model, system and vLLM version
+        per_token = kv_cache_spec(model, kv_dtype="bf16").bytes_per_token
+        for batch in (int(b) for b in args.batches.split(",")):
+            context_ms, generation_ms, _ = handle.run_static(batch_size=batch, isl=args.isl, osl=args.osl)
+            aic_ttft, aic_tpot = context_ms, generation_ms / (args.osl - 1)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "static.yaml"
+                max_len = args.isl + args.osl
+                path.write_text(WORKLOAD.format(
+                    batch=batch, model=name, hardware=args.hardware, isl=args.isl, decode_steps=args.osl - 1,
+                    tokens=batch * args.isl, max_model_len=max_len, budget=2 * batch * (max_len + 16) * per_token,
+                ))
+                result = run_replay(load_workload(path), ReplayOptions(tensors=False, timing="kernels-db"), workers=1)
+            run = result.runs[0]
+            assert not any(run.rejected_reason) and not run.num_preemptions.any(), (name, batch)
+            ttft = float(np.mean(run.first_token_s - result.arrival_s)) * 1e3
+            tpot = float(np.mean((run.finished_s - run.first_token_s) / result.max_tokens)) * 1e3
+            d_ttft, d_tpot = ttft / aic_ttft - 1, tpot / aic_tpot - 1
+            worst = max(worst, abs(d_ttft), abs(d_tpot))
+            print(f"| {name} | {batch} | {ttft:.2f} | {aic_ttft:.2f} | {d_ttft:+.1%} | {tpot:.3f} | {aic_tpot:.3f} "
+                  f"| {d_tpot:+.1%} |")
+    print(f"\nlargest difference: {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
