@@ -67,6 +67,7 @@ def size(
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
     address: Annotated[Optional[str], typer.Option("--address", help="kv,layer,block,token,head,dim: print that element's byte offset.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim[perfdb]).")] = False,
 ) -> None:
     """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
     from kvsim.size_view import show_size
@@ -75,7 +76,7 @@ def size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
         utilization=utilization, weight_dtype=weight_dtype, max_num_batched_tokens=max_num_batched_tokens,
         kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode, params=params, layout=layout, num_blocks=num_blocks,
-        address=address, as_json=json_out,
+        address=address, as_json=json_out, step_time=step_time,
     )
 
 

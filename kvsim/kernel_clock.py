@@ -245,6 +245,17 @@ def kernel_clock(model, gpu, *, tp: int = 1) -> KernelClock:
     return _cached_clock(system, closest_version(versions), path, tp)
 
 
+def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int = 1) -> str:
+    """`kvsim size --gpu --step-time`: one decode step of `num_seqs` requests at `context_tokens` each, on
+    this clock: a rough "what this GPU does" at the maximum concurrency."""
+    if num_seqs < 1:
+        return "decode step: not one request of this length fits"
+    clock = kernel_clock(model, gpu, tp=tp)
+    step_s = clock.decode_run(num_seqs, num_seqs * (context_tokens - 1), 1)
+    return (f"decode step at {num_seqs:,} requests x {context_tokens:,} tokens: {step_s * 1e3:.2f} ms, "
+            f"{num_seqs / step_s:,.0f} tok/s ({clock.label})")
+
+
 @functools.lru_cache(maxsize=8)
 def _cached_clock(system: str, version: str, path: str, tp: int) -> KernelClock:
     try:

@@ -99,7 +99,7 @@ def run_replay(
         arrival_s=np.array([r.arrival_time for r in requests], dtype=np.float64),
         num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
         max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
-        clock=clock.label if clock is not None else "roofline",
+        clock=clock.label if clock is not None else ("roofline (kernels-db does not apply)" if clock_note else "roofline"),
     )
     configs = list(workload.allocators)
     if workers is None:

@@ -151,7 +151,7 @@ def run_replay_cli(
     with ReplayProgress(console, enabled=not quiet) as progress:
         result = run_replay(workload, options, progress=progress)
     if result.note and not quiet:
-        Console(stderr=True).print(f"note: {result.note}", style="dim")
+        Console(stderr=True).print(f"note: {result.note}", style="dim", markup=False)
     out_dir = out if out is not None else Path("reports") / workload.name
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)

@@ -45,6 +45,7 @@ def show_size(
     num_blocks: int | None = None,
     address: str | None = None,
     as_json: bool = False,
+    step_time: bool = False,
 ) -> None:
     """Resolve the model and device, compute the size report, print it as tables or one JSON object."""
     from dataclasses import replace
@@ -107,8 +108,20 @@ def show_size(
         return
     console = Console()
     _print_report(console, report)
+    if step_time:
+        console.print(_step_time_line(spec, device if gpu else None, report, tp), highlight=False, soft_wrap=True)
     if pool is not None:
         _print_layout(console, pool, address, offset)
+
+
+def _step_time_line(spec, gpu, report, tp: int) -> str:
+    """A decode step's time at the maximum concurrency on the kernels-db clock (imports the database here only)."""
+    if gpu is None or report.capacity is None:
+        raise KvsimError("needs --gpu (the kernels-db clock times a catalogue GPU)", field="--step-time")
+    from kvsim.kernel_clock import decode_step_line
+
+    num_seqs = int(report.capacity.max_sequences_block_rounded)
+    return decode_step_line(spec, gpu, num_seqs=num_seqs, context_tokens=report.context_tokens, tp=tp)
 
 
 def _print_report(console: Console, report) -> None:

@@ -168,5 +168,26 @@ def test_auto_falls_back_to_the_roofline_and_says_why(tmp_path):
     with pytest.raises(KvsimError, match=r"kdb.yaml: hardware: AMD Instinct MI300X: not in aiconfigurator"):
         run_replay(workload, ReplayOptions(tensors=False, timing="kernels-db"))
     result = run_replay(workload, ReplayOptions(tensors=False, timing="auto"), workers=1)
-    assert result.clock == "roofline"
+    assert result.clock == "roofline (kernels-db does not apply)"
     assert "roofline clock: the kernels-db clock does not apply" in result.note and "MI300X" in result.note
+
+
+def test_size_imports_no_database_unless_the_step_time_is_asked_for():
+    from test_import_time import HEAVY, imported_modules
+
+    modules, proc = imported_modules(["-m", "kvsim", "size", "-m", "qwen3-0.6b", "--gpu", "h100-80gb"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not modules & {*HEAVY, "aiconfigurator_core", "scipy"}, modules & {*HEAVY, "aiconfigurator_core", "scipy"}
+
+
+@needs_db
+def test_size_step_time_line(cli, llama):
+    result = cli(["size", "-m", "llama-3.1-8b", "--gpu", "h100-80gb", "--context", "4096", "--step-time"])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("decode step at "))
+    num_seqs = int(line.split()[3].replace(",", ""))
+    assert num_seqs > 100  # ~70 GiB of KV at 128 KiB/token over 4,096 tokens: 114 requests
+    expected_ms = llama.decode_run(num_seqs, num_seqs * 4095, 1) * 1e3
+    assert f"{expected_ms:.2f} ms" in line and "h100_sxm" in line
+    result = cli(["size", "-m", "llama-3.1-8b", "--memory", "80GiB", "--step-time"])
+    assert result.exit_code == 2 and "--step-time: needs --gpu" in result.output
