@@ -45,6 +45,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--isl", type=int, default=1024)
     parser.add_argument("--osl", type=int, default=128)
+    parser.add_argument("--roofline-hardware", default=None,
+                        help="also replay each batch on the roofline of this GPU (e.g. a100-40gb) and print its TTFT/TPOT")
     args = parser.parse_args()
 
     import numpy as np
@@ -58,6 +60,23 @@ def main() -> int:
     from kvsim.workload import load_workload
 
     logging.disable(logging.WARNING)
+
+    def replay_static(name: str, hardware: str, batch: int, timing: str) -> tuple[float, float]:
+        """Mean TTFT and TPOT (ms) of `batch` identical requests arriving together, replayed on `timing`."""
+        per_token = kv_cache_spec(resolve_model(name), kv_dtype="bf16").bytes_per_token
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "static.yaml"
+            max_len = args.isl + args.osl
+            path.write_text(WORKLOAD.format(
+                batch=batch, model=name, hardware=hardware, isl=args.isl, decode_steps=args.osl - 1,
+                tokens=batch * args.isl, max_model_len=max_len, budget=2 * batch * (max_len + 16) * per_token,
+            ))
+            result = run_replay(load_workload(path), ReplayOptions(tensors=False, timing=timing), workers=1)
+        run = result.runs[0]
+        assert not any(run.rejected_reason) and not run.num_preemptions.any(), (name, batch)
+        ttft = float(np.mean(run.first_token_s - result.arrival_s)) * 1e3
+        return ttft, float(np.mean((run.finished_s - run.first_token_s) / result.max_tokens)) * 1e3
+
     gpu = get_gpu(args.hardware)
     print(f"isl {args.isl}, osl {args.osl}, {gpu.name}; aiconfigurator = EngineHandle.run_static(batch_size=B, "
           f"isl={args.isl}, osl={args.osl}) (static mode)\n")
@@ -68,26 +87,18 @@ def main() -> int:
         model = resolve_model(name)
         clock = kernel_clock(model, gpu)
         handle = clock._handle  # the SDK's compiled engine for the same model, system and vLLM version
-        per_token = kv_cache_spec(model, kv_dtype="bf16").bytes_per_token
         for batch in (int(b) for b in args.batches.split(",")):
             context_ms, generation_ms, _ = handle.run_static(batch_size=batch, isl=args.isl, osl=args.osl)
             aic_ttft, aic_tpot = context_ms, generation_ms / (args.osl - 1)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "static.yaml"
-                max_len = args.isl + args.osl
-                path.write_text(WORKLOAD.format(
-                    batch=batch, model=name, hardware=args.hardware, isl=args.isl, decode_steps=args.osl - 1,
-                    tokens=batch * args.isl, max_model_len=max_len, budget=2 * batch * (max_len + 16) * per_token,
-                ))
-                result = run_replay(load_workload(path), ReplayOptions(tensors=False, timing="kernels-db"), workers=1)
-            run = result.runs[0]
-            assert not any(run.rejected_reason) and not run.num_preemptions.any(), (name, batch)
-            ttft = float(np.mean(run.first_token_s - result.arrival_s)) * 1e3
-            tpot = float(np.mean((run.finished_s - run.first_token_s) / result.max_tokens)) * 1e3
+            ttft, tpot = replay_static(name, args.hardware, batch, "kernels-db")
             d_ttft, d_tpot = ttft / aic_ttft - 1, tpot / aic_tpot - 1
             worst = max(worst, abs(d_ttft), abs(d_tpot))
+            extra = ""
+            if args.roofline_hardware:
+                r_ttft, r_tpot = replay_static(name, args.roofline_hardware, batch, "roofline")
+                extra = f" roofline on {args.roofline_hardware}: TTFT {r_ttft:.2f} ms, TPOT {r_tpot:.3f} ms |"
             print(f"| {name} | {batch} | {ttft:.2f} | {aic_ttft:.2f} | {d_ttft:+.1%} | {tpot:.3f} | {aic_tpot:.3f} "
-                  f"| {d_tpot:+.1%} |")
+                  f"| {d_tpot:+.1%} |{extra}")
     print(f"\nlargest difference: {worst:.1%}")
     return 0
 
