@@ -24,6 +24,8 @@ MODEL_ALIASES = {
     "meta-llama/llama-3.1-70b": "meta-llama/Meta-Llama-3.1-70B",
     "meta-llama/llama-3.1-405b": "meta-llama/Meta-Llama-3.1-405B",
 }
+# kvsim's KV dtypes -> the SDK's KV-cache quant modes (None: the model's default, 16-bit). fp32 has no kernels.
+KV_QUANT = {"bf16": None, "fp16": None, "fp8": "fp8", "int8": "int8"}
 _PROBE_TOKENS = 512  # token count at which ops are probed for their dependence on sequence length
 
 
@@ -95,15 +97,22 @@ class KernelClock:
     vllm_version: str
     model_path: str
     tp: int = 1
+    kv_quant: str | None = None  # the SDK's KV-cache quant mode (fp8, int8), None for 16-bit
     host_bandwidth_bytes_per_s: float = HOST_BANDWIDTH_BYTES_PER_S
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        from aiconfigurator_core.sdk.config_builders import build_model_config
         from aiconfigurator_core.sdk.engine import EngineHandle
+        from aiconfigurator_core.sdk.models import get_model
 
         with _quiet():
             self._handle = EngineHandle.compile(self.model_path, self.system, BACKEND,
-                                                backend_version=self.vllm_version, tp_size=self.tp)
+                                                backend_version=self.vllm_version, tp_size=self.tp,
+                                                kvcache_quant_mode=self.kv_quant)
+            # The op lists the engine compiled, as compile_engine builds them (their lengths index the engine's).
+            ops = get_model(self.model_path, build_model_config(self.tp, 1, 1, 1, 1, kvcache_quant_mode=self.kv_quant), BACKEND)
+            self._num_ops = (len(ops.context_ops), len(ops.generation_ops))
             self._ctx = self._split(is_context=True)
             self._gen = self._split(is_context=False)
 
@@ -120,13 +129,7 @@ class KernelClock:
 
     def _split(self, *, is_context: bool) -> tuple[list[int], list[int], list[int]]:
         """(token-wise, sequence-dependent, logits) op indices of the context or generation op list."""
-        n = 0
-        while True:  # the op list's length: the SDK raises past its end
-            try:
-                self._ops(is_context, [n], batch_size=1, s=1)
-            except Exception:
-                break
-            n += 1
+        n = self._num_ops[0 if is_context else 1]
         short = self._ops(is_context, range(n), batch_size=1, s=64, x=_PROBE_TOKENS) if is_context else \
             self._ops(False, range(n), batch_size=8, s=256)
         long = self._ops(is_context, range(n), batch_size=1, s=_PROBE_TOKENS, x=_PROBE_TOKENS) if is_context else \
@@ -229,9 +232,9 @@ def _mean_ctx(ctx_sum: int, num_seqs: int, step: float) -> int:
     return int(round(ctx_sum / num_seqs + step)) + 1
 
 
-def kernel_clock(model, gpu, *, tp: int = 1) -> KernelClock:
+def kernel_clock(model, gpu, *, tp: int = 1, kv_dtype: str = "bf16") -> KernelClock:
     """The kernels-db clock for a catalogue `ModelSpec` on a `GPUSpec`, or a one-line KvsimError naming what is
-    missing (the extra, the GPU, the model)."""
+    missing (the extra, the GPU, the model, the KV dtype)."""
     if not available():
         raise KvsimError("the kernels-db clock needs aiconfigurator-core: pip install 'kvsim[perfdb]'", field="--timing")
     system = SYSTEMS.get(gpu.key)
@@ -241,8 +244,11 @@ def kernel_clock(model, gpu, *, tp: int = 1) -> KernelClock:
     versions = database_versions(system)
     if not versions:
         raise KvsimError(f"{gpu.name}: aiconfigurator-core holds no vLLM data for {system}", field="hardware")
+    if kv_dtype not in KV_QUANT:
+        raise KvsimError(f"the database times no attention kernel with a {kv_dtype} KV cache "
+                         f"(it has: {', '.join(KV_QUANT)})", field="kv_dtype")
     path = model_path(model.hf_id, model.name)
-    return _cached_clock(system, closest_version(versions), path, tp)
+    return _cached_clock(system, closest_version(versions), path, tp, KV_QUANT[kv_dtype])
 
 
 def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int = 1) -> str:
@@ -257,9 +263,9 @@ def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int 
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_clock(system: str, version: str, path: str, tp: int) -> KernelClock:
+def _cached_clock(system: str, version: str, path: str, tp: int, kv_quant: str | None) -> KernelClock:
     try:
-        return KernelClock(system, version, path, tp)
+        return KernelClock(system, version, path, tp, kv_quant)
     except KvsimError:
         raise
     except Exception as exc:  # the SDK's own errors: a model family or op it cannot time

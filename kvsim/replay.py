@@ -61,7 +61,7 @@ def run_replay(
                 field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
-    clock, clock_note = _kernel_clock(model, gpu, options.timing, source)
+    clock, clock_note = _kernel_clock(model, gpu, options.timing, source, workload.kv_dtype)
     requests = generate_requests(workload)
     if not requests:
         raise KvsimError("the workload has no requests", source=source, field="requests")
@@ -114,7 +114,7 @@ def run_replay(
     return result
 
 
-def _kernel_clock(model, gpu, timing: str, source: str):
+def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str):
     """(the kernels-db clock or None, a note for the header): `kernels-db` fails with a one-line error naming
     what the database lacks; `auto` falls back to the roofline and says why."""
     if timing not in ("kernels-db", "auto"):
@@ -122,11 +122,11 @@ def _kernel_clock(model, gpu, timing: str, source: str):
     from kvsim.kernel_clock import kernel_clock
 
     try:
-        return kernel_clock(model, gpu), None
+        return kernel_clock(model, gpu, kv_dtype=kv_dtype), None
     except KvsimError as exc:
         if timing == "auto":
             return None, f"roofline clock: the kernels-db clock does not apply ({exc})"
-        if exc.field in ("model", "hardware"):
+        if exc.field in ("model", "hardware", "kv_dtype"):
             raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
         raise
 

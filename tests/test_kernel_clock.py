@@ -191,3 +191,14 @@ def test_size_step_time_line(cli, llama):
     assert f"{expected_ms:.2f} ms" in line and "h100_sxm" in line
     result = cli(["size", "-m", "llama-3.1-8b", "--memory", "80GiB", "--step-time"])
     assert result.exit_code == 2 and "--step-time: needs --gpu" in result.output
+
+
+@needs_db
+def test_an_fp8_kv_cache_takes_the_databases_fp8_attention(llama):
+    fp8 = kc.kernel_clock(resolve_model("llama-3.1-8b"), get_gpu("h100-80gb"), kv_dtype="fp8")
+    assert fp8.decode_attention_ms(64, 4096) < 0.8 * llama.decode_attention_ms(64, 4096)  # half the bytes to read
+    assert fp8.decode_shared_ms(64) == llama.decode_shared_ms(64)  # the GEMMs do not change
+    with pytest.raises(KvsimError, match="kv_dtype: the database times no attention kernel with a fp32 KV cache"):
+        kc.kernel_clock(resolve_model("llama-3.1-8b"), get_gpu("h100-80gb"), kv_dtype="fp32")
+    with pytest.raises(KvsimError, match=r"a100_sxm: aiconfigurator-core cannot time it \(PerfDataNotAvailableError"):
+        kc.kernel_clock(resolve_model("llama-3.1-8b"), get_gpu("a100-80gb"), kv_dtype="fp8")
