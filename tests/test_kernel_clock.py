@@ -202,3 +202,18 @@ def test_an_fp8_kv_cache_takes_the_databases_fp8_attention(llama):
         kc.kernel_clock(resolve_model("llama-3.1-8b"), get_gpu("h100-80gb"), kv_dtype="fp32")
     with pytest.raises(KvsimError, match=r"a100_sxm: aiconfigurator-core cannot time it \(PerfDataNotAvailableError"):
         kc.kernel_clock(resolve_model("llama-3.1-8b"), get_gpu("a100-80gb"), kv_dtype="fp8")
+
+
+@needs_db
+def test_the_latency_chart_names_the_clock(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvsim.plots.latency import latency
+    from kvsim.plots.report import load_report
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
+    from kvsim.reports import write_reports
+
+    result = run_replay(_workload(tmp_path), ReplayOptions(tensors=False, timing="kernels-db"), workers=1)
+    write_reports(result, tmp_path / "out", command="test")
+    fig = latency(load_report(tmp_path / "out"))
+    assert fig.kvsim_subtitle.endswith(f" · clock {result.clock}") and "h100_sxm, vLLM " in result.clock

@@ -78,5 +78,7 @@ def latency(report: Report):
         ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.0), bbox_transform=below, fontsize=8.5)
     axes[0, 0].set_title("TTFT: queueing + prefill", loc="left")
     axes[0, 1].set_title("TPOT: decode step time under the batch", loc="left")
-    titles(fig, "Latency per allocator: cumulative distributions of TTFT and TPOT", report.subtitle())
+    clock = report.meta.get("clock")  # which step clock the latencies come from (roofline, kernels-db ...)
+    subtitle = report.subtitle() + (f" · clock {clock}" if clock else "")
+    titles(fig, "Latency per allocator: cumulative distributions of TTFT and TPOT", subtitle)
     return fig
