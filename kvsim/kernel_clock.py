@@ -251,12 +251,12 @@ def kernel_clock(model, gpu, *, tp: int = 1, kv_dtype: str = "bf16") -> KernelCl
     return _cached_clock(system, closest_version(versions), path, tp, KV_QUANT[kv_dtype])
 
 
-def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int = 1) -> str:
+def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int = 1, kv_dtype: str = "bf16") -> str:
     """`kvsim size --gpu --step-time`: one decode step of `num_seqs` requests at `context_tokens` each, on
     this clock: a rough "what this GPU does" at the maximum concurrency."""
     if num_seqs < 1:
         return "decode step: not one request of this length fits"
-    clock = kernel_clock(model, gpu, tp=tp)
+    clock = kernel_clock(model, gpu, tp=tp, kv_dtype=kv_dtype)
     step_s = clock.decode_run(num_seqs, num_seqs * (context_tokens - 1), 1)
     return (f"decode step at {num_seqs:,} requests x {context_tokens:,} tokens: {step_s * 1e3:.2f} ms, "
             f"{num_seqs / step_s:,.0f} tok/s ({clock.label})")

@@ -121,7 +121,12 @@ def _step_time_line(spec, gpu, report, tp: int) -> str:
     from kvsim.kernel_clock import decode_step_line
 
     num_seqs = int(report.capacity.max_sequences_block_rounded)
-    return decode_step_line(spec, gpu, num_seqs=num_seqs, context_tokens=report.context_tokens, tp=tp)
+    try:
+        return decode_step_line(spec, gpu, num_seqs=num_seqs, context_tokens=report.context_tokens, tp=tp,
+                                kv_dtype=report.spec.dtype)
+    except KvsimError as exc:  # the clock names workload fields; here they are flags
+        flag = {"hardware": "--gpu", "model": "--model", "kv_dtype": "--kv-dtype"}.get(exc.field or "", exc.field)
+        raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), field=flag) from None
 
 
 def _print_report(console: Console, report) -> None:

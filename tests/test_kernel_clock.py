@@ -217,3 +217,11 @@ def test_the_latency_chart_names_the_clock(tmp_path):
     write_reports(result, tmp_path / "out", command="test")
     fig = latency(load_report(tmp_path / "out"))
     assert fig.kvsim_subtitle.endswith(f" · clock {result.clock}") and "h100_sxm, vLLM " in result.clock
+
+
+@needs_db
+def test_size_step_time_errors_name_the_flag(cli):
+    result = cli(["size", "-m", "llama-3.1-8b", "--gpu", "l4", "--context", "4096", "--step-time"])
+    assert result.exit_code == 2 and "--gpu: NVIDIA L4: not in aiconfigurator-core's database" in result.output
+    result = cli(["size", "-m", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-dtype", "fp32", "--step-time"])
+    assert result.exit_code == 2 and "--kv-dtype: the database times no attention kernel with a fp32" in result.output
