@@ -12,7 +12,6 @@ from kvsim.errors import KvsimError
 from kvsim.roofline import Roofline
 
 TIMINGS = ("roofline", "measured", "kernels-db", "auto")  # auto: kernels-db where it applies, else roofline
-DEFAULT_TIMING = "roofline"  # what a replay runs on when the user names no clock
 # Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
 # request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
 # of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors near 20 s.
