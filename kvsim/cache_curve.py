@@ -14,6 +14,8 @@ import numpy as np
 # One request as the curve sees it: its full prompt blocks as units (key, number of blocks) in prompt order
 # (see kvsim.requests.prompt_block_units), and how many of its leading blocks may count as hits.
 CurveRequest = tuple[Sequence[tuple[int, int]], int]
+# Time slots of a new recency tree; it renumbers its live runs into twice their number whenever it fills.
+INITIAL_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class _RecencyTree:
     """Runs by last use: a Fenwick tree of weights over use times, so "blocks used since" is a prefix sum."""
 
     def __init__(self) -> None:
-        self.size = 1024
+        self.size = INITIAL_SLOTS
         self.tree = [0] * (self.size + 1)
         self.last: dict[int, int] = {}  # key -> time slot (1-based) of its last use
         self.weight: dict[int, int] = {}
@@ -166,7 +168,7 @@ class _RecencyTree:
 
     def use(self, key: int, weight: int) -> None:
         """`key` becomes the most recently used run."""
-        old = self.last.get(key)
+        old = self.last.pop(key, None)  # out of the tree, and out of a renumbering below
         if old is not None:
             self._add(old, -self.weight[key])
         else:
@@ -187,7 +189,7 @@ class _RecencyTree:
     def _renumber(self) -> None:
         """Live runs renumbered 1..L in recency order, in a tree of twice that size (amortised O(1) a use)."""
         live = sorted(self.last, key=self.last.__getitem__)
-        self.size = max(1024, 2 * len(live))
+        self.size = max(INITIAL_SLOTS, 2 * len(live))
         self.tree = tree = [0] * (self.size + 1)
         for slot, key in enumerate(live, start=1):
             self.last[key] = slot

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvsim.distributions import ArrivalProcess, LengthDistribution
 from kvsim.trace_mooncake import MOONCAKE_BLOCK_TOKENS
-from kvsim.traces import read_trace
+from kvsim.traces import Trace, read_trace
 
 if TYPE_CHECKING:
     from kvsim.workload import Workload
@@ -111,11 +111,7 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
     """
     spec = workload.requests
     if isinstance(spec, TraceRequests):
-        trace = read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit, model=spec.model, log_type=spec.log_type)
-        arrival, prompt, output = trace.arrival_time, trace.num_prompt_tokens, trace.num_output_tokens
-        group = np.full(len(trace), -1, dtype=np.int64)
-        prefix = np.zeros(len(trace), dtype=np.int64)
-        hash_ids = trace.hash_ids
+        return trace_requests(read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit, model=spec.model, log_type=spec.log_type))
     else:
         rng = [np.random.default_rng([workload.seed, stream]) for stream in range(4)]
         arrival = spec.arrival.times(rng[_ARRIVAL], count=spec.count, duration_s=spec.duration_s)
@@ -124,10 +120,18 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
         group, prefix = _prefix_groups(spec.shared_prefix, prompt, rng[_PREFIX])
         # The whole stream is drawn before `limit` cuts it, so a limited run is a prefix of the full one.
         arrival, prompt, output, group, prefix = (x[: spec.limit] for x in (arrival, prompt, output, group, prefix))
-        hash_ids = None
     return [
-        RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k), None if hash_ids is None else hash_ids[i])
+        RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
         for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
+    ]
+
+
+def trace_requests(trace: Trace) -> list[RequestSpec]:
+    """A trace's requests in arrival order (with their Mooncake hash ids, if any)."""
+    ids = trace.hash_ids
+    return [
+        RequestSpec(i, t, p, o, hash_ids=None if ids is None else ids[i])
+        for i, (t, p, o) in enumerate(zip(trace.arrival_time.tolist(), trace.num_prompt_tokens.tolist(), trace.num_output_tokens.tolist()))
     ]
 
 
