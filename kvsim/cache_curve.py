@@ -5,15 +5,11 @@ Stack distances (Mattson et al., 1970) over a Fenwick tree of access times, with
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-# One request as the curve sees it: its full prompt blocks as units (key, number of blocks) in prompt order
-# (see kvsim.requests.prompt_block_units), and how many of its leading blocks may count as hits.
-CurveRequest = tuple[Sequence[tuple[int, int]], int]
 # Time slots of a new recency tree; it renumbers its live runs into twice their number whenever it fills.
 INITIAL_SLOTS = 1024
 
@@ -66,54 +62,61 @@ class CacheCurve:
         return np.unique(points[points >= 0])
 
 
-def lru_prefix_curve(requests: Iterable[CurveRequest], *, block_size: int, prompt_tokens: int) -> CacheCurve:
-    """The hit blocks of an LRU cache of blocks at every capacity, over `requests` in order, each alone.
+def lru_prefix_curve(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray, counted: np.ndarray, *,
+                     block_size: int, prompt_tokens: int) -> CacheCurve:
+    """The hit blocks of an LRU cache of blocks at every capacity, over the requests in order, each alone.
 
-    The cache (C blocks) holds the C most recently used distinct blocks. Request by request:
-      1. lookup: against the cache as it stands before the request, block j of it counts as a hit if j <
-         its counted limit and blocks 0..j are all in the cache (the prefix rule: a hit after a miss is not
+    Request i is its full prompt blocks in prompt order, as units keys[offsets[i]:offsets[i + 1]] of
+    counts[...] blocks each (a unit's blocks are always used together: kvsim.prefix_blocks), of which the
+    first counted[i] may count as hits. The cache (C blocks) holds the C most recently used distinct blocks.
+    Request by request:
+      1. lookup: against the cache as it stands before the request, block j of it counts as a hit if
+         j < counted[i] and blocks 0..j are all in the cache (the prefix rule: a hit after a miss is not
          reusable, as in vLLM's find_longest_cache_hit);
       2. use: every full block of the request is then used, hit or not, last block first, so that its first
          block is the most recently used (vLLM frees a request's blocks tail first for this reason: a cached
          prefix outlives its suffix).
     A block's stack distance before a request is its rank by recency (1 = most recent); it is in a cache of C
     blocks exactly when that is <= C. Block j counts at capacity C when D_j = max(distance of blocks 0..j)
-    <= C, so one pass that records every D_j gives the curve at every C. A unit's blocks are always used
-    together, first block most recent, so they sit at consecutive ranks: the pass works on runs of units
-    that always follow one another (a Mooncake hash id and its 32 blocks of 16 tokens are one run), with a
-    Fenwick tree of run weights over access times, renumbered when it fills (memory linear in distinct runs).
+    <= C, so one pass that records every D_j gives the curve at every C. A unit's blocks sit at consecutive
+    ranks, first block most recent; so do runs of units that always follow one another, and the pass works
+    on those runs (a Mooncake hash id is one unit at any block size, and a conversation's turns share runs of
+    ids), with a Fenwick tree of run weights over use times, renumbered when it fills: memory linear in the
+    distinct runs, time O(runs used x log).
     """
-    requests = [(list(units), counted) for units, counted in requests]
-    runs = _runs(requests)
+    run_keys, run_weights, run_offsets = _runs(keys, counts, offsets)
+    run_keys, run_weights, run_offsets, counted = (x.tolist() for x in (run_keys, run_weights, run_offsets, counted))
     steps: dict[int, int] = {}
     ramps_lo: list[int] = []
     ramps_hi: list[int] = []
     tree = _RecencyTree()
-    for request_runs, (_, counted) in zip(runs, requests):
+    weight_above, use = tree.weight_above, tree.use
+    for i, limit in enumerate(counted):
+        lo, hi = run_offsets[i], run_offsets[i + 1]
         m = 0  # prefix max of the distances so far
         start = 0  # index of the run's first block in the request
-        for key, weight in request_runs:
-            n = min(weight, counted - start)  # this run's blocks that may count
+        for key, weight in zip(run_keys[lo:hi], run_weights[lo:hi]):
+            n = min(weight, limit - start)  # this run's blocks that may count
             if n <= 0:
                 break
-            above = tree.weight_above(key)
+            above = weight_above(key)
             if above is None:  # never used: it and every later block miss at every capacity
                 break
             if m >= above + n:
                 steps[m] = steps.get(m, 0) + n
             else:
-                if m > above:  # the first m - above blocks sit above m and take m
+                if m > above:  # its first m - above blocks sit above m and take m
                     steps[m] = steps.get(m, 0) + (m - above)
                 ramps_lo.append(max(m + 1, above + 1))
                 ramps_hi.append(above + n)
                 m = above + n
             start += weight
-        for key, weight in reversed(request_runs):
-            tree.use(key, weight)
+        for j in range(hi - 1, lo - 1, -1):
+            use(run_keys[j], run_weights[j])
     at = np.array(sorted(steps), dtype=np.int64)
     return CacheCurve(
         block_size=block_size,
-        num_requests=len(requests),
+        num_requests=len(counted),
         prompt_tokens=prompt_tokens,
         step_at=at,
         step_count=np.array([steps[a] for a in at.tolist()], dtype=np.int64),
@@ -122,26 +125,35 @@ def lru_prefix_curve(requests: Iterable[CurveRequest], *, block_size: int, promp
     )
 
 
-def _runs(requests: list[tuple[list[tuple[int, int]], int]]) -> list[list[tuple[int, int]]]:
-    """Each request's units with neighbours merged into runs (key of the first unit, summed blocks).
+def flatten(requests: Sequence[tuple[Sequence[tuple[int, int]], int]]) -> tuple[np.ndarray, ...]:
+    """[(units [(key, blocks)], counted)] as lru_prefix_curve's arrays (keys, counts, offsets, counted)."""
+    offsets = np.concatenate([[0], np.cumsum([len(u) for u, _ in requests])]).astype(np.int64)
+    keys = np.array([k for u, _ in requests for k, _ in u], dtype=np.int64)
+    counts = np.array([n for u, _ in requests for _, n in u], dtype=np.int64)
+    return keys, counts, offsets, np.array([c for _, c in requests], dtype=np.int64)
 
-    Units a, b merge where every use of a is followed by b and every use of b follows a: their blocks are
-    then always used together, in one order, and sit together in the recency order.
+
+def _runs(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Units merged into runs: (first unit's key (m,), summed blocks (m,), run offsets per request (r + 1,)).
+
+    Neighbours a, b in a request merge where every use of a is followed by b and every use of b follows a:
+    their blocks are then always used together, in one order, and sit together in the recency order.
     """
-    uses = Counter(key for units, _ in requests for key, _ in units)
-    pairs = Counter((a[0], b[0]) for units, _ in requests for a, b in zip(units, units[1:]))
-    runs = []
-    for units, _ in requests:
-        merged: list[tuple[int, int]] = []
-        prev = None
-        for key, weight in units:
-            if prev is not None and pairs[(prev, key)] == uses[prev] == uses[key] and prev != key:
-                merged[-1] = (merged[-1][0], merged[-1][1] + weight)
-            else:
-                merged.append((key, weight))
-            prev = key
-        runs.append(merged)
-    return runs
+    n = len(keys)
+    if n < 2:
+        return keys, counts, offsets
+    distinct, dense, uses = np.unique(keys, return_inverse=True, return_counts=True)  # dense: (n,)
+    first = np.zeros(n, dtype=bool)
+    first[offsets[:-1][offsets[:-1] < n]] = True  # a request's first unit follows nothing
+    prev, nxt = dense[:-1], dense[1:]  # (n - 1,) neighbour pairs
+    paired = ~first[1:]
+    code = prev.astype(np.int64) * len(distinct) + nxt  # one int per (a, b)
+    _, inverse, pair_uses = np.unique(code[paired], return_inverse=True, return_counts=True)
+    times = np.zeros(n - 1, dtype=np.int64)
+    times[paired] = pair_uses[inverse]
+    merge = paired & (times == uses[prev]) & (times == uses[nxt]) & (prev != nxt)
+    starts = np.flatnonzero(np.concatenate([[True], ~merge]))  # (m,)
+    return keys[starts], np.add.reduceat(counts, starts), np.searchsorted(starts, offsets).astype(np.int64)
 
 
 class _RecencyTree:

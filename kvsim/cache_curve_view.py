@@ -13,7 +13,8 @@ import typer
 
 from kvsim.cache_curve import CacheCurve, lru_prefix_curve
 from kvsim.errors import KvsimError
-from kvsim.requests import RequestSpec, prompt_block_units
+from kvsim.prefix_blocks import block_unit_arrays
+from kvsim.requests import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ def cache_curve_of(requests: list[RequestSpec], *, block_size: int) -> CacheCurv
     Each request may hit at most (prompt - 1) // block_size blocks: vLLM computes at least the prompt's
     last token, so a prompt of whole blocks never hits its last one.
     """
-    items = ((prompt_block_units(r, block_size), (r.num_prompt_tokens - 1) // block_size) for r in requests)
-    return lru_prefix_curve(items, block_size=block_size, prompt_tokens=sum(r.num_prompt_tokens for r in requests))
+    keys, counts, offsets = block_unit_arrays(requests, block_size)
+    prompt = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)  # (r,)
+    return lru_prefix_curve(keys, counts, offsets, (prompt - 1) // block_size, block_size=block_size,
+                            prompt_tokens=int(prompt.sum()))
 
 
 def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype: str = "bf16") -> tuple[list[RequestSpec], CurveContext]:

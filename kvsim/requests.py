@@ -183,34 +183,6 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
     return ids
 
 
-def prompt_block_units(request: RequestSpec, block_size: int) -> list[tuple[int, int]]:
-    """The request's full prompt blocks at `block_size`, in prompt order, as units (key, number of blocks).
-
-    A unit's blocks are always used together: two requests' blocks hold equal token ids (by `make_token_ids`,
-    whatever the seed) exactly when they belong to units of one key, at the same place in it. Keys are ints:
-    a Mooncake hash id (>= 0) owns the blocks that end inside its 512 tokens; a shared-prefix block t of group
-    g is its own unit g * 2^32 + t; the rest of a request's blocks are one unit, -(request_id + 1).
-    The partial last block is not a unit: it is never full, so never cached.
-    """
-    bs = block_size
-    p = request.num_prompt_tokens
-    units: list[tuple[int, int]] = []
-    if request.hash_ids is not None:
-        for j, h in enumerate(request.hash_ids):
-            lo = j * MOONCAKE_BLOCK_TOKENS
-            count = min(lo + MOONCAKE_BLOCK_TOKENS, p) // bs - lo // bs
-            if count:
-                units.append((h, count))
-        return units
-    shared = request.num_prefix_tokens // bs
-    if shared:
-        base = request.prefix_group << 32
-        units.extend((base + t, 1) for t in range(shared))
-    if p // bs > shared:
-        units.append((-(request.request_id + 1), p // bs - shared))
-    return units
-
-
 def _salt(seed: int, stream: int, key: int) -> int:
     """One 64-bit key per (seed, stream, key), chained so that (stream, key) = (1, 2) differs from (2, 1)."""
     salt = seed & _MASK64

@@ -34,8 +34,7 @@ def read_mooncake(text: str, source: str) -> tuple[np.ndarray, np.ndarray, np.nd
     same number of tokens; a trace where it does not is an error naming both lines, since prefix sharing read
     from it would be wrong.
     """
-    arrival, prompt, output, ids = [], [], [], []
-    seen: dict[int, tuple[int, int, int, int]] = {}  # id -> (position, parent or -1, tokens covered, line)
+    arrival, prompt, output, ids, lines = [], [], [], [], []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -56,24 +55,41 @@ def read_mooncake(text: str, source: str) -> tuple[np.ndarray, np.ndarray, np.nd
         o = _count(obj["output_length"], 0, source, f"{field}, key output_length")
         h = obj["hash_ids"]
         need = -(-p // MOONCAKE_BLOCK_TOKENS)
-        if not isinstance(h, list) or len(h) != need or not all(type(x) is int and x >= 0 for x in h):
+        if not isinstance(h, list) or len(h) != need or not all(type(x) is int for x in h) or min(h) < 0:
             raise KvsimError(f"expected {need} ids >= 0 (one per {MOONCAKE_BLOCK_TOKENS} prompt tokens), got {h!r:.80}",
                              source=source, field=f"{field}, key hash_ids")
-        parent = -1
-        for j, x in enumerate(h):
-            covered = min(MOONCAKE_BLOCK_TOKENS, p - j * MOONCAKE_BLOCK_TOKENS)
-            where = seen.setdefault(x, (j, parent, covered, lineno))
-            if where[:3] != (j, parent, covered):
-                raise KvsimError(
-                    f"hash id {x} is block {j} after id {parent} covering {covered} tokens here, but block {where[0]} "
-                    f"after id {where[1]} covering {where[2]} tokens at line {where[3]} (ids must be chained)",
-                    source=source, field=f"{field}, key hash_ids")
-            parent = x
         arrival.append(t / 1000.0)
         prompt.append(p)
         output.append(o)
         ids.append(tuple(h))
-    return np.array(arrival, dtype=np.float64), np.array(prompt, dtype=np.int64), np.array(output, dtype=np.int64), ids
+        lines.append(lineno)
+    prompt_arr = np.array(prompt, dtype=np.int64)
+    _check_chained(ids, prompt_arr, lines, source)
+    return np.array(arrival, dtype=np.float64), prompt_arr, np.array(output, dtype=np.int64), ids
+
+
+def _check_chained(ids: list[tuple[int, ...]], prompt: np.ndarray, lines: list[int], source: str) -> None:
+    """Every id at one position, after one parent, covering one number of tokens; else a KvsimError naming
+    the first line that disagrees with the id's first use."""
+    lengths = np.array([len(h) for h in ids], dtype=np.int64)  # (r,)
+    if not len(lengths):
+        return
+    flat = np.fromiter((x for h in ids for x in h), dtype=np.int64, count=int(lengths.sum()))  # (n,)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # (r,)
+    position = np.arange(len(flat), dtype=np.int64) - np.repeat(starts, lengths)  # (n,)
+    parent = np.concatenate([[-1], flat[:-1]])
+    parent[starts] = -1
+    covered = np.minimum(MOONCAKE_BLOCK_TOKENS, np.repeat(prompt, lengths) - position * MOONCAKE_BLOCK_TOKENS)
+    _, first = np.unique(flat, return_index=True)  # first use of each id, in file order
+    owner = first[np.searchsorted(flat[first], flat)]  # (n,) index of each id's first use
+    bad = np.flatnonzero((position != position[owner]) | (parent != parent[owner]) | (covered != covered[owner]))
+    if len(bad):
+        i, f = int(bad[0]), int(owner[bad[0]])
+        row = np.repeat(np.arange(len(ids)), lengths)
+        raise KvsimError(
+            f"hash id {flat[i]} is block {position[i]} after id {parent[i]} covering {covered[i]} tokens here, but block "
+            f"{position[f]} after id {parent[f]} covering {covered[f]} tokens at line {lines[row[f]]} (ids must be chained)",
+            source=source, field=f"line {lines[row[i]]}, key hash_ids")
 
 
 def _count(value: object, minimum: int, source: str, field: str) -> int:

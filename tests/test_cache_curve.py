@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvsim.cache_curve as cc
 from conftest import REPO, SHARED
-from kvsim.cache_curve import lru_prefix_curve
+from kvsim.cache_curve import flatten, lru_prefix_curve
 from kvsim.cache_curve_view import cache_curve_of
 from kvsim.requests import RequestSpec, generate_requests, make_token_ids
 from kvsim.workload import load_workload
@@ -49,7 +49,7 @@ def expand(units) -> list:
 
 
 def assert_equal_to_brute_force(requests, *, extra: int = 2) -> None:
-    curve = lru_prefix_curve(requests, block_size=1, prompt_tokens=1)
+    curve = lru_prefix_curve(*flatten(requests), block_size=1, prompt_tokens=1)
     blocks = [(expand(units), counted) for units, counted in requests]
     top = len({b for bl, _ in blocks for b in bl}) + extra
     capacities = np.arange(top + 1)
@@ -66,7 +66,7 @@ def test_hand_computed_curve():
         ([(z, 1), (b, 1)], 2),  # b is cached (distance 3) but z is not: the prefix rule counts nothing
         ([(a, 1), (b, 1)], 1),  # only the first block may count (a whole-block prompt keeps its last block)
     ]
-    curve = lru_prefix_curve(requests, block_size=16, prompt_tokens=160)
+    curve = lru_prefix_curve(*flatten(requests), block_size=16, prompt_tokens=160)
     # request 5 finds a at distance 3 (z, b used since)
     assert curve.hit_blocks(np.array([0, 1, 2, 3, 100])).tolist() == [0, 2, 3, 4, 4]
     assert curve.ideal_hit_blocks == 4 and curve.ideal_hit_rate == 4 * 16 / 160
@@ -77,7 +77,7 @@ def test_hand_computed_curve():
 def test_units_of_several_blocks_sit_together():
     # a unit of 4 blocks at distance 2 puts its blocks at 2..5: hits grow one block per capacity step
     requests = [([(1, 4)], 4), ([(2, 1)], 1), ([(1, 4)], 4)]
-    curve = lru_prefix_curve(requests, block_size=1, prompt_tokens=9)
+    curve = lru_prefix_curve(*flatten(requests), block_size=1, prompt_tokens=9)
     assert curve.hit_blocks(np.arange(8)).tolist() == [0, 0, 1, 2, 3, 4, 4, 4]
     assert_equal_to_brute_force(requests)
 
@@ -204,3 +204,15 @@ def test_conversation_trace_ideal_is_block_size_independent_for_divisors():
     assert c16.ideal_hit_rate >= c512.ideal_hit_rate  # a shared partial id adds its full 16-token blocks
     # hit blocks never fall as the cache grows
     assert np.all(np.diff(c16.hit_blocks(c16.knots())) >= 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(mooncake_requests(), st.sampled_from([1, 16, 48, 512, 700, 1100]))
+def test_unit_arrays_of_hash_ids_equal_the_per_request_units(requests, block_size):
+    from kvsim.prefix_blocks import block_unit_arrays, prompt_block_units
+
+    keys, counts, offsets = block_unit_arrays(requests, block_size)
+    for i, request in enumerate(requests):
+        lo, hi = offsets[i], offsets[i + 1]
+        assert list(zip(keys[lo:hi].tolist(), counts[lo:hi].tolist())) == prompt_block_units(request, block_size)
+        assert counts[lo:hi].sum() == request.num_prompt_tokens // block_size
