@@ -216,3 +216,24 @@ def test_unit_arrays_of_hash_ids_equal_the_per_request_units(requests, block_siz
         lo, hi = offsets[i], offsets[i + 1]
         assert list(zip(keys[lo:hi].tolist(), counts[lo:hi].tolist())) == prompt_block_units(request, block_size)
         assert counts[lo:hi].sum() == request.num_prompt_tokens // block_size
+
+
+def test_engine_alone_with_room_for_everything_hits_the_ideal(tmp_path):
+    """Requests far apart (each finishes before the next arrives) and a budget that never evicts: the paged
+    allocator's prefix hits at admission are the curve's unbounded ideal, token for token."""
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
+    from kvsim.requests import trace_requests
+    from kvsim.traces import read_trace
+
+    lines = (REPO / "workloads" / "traces" / "mooncake-conversation-500.jsonl").read_text().splitlines()[:40]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({**json.loads(line), "timestamp": 10**7 * i, "output_length": 2}) + "\n"
+                             for i, line in enumerate(lines)))
+    (tmp_path / "w.yaml").write_text(
+        "model: llama-3.1-8b\nhardware: h100-80gb\nkv_budget: 70GiB\nmax_model_len: 131072\n"
+        "requests: {trace: t.jsonl}\nallocators: [{kind: paged, block_size: 16, prefix_caching: true}]\n")
+    run = run_replay(load_workload(tmp_path / "w.yaml"), ReplayOptions(tensors=False), workers=1).runs[0]
+    curve = cache_curve_of(trace_requests(read_trace(trace)), block_size=16)
+    assert run.num_cached_tokens.sum() == curve.ideal_hit_blocks * 16 > 0
+    assert run.prefix_hit_tokens == run.num_cached_tokens.sum()
