@@ -146,7 +146,7 @@ def replay(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no table.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     timing: Annotated[str, typer.Option("--timing", help="Step clock: roofline (deterministic) or measured (this run's kernel times).")] = "roofline",
-    trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure CSV or JSONL) instead of the workload's requests.")] = None,
+    trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure/BurstGPT CSV, JSONL or Mooncake JSONL) instead of the workload's requests.")] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write steps.csv next to steps.parquet.")] = False,
     layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
