@@ -78,7 +78,16 @@ def lru_prefix_curve(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray, 
          prefix outlives its suffix).
     A block's stack distance before a request is its rank by recency (1 = most recent); it is in a cache of C
     blocks exactly when that is <= C. Block j counts at capacity C when D_j = max(distance of blocks 0..j)
-    <= C, so one pass that records every D_j gives the curve at every C. A unit's blocks sit at consecutive
+    <= C, so one pass that records every D_j gives the curve at every C:
+
+        recency before the request:  rank  1   2   3   4   5   6   7
+                                     block x   B0  B1  A0  A1  A2  y
+        request A (3 blocks), B (2), C (1, never used before):
+            distance   A: 4 5 6   B: 2 3   C: none
+            D          A: 4 5 6   B: 6 6   C: misses at every capacity   (a ramp 4..6 and a step of 2 at 6)
+            hit blocks at capacity 0..3: 0,  4: 1,  5: 2,  6 and more: 5
+
+    A unit's blocks sit at consecutive
     ranks, first block most recent; so do runs of units that always follow one another, and the pass works
     on those runs (a Mooncake hash id is one unit at any block size, and a conversation's turns share runs of
     ids), with a Fenwick tree of run weights over use times, renumbered when it fills: memory linear in the

@@ -74,6 +74,15 @@ def test_hand_computed_curve():
     assert_equal_to_brute_force(requests)
 
 
+def test_the_docstring_diagram():
+    x, y, a, b, c = range(5)
+    # uses oldest first, so that the recency order is x B0 B1 A0 A1 A2 y (a request's first block most recent)
+    setup = [([(y, 1)], 0), ([(a, 3)], 0), ([(b, 2)], 0), ([(x, 1)], 0)]
+    curve = lru_prefix_curve(*flatten(setup + [([(a, 3), (b, 2), (c, 1)], 6)]), block_size=1, prompt_tokens=6)
+    assert curve.hit_blocks(np.arange(9)).tolist() == [0, 0, 0, 0, 1, 2, 5, 5, 5]
+    assert (curve.ramp_lo.tolist(), curve.ramp_hi.tolist(), curve.step_at.tolist(), curve.step_count.tolist()) == ([4], [6], [6], [2])
+
+
 def test_units_of_several_blocks_sit_together():
     # a unit of 4 blocks at distance 2 puts its blocks at 2..5: hits grow one block per capacity step
     requests = [([(1, 4)], 4), ([(2, 1)], 1), ([(1, 4)], 4)]
