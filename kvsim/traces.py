@@ -84,8 +84,8 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
     if (model is not None or log_type is not None) and form != "burstgpt":
         raise KvsimError(f"model and log_type filter BurstGPT traces; this is a {form} trace", source=source)
     if rows is not None and not rows:
-        kept = " with " + " and ".join(f"{k} {v!r}" for k, v in (("Model", model), ("Log Type", log_type)) if v) if form == "burstgpt" else ""
-        raise KvsimError(f"trace has no requests{kept}", source=source)
+        wanted = [f"{k} {v!r}" for k, v in (("Model", model), ("Log Type", log_type)) if v is not None]
+        raise KvsimError("trace has no requests" + (" with " + " and ".join(wanted) if wanted else ""), source=source)
     if rows is not None:
         columns = _columns_fast(form, rows) if form != "jsonl" else None
         arrival, prompt, output = columns if columns is not None else _columns_by_row(form, rows, source)

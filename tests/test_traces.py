@@ -273,6 +273,12 @@ def test_burstgpt_filter_errors(tmp_path):
     path.write_text(BURSTGPT)
     with pytest.raises(KvsimError, match="trace has no requests with Model 'gpt-4'"):
         read_trace(path, model="gpt-4")  # values match exactly
+    with pytest.raises(KvsimError, match="trace has no requests with Model 'GPT-4' and Log Type 'Chat'$"):
+        read_trace(path, model="GPT-4", log_type="Chat")
+    path.write_text(BURSTGPT.splitlines()[0] + "\n")
+    with pytest.raises(KvsimError, match="trace has no requests$"):
+        read_trace(path)
+    path.write_text(BURSTGPT)
     vidur = tmp_path / "v.csv"
     vidur.write_text(VIDUR)
     with pytest.raises(KvsimError, match="model and log_type filter BurstGPT traces; this is a vidur trace"):
