@@ -26,6 +26,7 @@ class CurveContext:
     bytes_per_token: int | None = None
     gpu: str | None = None
     budget_bytes: int | None = None
+    budget_of: str = ""  # where the budget comes from, for labels
 
     @property
     def budget_tokens(self) -> int | None:
@@ -49,7 +50,7 @@ def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype:
     from kvsim.requests import generate_requests, trace_requests
     from kvsim.traces import read_trace
 
-    budget = None
+    budget, budget_of = None, ""
     if target.suffix in (".yaml", ".yml"):
         from kvsim.workload import load_workload
 
@@ -58,6 +59,7 @@ def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype:
         name, kv_dtype = workload.name, workload.kv_dtype
         if model is None and gpu is None:
             model, gpu, budget = workload.model, workload.hardware, _workload_budget(workload)
+            budget_of = f"workload {workload.name}"
         model = model or workload.model
     else:
         requests = trace_requests(read_trace(target))
@@ -76,10 +78,11 @@ def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype:
             from kvsim.sizing import kv_budget_bytes, weight_bytes
 
             budget = kv_budget_bytes(get_gpu(gpu).memory_bytes, utilization=0.9, weight_bytes=weight_bytes(spec), field="--gpu")
+            budget_of = "memory x 0.9 - weights"
         model = spec.name
     elif gpu is not None:
         raise KvsimError("a GPU's KV budget needs a model's KV bytes per token: give --model too", field="--gpu")
-    return requests, CurveContext(name, model, bytes_per_token, gpu, budget)
+    return requests, CurveContext(name, model, bytes_per_token, gpu, budget, budget_of)
 
 
 def _workload_budget(workload) -> int:
@@ -175,7 +178,7 @@ def show_cache_curve(target: str, *, block_size: int, capacities: str | None, mo
     typer.echo(f"{'unbounded (ideal)':>18} {'':>13} {curve.ideal_hit_rate:>9.1%}")
     if ctx.budget_tokens is not None:
         rate = float(curve.hit_rate(np.array([ctx.budget_tokens]))[0])
-        typer.echo(f"KV budget of {ctx.model} on {ctx.gpu}: {ctx.budget_tokens:,} tokens "
+        typer.echo(f"KV budget of {ctx.model} on {ctx.gpu} ({ctx.budget_of}): {ctx.budget_tokens:,} tokens "
                    f"({ctx.budget_bytes / 2**30:.1f} GiB): hit rate {rate:.1%}")
     if out is not None:
         for p in written:

@@ -34,7 +34,7 @@ def cache_curve_chart(curve, ctx):
     if ctx.budget_tokens:
         rate = float(curve.hit_rate(np.array([ctx.budget_tokens]))[0])
         ax.plot(ctx.budget_tokens, rate, marker="o", markersize=8, color="#d62728", markeredgecolor="black", gid="budget",
-                linestyle="none", label=f"{ctx.model} KV budget on {ctx.gpu}: {ctx.budget_tokens:,} tokens, {rate:.1%}")
+                linestyle="none", label=f"{ctx.model} KV budget on {ctx.gpu} ({ctx.budget_of}): {ctx.budget_tokens:,} tokens, {rate:.1%}")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(_tokens_tick))
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
