@@ -95,7 +95,8 @@ class RequestSpec:
         assert self.num_prompt_tokens >= 1 and self.max_tokens >= 0 and self.arrival_time >= 0
         assert 0 <= self.num_prefix_tokens <= self.num_prompt_tokens
         assert (self.prefix_group is None) == (self.num_prefix_tokens == 0)
-        assert self.hash_ids is None or (self.prefix_group is None and len(self.hash_ids) == -(-self.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS))
+        if self.hash_ids is not None:
+            assert self.prefix_group is None and len(self.hash_ids) == -(-self.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
 
     @property
     def num_final_tokens(self) -> int:

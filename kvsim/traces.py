@@ -142,7 +142,8 @@ def _columns_by_row(form: TraceForm, rows: list, source: str) -> tuple[np.ndarra
     return arrival, prompt, output
 
 
-def _csv_rows(text: str, source: str, *, model: str | None, log_type: str | None) -> tuple[TraceForm, list[tuple[int, object, object, object]]]:
+def _csv_rows(text: str, source: str, *, model: str | None,
+              log_type: str | None) -> tuple[TraceForm, list[tuple[int, object, object, object]]]:
     """(form, [(line number, arrival, prompt, output)]) from a CSV whose header names the form; BurstGPT rows
     of another `model` or `log_type` than asked are left out."""
     lines = text.splitlines()
