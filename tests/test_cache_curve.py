@@ -246,3 +246,16 @@ def test_engine_alone_with_room_for_everything_hits_the_ideal(tmp_path):
     curve = cache_curve_of(trace_requests(read_trace(trace)), block_size=16)
     assert run.num_cached_tokens.sum() == curve.ideal_hit_blocks * 16 > 0
     assert run.prefix_hit_tokens == run.num_cached_tokens.sum()
+
+
+def test_shared_prefix_workload_ideal_by_hand(cli):
+    """Every request of a group after its first finds the group's 1,024-token prefix: 64 blocks of 16."""
+    requests = generate_requests(load_workload(REPO / "workloads" / "shared-prefix.yaml"))
+    joined = [r.prefix_group for r in requests if r.prefix_group is not None]
+    expected = (len(joined) - len(set(joined))) * 1024 / sum(r.num_prompt_tokens for r in requests)
+    result = cli(["cache-curve", str(REPO / "workloads" / "shared-prefix.yaml"), "--capacities", "0,16,1e9", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["num_requests"] == 1000 and data["ideal_hit_rate"] == pytest.approx(expected, rel=1e-12)
+    assert data["curve"][2]["hit_rate"] == data["ideal_hit_rate"]
+    assert data["curve"][1]["capacity_bytes"] == 16 * 131_072  # the workload's model, llama-3.1-8b
