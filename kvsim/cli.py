@@ -147,7 +147,7 @@ def replay(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no table.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     timing: Annotated[str, typer.Option("--timing", help="Step clock: roofline (deterministic), measured (this run's kernel times), kernels-db (vLLM kernels measured on real GPUs: pip install kvsim[perfdb]) or auto (kernels-db where it applies, else roofline).")] = "roofline",
-    trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure CSV or JSONL) instead of the workload's requests.")] = None,
+    trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure/BurstGPT CSV, JSONL or Mooncake JSONL) instead of the workload's requests.")] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write steps.csv next to steps.parquet.")] = False,
     layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
@@ -208,6 +208,23 @@ def profile(
         workload, reserve=reserve, block_size=block_size, settings=tuple(s.strip() for s in settings.split(",") if s.strip()),
         step_ms=step_ms, sample_every=sample_every, seed=seed, limit=limit, snapshot=snapshot, out_dir=out,
     )
+
+
+@app.command("cache-curve")
+@user_errors
+def cache_curve(
+    target: Annotated[str, typer.Argument(help="A trace file (Mooncake JSONL, CSV, JSONL) or a workload YAML.")],
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block (512 is Mooncake's own).")] = 16,
+    capacities: Annotated[Optional[str], typer.Option("--capacities", help="Cache capacities in tokens, e.g. 1e4,1e5,3e6 (default: a log grid).", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Adds capacities in bytes from this model's KV bytes per token (default: a workload's model).", show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
+) -> None:
+    """Prefix-cache hit rate of an LRU cache of blocks at every capacity, exact, in one pass over the requests."""
+    from kvsim.cache_curve_view import show_cache_curve
+
+    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out)
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsim.distributions import ArrivalProcess, LengthDistribution
-from kvsim.traces import read_trace
+from kvsim.trace_mooncake import MOONCAKE_BLOCK_TOKENS
+from kvsim.traces import Trace, read_trace
 
 if TYPE_CHECKING:
     from kvsim.workload import Workload
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 VOCAB_SIZE = 2**31
 # Independent random streams of one workload seed (numpy SeedSequence entropy [seed, stream]).
 _ARRIVAL, _PROMPT, _OUTPUT, _PREFIX = range(4)
-# Token-id streams (hash keys): a shared-prefix group's ids, and a request's own ids.
-_GROUP_IDS, _REQUEST_IDS = 1, 2
+# Token-id streams (hash keys): a shared-prefix group's ids, a request's own ids, a trace block's (hash id's) ids.
+_GROUP_IDS, _REQUEST_IDS, _TRACE_BLOCK_IDS = 1, 2, 3
 _GOLDEN, _C1, _C2, _MASK64 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 2**64 - 1
 _U64 = {k: np.uint64(v) for k, v in {"golden": _GOLDEN, "c1": _C1, "c2": _C2, 27: 27, 30: 30, 31: 31, 33: 33}.items()}
 
@@ -60,14 +61,17 @@ class SyntheticRequests:
 
 @dataclass(frozen=True)
 class TraceRequests:
-    """Requests replayed from a trace file (Vidur CSV, Azure CSV or JSONL; see kvsim.traces).
+    """Requests replayed from a trace file (Vidur CSV, Azure CSV, BurstGPT CSV, JSONL, Mooncake JSONL; see kvsim.traces).
 
-    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast).
+    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast); `model` and
+    `log_type` keep only the BurstGPT rows of that Model and Log Type.
     """
 
     path: Path
     time_scale: float = 1.0
     limit: int | None = None  # at most this many (the first by arrival)
+    model: str | None = None
+    log_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ class RequestSpec:
     """One request of the stream, before the replay admits it.
 
     `max_tokens` is how many output tokens it will produce (the simulator knows the future). Requests of one
-    `prefix_group` share their first `num_prefix_tokens` token ids (0 when `prefix_group` is None).
+    `prefix_group` share their first `num_prefix_tokens` token ids (0 when `prefix_group` is None). A Mooncake
+    request's `hash_ids` name its 512-token prompt blocks (chained), and its prompt's token ids follow from them.
     """
 
     request_id: int  # 0 .. n-1 in arrival order
@@ -84,11 +89,14 @@ class RequestSpec:
     max_tokens: int
     prefix_group: int | None = None
     num_prefix_tokens: int = 0
+    hash_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert self.num_prompt_tokens >= 1 and self.max_tokens >= 0 and self.arrival_time >= 0
         assert 0 <= self.num_prefix_tokens <= self.num_prompt_tokens
         assert (self.prefix_group is None) == (self.num_prefix_tokens == 0)
+        if self.hash_ids is not None:
+            assert self.prefix_group is None and len(self.hash_ids) == -(-self.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
 
     @property
     def num_final_tokens(self) -> int:
@@ -104,10 +112,7 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
     """
     spec = workload.requests
     if isinstance(spec, TraceRequests):
-        trace = read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit)
-        arrival, prompt, output = trace.arrival_time, trace.num_prompt_tokens, trace.num_output_tokens
-        group = np.full(len(trace), -1, dtype=np.int64)
-        prefix = np.zeros(len(trace), dtype=np.int64)
+        return trace_requests(read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit, model=spec.model, log_type=spec.log_type))
     else:
         rng = [np.random.default_rng([workload.seed, stream]) for stream in range(4)]
         arrival = spec.arrival.times(rng[_ARRIVAL], count=spec.count, duration_s=spec.duration_s)
@@ -119,6 +124,15 @@ def generate_requests(workload: Workload) -> list[RequestSpec]:
     return [
         RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
         for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
+    ]
+
+
+def trace_requests(trace: Trace) -> list[RequestSpec]:
+    """A trace's requests in arrival order (with their Mooncake hash ids, if any)."""
+    ids = trace.hash_ids
+    return [
+        RequestSpec(i, t, p, o, hash_ids=None if ids is None else ids[i])
+        for i, (t, p, o) in enumerate(zip(trace.arrival_time.tolist(), trace.num_prompt_tokens.tolist(), trace.num_output_tokens.tolist()))
     ]
 
 
@@ -142,10 +156,29 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
 
         request 7, group 2:  [ g2[0] g2[1] ... g2[k-1] | r7[k] r7[k+1] ... r7[n-1] ]
         request 9, group 2:  [ g2[0] g2[1] ... g2[k-1] | r9[k] ... ]      k = num_prefix_tokens
+
+    A Mooncake request's prompt token at position p is h[p % 512] of its hash id hash_ids[p // 512] (the
+    id's own stream, positions from 0 within the block); its output tokens are its own:
+
+        hash_ids [4, 9, 31], 1,100-token prompt:  [ h4[0] .. h4[511] | h9[0] .. h9[511] | h31[0] .. h31[75] | r[1100] .. ]
+
+    Ids are chained, so requests that share their first j ids share their first 512 j prompt token ids and no
+    more (the next id differs, and so do its tokens). A partial last block (76 tokens of id 31 here) is the
+    first tokens of that id's stream: a trace names a partial block by an id of its own, which always covers
+    the same tokens (kvsim.trace_mooncake checks it), so requests ending in the same id share those tokens too.
+    At block size B, two requests share every full B-token block that lies inside their common prefix;
+    whole 512-token blocks are whole B-blocks when B divides 512 (every power of two up to 512), and any other
+    B shares floor(512 j / B) blocks, a straddling block only when both ids under it are shared.
     """
     k, n = request.num_prefix_tokens, request.num_final_tokens
     ids = np.empty(n, dtype=np.int64)  # (n,)
-    if k:
+    if request.hash_ids is not None:
+        k = request.num_prompt_tokens
+        for j, h in enumerate(request.hash_ids):
+            lo = j * MOONCAKE_BLOCK_TOKENS
+            hi = min(lo + MOONCAKE_BLOCK_TOKENS, k)
+            ids[lo:hi] = _hash_ids(_salt(seed, _TRACE_BLOCK_IDS, h), 0, hi - lo)
+    elif k:
         ids[:k] = _hash_ids(_salt(seed, _GROUP_IDS, request.prefix_group), 0, k)
     ids[k:] = _hash_ids(_salt(seed, _REQUEST_IDS, request.request_id), k, n)
     return ids

@@ -196,15 +196,17 @@ def _trace_requests(f: Fields, base_dir: Path, cli_trace: str | None) -> TraceRe
     path = g.str("path" if t is not None else "trace", None)
     time_scale = g.float("time_scale", 1.0, min=0, exclusive=True)
     limit = g.int("limit", None, min=1)
+    model = g.str("model", None)  # BurstGPT filters: its Model and Log Type columns
+    log_type = g.str("log_type", None)
     if t is not None:
         t.done()
     f.done()
     if cli_trace is not None:
-        return TraceRequests(_trace_file(Path(cli_trace), source=None, field="--trace"), time_scale, limit)
+        return TraceRequests(_trace_file(Path(cli_trace), source=None, field="--trace"), time_scale, limit, model, log_type)
     if path is None:
         raise f.error("trace.path" if t is not None else "trace", "no trace file here: give one with --trace FILE")
     field = g.path("path" if t is not None else "trace")
-    return TraceRequests(_trace_file(base_dir / path, source=f.source, field=field), time_scale, limit)
+    return TraceRequests(_trace_file(base_dir / path, source=f.source, field=field), time_scale, limit, model, log_type)
 
 
 def _trace_file(path: Path, *, source: str | None, field: str) -> Path:

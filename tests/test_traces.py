@@ -183,3 +183,133 @@ def test_azure_date_times_keep_their_microseconds(tmp_path, stamps):
     path = tmp_path / "t.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{s},10,1\n" for s in stamps))
     assert read_trace(path).arrival_time.tolist() == [0.0, 0.877]
+
+
+# --- Mooncake JSONL and BurstGPT CSV --------------------------------------------------------------------
+
+MOONCAKE_DIR = SHARED / "traces" / "mooncake"
+
+
+def mooncake_line(t_ms, prompt, output, ids):
+    return json.dumps({"timestamp": t_ms, "input_length": prompt, "output_length": output, "hash_ids": ids}) + "\n"
+
+
+def test_mooncake_form_ms_to_seconds_and_ids_follow_the_sort(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(mooncake_line(3000, 1100, 7, [0, 1, 2]) + mooncake_line(500, 512, 3, [0]) + mooncake_line(1000, 1024, 0, [0, 1]))
+    trace = read_trace(path)
+    assert trace.form == "mooncake"
+    assert trace.arrival_time.tolist() == [0.0, 0.5, 2.5]  # ms from the first request, as seconds
+    assert trace.num_prompt_tokens.tolist() == [512, 1024, 1100] and trace.num_output_tokens.tolist() == [3, 0, 7]
+    assert trace.hash_ids == ((0,), (0, 1), (0, 1, 2))
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([(0, 1100, 7, [0, 1])], "line 1, key hash_ids: expected 3 ids >= 0 (one per 512 prompt tokens)"),
+    ([(0, 600, 7, [0, -1])], "line 1, key hash_ids: expected 2 ids"),
+    ([(0, 0, 7, [])], "line 1, key input_length: expected a whole number from 1"),
+    ([(-1, 5, 7, [0])], "line 1, key timestamp: expected milliseconds >= 0"),
+    ([(0, 1024, 1, [0, 1]), (1, 1024, 1, [2, 1])], "line 2, key hash_ids: hash id 1 is block 1 after id 2 covering 512 tokens here, "
+                                                   "but block 1 after id 0 covering 512 tokens at line 1 (ids must be chained)"),
+    ([(0, 600, 1, [0, 1]), (1, 1024, 1, [0, 1])], "hash id 1 is block 1 after id 0 covering 512 tokens here, but block 1 after id 0 covering 88"),
+    ([(0, 512, 1, [4]), (1, 1024, 1, [5, 4])], "hash id 4 is block 1 after id 5"),
+])
+def test_mooncake_bad_rows_and_unchained_ids(tmp_path, lines, message):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(mooncake_line(*line) for line in lines))
+    with pytest.raises(KvsimError) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize("name, count, tokens", [("conversation_trace", 12_031, 144_793_823), ("synthetic_trace", 3_993, 61_194_628)])
+def test_mooncake_traces(name, count, tokens):
+    path = MOONCAKE_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.skip("needs ../shared/traces/mooncake")
+    trace = read_trace(path)
+    assert len(trace) == count and trace.num_prompt_tokens.sum() == tokens and trace.form == "mooncake"
+
+
+def test_shipped_mooncake_slices_are_the_traces_first_lines():
+    from conftest import REPO
+
+    for name in ("conversation", "synthetic"):
+        shipped = (REPO / "workloads" / "traces" / f"mooncake-{name}-500.jsonl").read_text()
+        trace = read_trace(REPO / "workloads" / "traces" / f"mooncake-{name}-500.jsonl")
+        assert len(trace) == 500 and trace.form == "mooncake"
+        full = MOONCAKE_DIR / f"{name}_trace.jsonl"
+        if full.is_file():
+            assert full.read_text().splitlines()[:500] == shipped.splitlines()
+
+
+# Written by hand in BurstGPT's column layout (not rows of the real trace).
+BURSTGPT = (
+    "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    "10,ChatGPT,300,20,320,Conversation log\n"
+    "12,GPT-4,400,0,400,API log\n"
+    "13.5,ChatGPT,50,70,120,API log\n"
+    "20,GPT-4,900,100,1000,Conversation log\n"
+    "21,ChatGPT,600,30,630,Conversation log\n"
+)
+
+
+@pytest.mark.parametrize("model, log_type, prompts, arrivals", [
+    (None, None, [300, 400, 50, 900, 600], [0, 2, 3.5, 10, 11]),
+    ("ChatGPT", None, [300, 50, 600], [0, 3.5, 11]),
+    ("ChatGPT", "Conversation log", [300, 600], [0, 11]),
+    (None, "API log", [400, 50], [0, 1.5]),
+])
+def test_burstgpt_filters_by_model_and_log_type(tmp_path, model, log_type, prompts, arrivals):
+    path = tmp_path / "b.csv"
+    path.write_text(BURSTGPT)
+    trace = read_trace(path, model=model, log_type=log_type)
+    assert trace.form == "burstgpt"
+    assert trace.num_prompt_tokens.tolist() == prompts and trace.arrival_time.tolist() == arrivals
+
+
+def test_burstgpt_filter_errors(tmp_path):
+    path = tmp_path / "b.csv"
+    path.write_text(BURSTGPT)
+    with pytest.raises(KvsimError, match="trace has no requests with Model 'gpt-4'"):
+        read_trace(path, model="gpt-4")  # values match exactly
+    with pytest.raises(KvsimError, match="trace has no requests with Model 'GPT-4' and Log Type 'Chat'$"):
+        read_trace(path, model="GPT-4", log_type="Chat")
+    path.write_text(BURSTGPT.splitlines()[0] + "\n")
+    with pytest.raises(KvsimError, match="trace has no requests$"):
+        read_trace(path)
+    path.write_text(BURSTGPT)
+    vidur = tmp_path / "v.csv"
+    vidur.write_text(VIDUR)
+    with pytest.raises(KvsimError, match="model and log_type filter BurstGPT traces; this is a vidur trace"):
+        read_trace(vidur, log_type="API log")
+    path.write_text(BURSTGPT + "30,ChatGPT,0,5,5,API log\n")
+    with pytest.raises(KvsimError, match="line 7, column Request tokens: expected a whole number from 1"):
+        read_trace(path)
+
+
+def test_burstgpt_filters_from_a_workload(tmp_path):
+    from kvsim.requests import generate_requests
+    from kvsim.workload import load_workload
+
+    (tmp_path / "b.csv").write_text(BURSTGPT)
+    (tmp_path / "w.yaml").write_text(
+        "model: llama-3.1-8b\nhardware: h100-80gb\nkv_budget: 1GiB\nmax_model_len: 4096\n"
+        "requests: {trace: {path: b.csv, model: GPT-4, log_type: Conversation log}}\nallocators: [{kind: paged}]\n")
+    requests = generate_requests(load_workload(tmp_path / "w.yaml"))
+    assert [(r.num_prompt_tokens, r.max_tokens) for r in requests] == [(900, 100)]
+
+
+# --- token ids from Mooncake's hash ids -----------------------------------------------------------------
+
+def test_token_ids_share_exactly_the_shared_ids_blocks():
+    from kvsim.requests import RequestSpec, make_token_ids
+
+    a = make_token_ids(RequestSpec(0, 0.0, 1100, 5, hash_ids=(0, 1, 2)), seed=0)
+    b = make_token_ids(RequestSpec(1, 0.0, 1300, 5, hash_ids=(0, 1, 3)), seed=0)
+    c = make_token_ids(RequestSpec(2, 0.0, 1100, 5, hash_ids=(0, 1, 2)), seed=0)  # the same prompt again
+    equal = a[:1100] == b[:1100]
+    assert equal[:1024].all() and not equal[1024:].any()  # 2 shared ids: 1,024 tokens, not one more
+    assert (a[:1100] == c[:1100]).all()  # a shared partial id shares its tokens too
+    assert not (a[1100:] == c[1100:]).any()  # outputs are each request's own
+    assert not (make_token_ids(RequestSpec(0, 0.0, 1100, 5, hash_ids=(0, 1, 2)), seed=1)[:512] == a[:512]).any()
