@@ -137,6 +137,8 @@ class SizeReport:
                     "vllm_block_size": h.block_size,
                     "vllm_block_size_raised": h.raised,
                     "vllm_kernel_block_size": h.kernel_block_size,
+                    "vllm_block_alignment": h.alignment,
+                    "vllm_mamba_checkpoint_alignment": self.settings.mamba_checkpoint_alignment,
                     "vllm_mamba_cache_mode": h.mamba_cache_mode,
                     "vllm_page_bytes": h.page_bytes,
                     "vllm_state_page_bytes": h.state_page_bytes,

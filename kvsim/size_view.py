@@ -40,6 +40,7 @@ def show_size(
     max_num_batched_tokens: int = 8192,
     kernel_block_size: int = 16,
     mamba_cache_mode: str = "none",
+    mamba_checkpoint_alignment: int = 0,
     async_scheduling: bool = True,
     params: float | None = None,
     layout: bool = False,
@@ -90,6 +91,7 @@ def show_size(
             async_scheduling=async_scheduling,
             kernel_block_size=kernel_block_size,
             mamba_cache_mode=mamba_cache_mode,
+            mamba_checkpoint_alignment=mamba_checkpoint_alignment,
         ),
     )
     pool = offset = None
@@ -166,7 +168,7 @@ def _print_report(console: Console, report) -> None:
         style="dim",
     )
     if report.hybrid is not None:
-        _print_hybrid_pages(console, report.hybrid)
+        _print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
         _print_vllm_lines(console, report)
@@ -174,7 +176,7 @@ def _print_report(console: Console, report) -> None:
             console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
 
 
-def _print_hybrid_pages(console: Console, h) -> None:
+def _print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
     """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
     how = (
         f"raised from --block-size {h.requested_block_size}, in multiples of {h.alignment}, until one attention page holds one layer's state"
@@ -188,11 +190,15 @@ def _print_hybrid_pages(console: Console, h) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    prefix = (
-        "off (mamba_cache_mode none; vllm serve turns it on for hybrid models: --mamba-cache-mode align)"
-        if h.mamba_cache_mode == "none"
-        else f"on (mamba_cache_mode {h.mamba_cache_mode}; prefill checkpoint blocks not modelled)"
-    )
+    if h.mamba_cache_mode == "none":
+        prefix = "off (mamba_cache_mode none; vllm serve turns it on for hybrid models: --mamba-cache-mode align)"
+    elif checkpoint:
+        prefix = f"on (mamba_cache_mode align, state checkpoints every {checkpoint} tokens: 3 state blocks per request)"
+    else:
+        prefix = (
+            "on (mamba_cache_mode align, 2 state blocks per request; gated delta net layers with FlashInfer's "
+            "prefill, vLLM's choice on Hopper, also checkpoint: --mamba-checkpoint-alignment 64)"
+        )
     console.print(
         f"vLLM settings assumed: attention kernel block {h.kernel_block_size} "
         f"({'FlashAttention / FlashInfer default' if h.kernel_block_size == 16 else '--kernel-block-size'}), "

@@ -7,6 +7,7 @@ those functions themselves and compares.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +37,10 @@ class VllmSettings:
     async_scheduling: bool = True  # on by default in 0.33; --no-async-scheduling turns it off
     kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE
     mamba_cache_mode: str = "none"
+    # align mode only: the token alignment of the state checkpoints every state layer exports from inside a
+    # prefill (`get_mamba_prefill_checkpoint_alignment`); 0 when some layer exports none. vLLM 0.33's gated
+    # delta net layers export them with FlashInfer's GDN prefill (Hopper; Blackwell with CUDA 13): 64.
+    mamba_checkpoint_alignment: int = 0
 
     def __post_init__(self) -> None:
         positive_int(self.max_num_batched_tokens, "--max-num-batched-tokens")
@@ -44,6 +49,18 @@ class VllmSettings:
             raise KvsimError(
                 f"expected one of {', '.join(MAMBA_CACHE_MODES)}, got {self.mamba_cache_mode!r}", field="--mamba-cache-mode"
             )
+        if self.mamba_checkpoint_alignment:
+            positive_int(self.mamba_checkpoint_alignment, "--mamba-checkpoint-alignment")
+            if self.mamba_cache_mode != "align":
+                raise KvsimError("state checkpoints exist only with --mamba-cache-mode align", field="--mamba-checkpoint-alignment")
+
+    @property
+    def mamba_state_blocks(self) -> int:
+        """`MambaSpec.max_memory_usage_bytes` in pages: the running state, in align mode the cached one too,
+        and a prefill checkpoint block where the layers export checkpoints (no speculative blocks)."""
+        if self.mamba_cache_mode != "align":
+            return 1
+        return 2 + (1 if self.mamba_checkpoint_alignment else 0)
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -91,7 +108,8 @@ class HybridPages:
     `Platform._align_hybrid_block_size`: vLLM raises the attention `block_size` to the smallest multiple of
     the alignment whose page (block_size x one attention layer's bytes per token) holds one layer's state,
     then pads the state page to exactly that page. The alignment is max(backend's smallest kernel block,
-    the block size asked for), at least 128 for MLA models.
+    the block size asked for), at least 128 for MLA models, and in align mode a multiple of the state layers'
+    prefill checkpoint alignment.
     """
 
     requested_block_size: int  # --block-size (vLLM's default 16 when not given)
@@ -132,6 +150,8 @@ def hybrid_pages(layers: tuple[VllmLayer, ...], block_size: int, settings: VllmS
     align = max(settings.kernel_block_size, block_size)
     if any(layer.kind == "mla" for layer in attention):
         align = max(align, MLA_HYBRID_ALIGNMENT)
+    if settings.mamba_cache_mode == "align" and settings.mamba_checkpoint_alignment:
+        align = math.lcm(align, settings.mamba_checkpoint_alignment)
     raised = align * cdiv(state_page, align * per_token)
     raised = settings.kernel_block_size * cdiv(raised, settings.kernel_block_size)  # every backend's kernel block
     return HybridPages(
@@ -155,8 +175,8 @@ _BLOCKS_PER_REQUEST: dict[str, BlocksPerRequest] = {
     # SlidingWindowSpec.max_admission_blocks_per_request: the window, the in-flight tokens, +1 for a window
     # that does not start on a block boundary
     "sliding": lambda layer, block_size, max_len, s: cdiv(min(layer.window - 1 + s.max_in_flight_tokens, max_len), block_size) + 1,
-    # MambaSpec: one state (none) or the running and the cached state (align); no speculative blocks
-    "state": lambda layer, block_size, max_len, s: 2 if s.mamba_cache_mode == "align" else 1,
+    # MambaSpec: one state (none); the running and the cached state, and a checkpoint block (align)
+    "state": lambda layer, block_size, max_len, s: s.mamba_state_blocks,
 }
 
 

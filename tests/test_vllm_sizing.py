@@ -288,3 +288,18 @@ def test_state_layers_of_different_sizes_are_not_followed():
 def test_unknown_vllm_settings_are_errors(kwargs, field):
     with pytest.raises(KvsimError, match=field):
         VllmSettings(**kwargs)
+
+
+def test_align_mode_with_prefill_checkpoints_raises_in_their_multiples_and_holds_a_third_state_block():
+    """Gated delta net layers with FlashInfer's prefill export a state every 64 tokens (vLLM on Hopper):
+    the raise counts in lcm(16, 64) = 64: 64 x cdiv(274,432, 64 x 1,024) = 320; a state group holds 3 blocks."""
+    layers = _catalogue_layers("qwen3-next-80b-a3b", tp=4)
+    settings = VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64)
+    h = hybrid_pages(layers, 16, settings)
+    assert (h.alignment, h.block_size, h.page_bytes) == (64, 320, 327680)
+    startup = vllm_startup(layers, 37_309_411_328, 262144, settings=settings)
+    # num_blocks = 37,309,411,328 // (12 x 327,680) = 9,488; per request cdiv(262,144, 320) = 820 + 3 x 3
+    assert (startup.num_blocks, startup.blocks_per_request) == (9488, 829)
+    assert startup.tokens == int(9488 / 829 * 262144) == 3000268
+    with pytest.raises(KvsimError, match="--mamba-checkpoint-alignment"):
+        VllmSettings(mamba_checkpoint_alignment=64)  # checkpoints exist only in align mode

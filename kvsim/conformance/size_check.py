@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from kvsim.errors import KvsimError
@@ -45,6 +45,8 @@ class Case:
             opts += f" --kernel-block-size {s.kernel_block_size}"
         if s.mamba_cache_mode != default.mamba_cache_mode:
             opts += f" --mamba-cache-mode {s.mamba_cache_mode}"
+        if s.mamba_checkpoint_alignment:
+            opts += f" --mamba-checkpoint-alignment {s.mamba_checkpoint_alignment}"
         if not s.async_scheduling:
             opts += " --no-async-scheduling"
         return f"{self.model} --tp {self.tp} --gpu {self.gpu} --kv-dtype {self.kv_dtype}{opts}"
@@ -135,6 +137,7 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
     mode = report.get("vllm_mamba_cache_mode", "none")
     mamba_block = bs if mode == "align" else report["context_tokens"]  # MambaModelConfig: mamba_block_size
     padded = report.get("vllm_state_page_padded_bytes")
+    checkpoint = report.get("vllm_mamba_checkpoint_alignment", 0)
     specs = {}
     for i, layer in enumerate(model.layers):
         name = f"model.layers.{i}.attn"
@@ -148,10 +151,13 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
             specs[name] = v.kvi.MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=layer.latent_dim, dtype=kv_dtype, cache_dtype_str="auto")
         elif layer.kind == LayerKind.LINEAR_STATE:
             unpadded = layer.state_elements_per_rank(tp) * state_dtype.itemsize
-            specs[name] = v.kvi.MambaSpec(
+            spec = v.kvi.MambaSpec(
                 shapes=((layer.state_elements_per_rank(tp),),), dtypes=(state_dtype,), block_size=mamba_block,
                 page_size_padded=padded if padded and padded != unpadded else None, mamba_cache_mode=mode,
             )
+            if checkpoint:  # what a gated delta net layer exporting prefill checkpoints adds to its spec
+                spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=checkpoint)
+            specs[name] = spec
         else:
             raise KvsimError(f"no vLLM spec for {layer.kind.value!r} layers in the size check", field="layers")
     return specs
@@ -227,17 +233,15 @@ def check(case: Case) -> Result:
         c["vllm_state_page_padded_bytes"] = (report["vllm_state_page_padded_bytes"], mamba[0].page_size_bytes)
         # the raise (Platform._align_hybrid_block_size): the attention page holds the state, and one alignment
         # step less would not (unless --block-size already held it)
-        align = report["vllm_block_size"] if not report["vllm_block_size_raised"] else None
-        smaller = attention.copy_with_new_block_size(report["vllm_block_size"] - (align or _alignment(report))).page_size_bytes
+        step = report["vllm_block_alignment"]
+        smaller = attention.copy_with_new_block_size(report["vllm_block_size"] - step).page_size_bytes
         c["vllm_block_size_is_smallest_holding_the_state"] = (
             True,
-            attention.page_size_bytes >= mamba[0].real_page_size_bytes and (align is not None or smaller < mamba[0].real_page_size_bytes),
+            report["vllm_block_size"] % step == 0
+            and attention.page_size_bytes >= mamba[0].real_page_size_bytes
+            and (not report["vllm_block_size_raised"] or smaller < mamba[0].real_page_size_bytes),
         )
     return result
-
-
-def _alignment(report: dict) -> int:
-    return max(report["vllm_kernel_block_size"], report["block_size"])
 
 
 def catalogue_cases() -> list[Case]:
@@ -263,6 +267,8 @@ def settings_cases() -> list[Case]:
         Case("gpt-oss-120b", 1, "h200", VllmSettings(max_num_batched_tokens=2048), context=8192),
         Case("mistral-7b-v0.1", 1, "h100-80gb", VllmSettings(max_num_batched_tokens=512, async_scheduling=False), context=3000),
         Case("qwen3-next-80b-a3b", 4, "h100-80gb", VllmSettings(mamba_cache_mode="align")),
+        Case("qwen3-next-80b-a3b", 4, "h100-80gb", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64)),
+        Case("qwen3-next-80b-a3b", 8, "h200", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64), context=1000),
         Case("qwen3-next-80b-a3b", 4, "h200", VllmSettings(kernel_block_size=32), kv_dtype="fp8"),
         Case("qwen3-next-80b-a3b", 8, "h100-80gb", context=200),
         Case("qwen3-235b-a22b", 8, "h100-80gb", context=500_000),  # one request does not fit: vLLM refuses
