@@ -170,8 +170,8 @@ def _kind(v, spec) -> str:
     return type(spec).__name__
 
 
-def check(case: Case) -> Result:
-    """kvsim size --json for `case` against vLLM's functions on the same specs and budget."""
+def check(case: Case, report: dict | None = None) -> Result:
+    """kvsim size --json for `case` (or the `report` it printed) against vLLM's functions on the same specs and budget."""
     from kvsim.catalogue import resolve_model
     from kvsim.hardware import get_gpu
     from kvsim.size_report import size_report
@@ -179,14 +179,15 @@ def check(case: Case) -> Result:
     result = Result(case)
     model = resolve_model(case.model)
     gpu = get_gpu(case.gpu)
-    try:
-        report = size_report(
-            model, kv_dtype=case.kv_dtype, tp=case.tp, memory_bytes=gpu.memory_bytes, gpu_name=gpu.name,
-            context_tokens=case.context, settings=case.settings,
-        ).as_json()
-    except KvsimError as exc:
-        result.skipped = f"kvsim size refuses it: {exc}"
-        return result
+    if report is None:
+        try:
+            report = size_report(
+                model, kv_dtype=case.kv_dtype, tp=case.tp, memory_bytes=gpu.memory_bytes, gpu_name=gpu.name,
+                context_tokens=case.context, settings=case.settings,
+            ).as_json()
+        except KvsimError as exc:
+            result.skipped = f"kvsim size refuses it: {exc}"
+            return result
     if not report["block_rounded_is_vllm_exact"]:
         result.compared["block_rounded_is_vllm_exact"] = (False, True)
         return result

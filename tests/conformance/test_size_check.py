@@ -43,3 +43,20 @@ def test_the_check_sees_a_wrong_formula(vllm_loaded, monkeypatch):
     result = check(Case("gemma-3-27b", 1, "h100-80gb"))
     assert {"vllm_kv_cache_size_tokens", "vllm_max_concurrency", "vllm_groups"} <= set(result.differing)
     assert check(Case("qwen3-8b", 1, "h100-80gb")).differing == {}  # no sliding layer: unaffected
+
+
+def test_the_json_kvsim_size_prints_is_what_is_compared(vllm_loaded, cli):
+    """The command line's --json, parsed, goes through the same comparison (a sliding model and a hybrid)."""
+    import json
+
+    from kvsim.vllm_sizing import VllmSettings
+
+    for case, args in (
+        (Case("gemma-3-27b", 2, "h200"), []),
+        (Case("qwen3-next-80b-a3b", 4, "h100-80gb", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64, async_scheduling=False)),
+         ["--mamba-cache-mode", "align", "--mamba-checkpoint-alignment", "64", "--no-async-scheduling"]),
+    ):
+        result = cli(["size", "-m", case.model, "--tp", str(case.tp), "--gpu", case.gpu, "--json", *args])
+        assert result.exit_code == 0, result.output
+        checked = check(case, json.loads(result.stdout))
+        assert checked.differing == {} and len(checked.compared) >= 12
