@@ -77,28 +77,56 @@ class VllmSettings:
 class VllmLayer:
     """One layer as vLLM's KV cache spec sees it, on one TP rank (equal layers share a group)."""
 
-    kind: str  # "full", "mla", "sliding" or "state": a key of _BLOCKS_PER_REQUEST
+    kind: str  # "full", "mla", "sliding", "chunked" or "state": a key of _BLOCKS_PER_REQUEST
     bytes_per_token: int = 0  # per-token kinds: one token of this layer
-    window: int | None = None  # sliding
+    window: int | None = None  # sliding: the window; chunked: attention_chunk_size
     state_bytes: int = 0  # state: the whole state of one request, before padding
+
+
+# kvsim's layer kinds (LayerKind values) as vLLM's KV cache spec kinds; None: the layer has no KV cache spec.
+_VLLM_KIND: dict[str, str | None] = {
+    "full": "full",  # FullAttentionSpec
+    "mla": "mla",  # MLAAttentionSpec
+    "sliding": "sliding",  # SlidingWindowSpec
+    "chunked": "chunked",  # ChunkedLocalAttentionSpec (0.33 keeps the hybrid manager on for it by default)
+    "linear-state": "state",  # MambaSpec
+    "none": None,  # no cache (MLP-only layers, KV read from another layer)
+}
 
 
 def vllm_layers(model: ModelSpec, spec: KVCacheSpec, tp: int = 1) -> tuple[VllmLayer, ...]:
     """kvsim's layer list as vLLM's per-layer specs (the spec gives the dtypes kvsim sized with).
 
-    A layer kind this table does not know is a KvsimError: vLLM's arithmetic for it is not modelled.
+    A layer kind this table does not know, or one it cannot reproduce exactly (an MLA layer with a sparse
+    indexer cache, state layers of different shapes in mixed dtypes), is a KvsimError: vLLM's arithmetic for
+    it is not modelled, and no number is printed for it.
     """
-    state_elements = sum(layer.state_elements_per_rank(tp) for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE)
-    state_dtype_bytes = spec.state_bytes_per_sequence // state_elements if state_elements else 0
+    states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+    state_bytes = iter(_state_bytes_per_layer(states, spec.state_bytes_per_sequence, tp))
     out = []
     for layer in model.layers:
-        if layer.kind in (LayerKind.FULL, LayerKind.MLA, LayerKind.SLIDING):
-            out.append(VllmLayer(layer.kind.value, layer.elements_per_token(tp) * spec.dtype_bytes, window=layer.window))
-        elif layer.kind == LayerKind.LINEAR_STATE:
-            out.append(VllmLayer("state", state_bytes=layer.state_elements_per_rank(tp) * state_dtype_bytes))
-        else:
-            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {layer.kind.value!r} layers is not modelled", field="layers")
+        kind = _VLLM_KIND.get(layer.kind.value, "?")
+        if kind == "?" or getattr(layer, "index_bytes", 0):
+            what = "indexer caches" if kind != "?" else f"{layer.kind.value!r} layers"
+            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {what} is not modelled", field="layers")
+        if kind == "state":
+            out.append(VllmLayer("state", state_bytes=next(state_bytes)))
+        elif kind is not None:
+            out.append(VllmLayer(kind, layer.elements_per_token(tp) * spec.dtype_bytes, window=layer.window))
     return tuple(out)
+
+
+def _state_bytes_per_layer(states: list, total: int, tp: int) -> list[int]:
+    """Each state layer's bytes on one rank: equal layers share the spec's total; unequal ones need one dtype
+    for every element (the total a whole multiple of the elements), else a KvsimError."""
+    if not states:
+        return []
+    if len(set(states)) == 1 and total % len(states) == 0:
+        return [total // len(states)] * len(states)
+    elements = [layer.state_elements_per_rank(tp) for layer in states]
+    if total % sum(elements):
+        raise KvsimError(f"vLLM {VLLM_VERSION}'s arithmetic for unequal state layers in mixed dtypes is not modelled", field="layers")
+    return [n * (total // sum(elements)) for n in elements]
 
 
 @dataclass(frozen=True)
@@ -117,7 +145,7 @@ class HybridPages:
     alignment: int  # the unit the raise counts in
     block_size: int  # vLLM's block_size for this model, after the raise
     attention_bytes_per_token: int  # one token of one attention layer, this rank
-    state_page_bytes: int  # one state layer's whole state, this rank, before padding
+    state_page_bytes: int  # one state layer's whole state (the largest), this rank, before padding
     mamba_cache_mode: str = "none"
 
     @property
@@ -138,14 +166,15 @@ class HybridPages:
 def hybrid_pages(layers: tuple[VllmLayer, ...], block_size: int, settings: VllmSettings = VllmSettings()) -> HybridPages | None:
     """vLLM's raised block size and padded state page; None without both state and per-token layers.
 
-    Also None where the arithmetic is not followed: state layers of different sizes.
+    State layers of different sizes: the largest sets the raise (vLLM's `get_mamba_specs_from_config`
+    models) and every state page is padded to the attention page.
     """
     positive_int(block_size, "--block-size")
-    states = {layer.state_bytes for layer in layers if layer.kind == "state"}
+    states = [layer.state_bytes for layer in layers if layer.kind == "state"]
     attention = [layer for layer in layers if layer.kind != "state"]
-    if not states or not attention or len(states) != 1:
+    if not states or not attention:
         return None
-    state_page = states.pop()
+    state_page = max(states)
     per_token = attention[0].bytes_per_token  # vLLM: the model's head size and KV heads, i.e. the first layer's
     align = max(settings.kernel_block_size, block_size)
     if any(layer.kind == "mla" for layer in attention):
@@ -175,6 +204,8 @@ _BLOCKS_PER_REQUEST: dict[str, BlocksPerRequest] = {
     # SlidingWindowSpec.max_admission_blocks_per_request: the window, the in-flight tokens, +1 for a window
     # that does not start on a block boundary
     "sliding": lambda layer, block_size, max_len, s: cdiv(min(layer.window - 1 + s.max_in_flight_tokens, max_len), block_size) + 1,
+    # ChunkedLocalAttentionSpec.max_admission_blocks_per_request: one chunk and the in-flight tokens
+    "chunked": lambda layer, block_size, max_len, s: cdiv(min(layer.window + s.max_in_flight_tokens, max_len), block_size),
     # MambaSpec: one state (none); the running and the cached state, and a checkpoint block (align)
     "state": lambda layer, block_size, max_len, s: s.mamba_state_blocks,
 }

@@ -276,11 +276,22 @@ def test_models_without_state_layers_keep_their_block_size():
     assert vllm_startup(layers, 10 * GiB, 131072).block_size == 16
 
 
-def test_state_layers_of_different_sizes_are_not_followed():
-    full = LayerSpec(LayerKind.FULL, num_kv_heads=8, head_dim=128)
+def test_state_layers_of_different_sizes_form_groups_padded_to_the_largest():
+    """unify_kv_cache_spec_page_size pads every MambaSpec page to the attention page the largest state raised."""
+    full = LayerSpec(LayerKind.FULL, num_kv_heads=8, head_dim=128)  # 4,096 B per token
     small, large = LayerSpec(LayerKind.LINEAR_STATE, state_elements=50_000), LayerSpec(LayerKind.LINEAR_STATE, state_elements=60_000)
     layers = _layers(_toy([full, small, large]))
-    assert hybrid_pages(layers, 16) is None and vllm_startup(layers, GiB, 4096) is None
+    assert [layer.state_bytes for layer in layers[1:]] == [100_000, 120_000]
+    h = hybrid_pages(layers, 16)
+    assert (h.state_page_bytes, h.block_size) == (120_000, 16 * cdiv(120_000, 16 * 4096)) == (120_000, 32)
+    startup = vllm_startup(layers, 131072 * 100, 4096)  # group_size 1: a block id is one 131,072 B page
+    assert [(g.kind, g.page_bytes) for g in startup.groups] == [("full", 131072), ("state", 131072), ("state", 131072)]
+    assert startup.num_blocks == 100 and startup.blocks_per_request == cdiv(4096, 32) + 2
+
+
+def test_kinds_vllm_sizing_does_not_know_are_errors_naming_the_kind():
+    with pytest.raises(KvsimError, match="'chunked-local' layers is not modelled"):
+        vllm_startup((VllmLayer("chunked-local", bytes_per_token=4096),), GiB, 4096)
 
 
 @pytest.mark.parametrize("kwargs, field", [({"mamba_cache_mode": "all"}, "--mamba-cache-mode"), ({"kernel_block_size": 0}, "--kernel-block-size"),

@@ -140,16 +140,21 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
     checkpoint = report.get("vllm_mamba_checkpoint_alignment", 0)
     specs = {}
     for i, layer in enumerate(model.layers):
-        name = f"model.layers.{i}.attn"
-        if layer.kind == LayerKind.FULL:
-            specs[name] = v.kvi.FullAttentionSpec(block_size=bs, num_kv_heads=layer.kv_heads_per_rank(tp), head_size=layer.head_dim, dtype=kv_dtype)
-        elif layer.kind == LayerKind.SLIDING:
-            specs[name] = v.kvi.SlidingWindowSpec(
-                block_size=bs, num_kv_heads=layer.kv_heads_per_rank(tp), head_size=layer.head_dim, dtype=kv_dtype, sliding_window=layer.window
+        name, kind = f"model.layers.{i}.attn", layer.kind.value
+        if kind in ("full", "sliding", "chunked"):
+            attention = dict(
+                block_size=bs, num_kv_heads=layer.kv_heads_per_rank(tp), head_size=layer.head_dim,
+                head_size_v=getattr(layer, "head_dim_v", 0) or layer.head_dim, dtype=kv_dtype,
             )
-        elif layer.kind == LayerKind.MLA:
+            if kind == "full":
+                specs[name] = v.kvi.FullAttentionSpec(**attention)
+            elif kind == "sliding":
+                specs[name] = v.kvi.SlidingWindowSpec(**attention, sliding_window=layer.window)
+            else:
+                specs[name] = v.kvi.ChunkedLocalAttentionSpec(**attention, attention_chunk_size=layer.window)
+        elif kind == "mla":
             specs[name] = v.kvi.MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=layer.latent_dim, dtype=kv_dtype, cache_dtype_str="auto")
-        elif layer.kind == LayerKind.LINEAR_STATE:
+        elif kind == "linear-state":
             unpadded = layer.state_elements_per_rank(tp) * state_dtype.itemsize
             spec = v.kvi.MambaSpec(
                 shapes=((layer.state_elements_per_rank(tp),),), dtypes=(state_dtype,), block_size=mamba_block,
@@ -158,13 +163,17 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
             if checkpoint:  # what a gated delta net layer exporting prefill checkpoints adds to its spec
                 spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=checkpoint)
             specs[name] = spec
-        else:
-            raise KvsimError(f"no vLLM spec for {layer.kind.value!r} layers in the size check", field="layers")
+        elif kind != "none":  # a layer without a cache has no spec in vLLM either
+            raise KvsimError(f"no vLLM spec for {kind!r} layers in the size check", field="layers")
     return specs
 
 
 def _kind(v, spec) -> str:
-    for cls, kind in ((v.kvi.SlidingWindowSpec, "sliding"), (v.kvi.MLAAttentionSpec, "mla"), (v.kvi.FullAttentionSpec, "full"), (v.kvi.MambaSpec, "state")):
+    kinds = (
+        (v.kvi.SlidingWindowSpec, "sliding"), (v.kvi.MLAAttentionSpec, "mla"), (v.kvi.FullAttentionSpec, "full"),
+        (v.kvi.ChunkedLocalAttentionSpec, "chunked"), (v.kvi.MambaSpec, "state"),
+    )
+    for cls, kind in kinds:
         if isinstance(spec, cls):
             return kind
     return type(spec).__name__
