@@ -283,3 +283,13 @@ def test_models_table_on_an_80_column_terminal_keeps_kv_heads_and_head_dim(cli, 
     assert "1x576" in row and "70,272" in row
     row = next(line for line in out.splitlines() if line.split() and line.split()[0] == "gemma-3-27b")
     assert "16x128" in row
+
+
+def test_vllm_settings_errors_and_a_refused_start_through_the_cli(cli):
+    result = cli(["size", "-m", "qwen3-next-80b-a3b", "--mamba-checkpoint-alignment", "64"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "kvsim: error: --mamba-checkpoint-alignment: state checkpoints exist only with --mamba-cache-mode align"
+    # llama-3.1-70b at tp 2 on an H100: 2,577 blocks of 2,621,440 B; one 131,072-token request needs 8,192
+    out = cli(["size", "-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"]).stdout
+    assert "vLLM 0.33.0 would refuse to start: one request of 131,072 tokens needs 8,192 blocks of 2,621,440 B" in out
+    assert run_json(cli, ["-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"])["vllm_starts"] is False
