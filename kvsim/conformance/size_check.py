@@ -130,10 +130,15 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
     tp, bs = report["tp"], report.get("vllm_block_size", report["block_size"])
     kv_dtype = getattr(torch, _TORCH_DTYPES[report["kv_dtype"]])
     states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
-    state_dtype = None
+    state_shape = {}  # layer -> (shape, dtype): the state's elements in one dtype, or its bytes where dtypes mix
     if states:
-        per_element = report["state_bytes_per_sequence"] // sum(layer.state_elements_per_rank(tp) for layer in states)
-        state_dtype = getattr(torch, _STATE_DTYPES[per_element])
+        total, elements = report["state_bytes_per_sequence"], sum(layer.state_elements_per_rank(tp) for layer in states)
+        if total % elements == 0 and total // elements in _STATE_DTYPES:
+            dtype = getattr(torch, _STATE_DTYPES[total // elements])
+            state_shape = {layer: ((layer.state_elements_per_rank(tp),), dtype) for layer in states}
+        else:  # mixed dtypes (an fp32 ssm state beside a bf16 conv state): equal layers share the total
+            assert len(set(states)) == 1 and total % len(states) == 0, "unequal state layers in mixed dtypes"
+            state_shape = {states[0]: ((total // len(states),), torch.uint8)}
     mode = report.get("vllm_mamba_cache_mode", "none")
     mamba_block = bs if mode == "align" else report["context_tokens"]  # MambaModelConfig: mamba_block_size
     padded = report.get("vllm_state_page_padded_bytes")
@@ -155,9 +160,10 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
         elif kind == "mla":
             specs[name] = v.kvi.MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=layer.latent_dim, dtype=kv_dtype, cache_dtype_str="auto")
         elif kind == "linear-state":
-            unpadded = layer.state_elements_per_rank(tp) * state_dtype.itemsize
+            shape, dtype = state_shape[layer]
+            unpadded = shape[0] * dtype.itemsize
             spec = v.kvi.MambaSpec(
-                shapes=((layer.state_elements_per_rank(tp),),), dtypes=(state_dtype,), block_size=mamba_block,
+                shapes=(shape,), dtypes=(dtype,), block_size=mamba_block,
                 page_size_padded=padded if padded and padded != unpadded else None, mamba_cache_mode=mode,
             )
             if checkpoint:  # what a gated delta net layer exporting prefill checkpoints adds to its spec
