@@ -1,0 +1,191 @@
+"""`kvsim size` against vLLM 0.33.0's own sizing functions, field by field, for every catalogue model.
+
+Builds vLLM's per-layer KV cache specs from kvsim's layer list and runs vLLM's planning (`get_kv_cache_groups`,
+`get_kv_cache_configs`, `generate_scheduler_kv_cache_config`, `get_kv_cache_capacity`) on kvsim's KV budget.
+Run: `python3 -m kvsim.conformance.size_check` (exit code 1 on any difference).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from kvsim.conformance.size_specs import spec_kind, vllm_config, vllm_modules, vllm_specs
+from kvsim.errors import KvsimError
+from kvsim.sizing import cdiv
+from kvsim.vllm_sizing import VllmSettings
+
+GPUS = ("h100-80gb", "h200")
+TPS = (1, 2, 8)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One `kvsim size --json` run: model, --tp, --gpu, the vLLM settings."""
+
+    model: str
+    tp: int
+    gpu: str
+    settings: VllmSettings = VllmSettings()
+    kv_dtype: str = "bf16"
+    context: int | None = None
+
+    @property
+    def label(self) -> str:
+        s, default = self.settings, VllmSettings()
+        opts = f" --context {self.context}" if self.context else ""
+        if s.max_num_batched_tokens != default.max_num_batched_tokens:
+            opts += f" --max-num-batched-tokens {s.max_num_batched_tokens}"
+        if s.kernel_block_size != default.kernel_block_size:
+            opts += f" --kernel-block-size {s.kernel_block_size}"
+        if s.mamba_cache_mode != default.mamba_cache_mode:
+            opts += f" --mamba-cache-mode {s.mamba_cache_mode}"
+        if s.mamba_checkpoint_alignment:
+            opts += f" --mamba-checkpoint-alignment {s.mamba_checkpoint_alignment}"
+        if not s.async_scheduling:
+            opts += " --no-async-scheduling"
+        return f"{self.model} --tp {self.tp} --gpu {self.gpu} --kv-dtype {self.kv_dtype}{opts}"
+
+
+@dataclass
+class Result:
+    """Fields compared (name -> (kvsim, vLLM)), the ones that differ, or why the case was not compared."""
+
+    case: Case
+    compared: dict[str, tuple] = field(default_factory=dict)
+    skipped: str | None = None
+
+    @property
+    def differing(self) -> dict[str, tuple]:
+        return {k: v for k, v in self.compared.items() if v[0] != v[1]}
+
+
+def check(case: Case, report: dict | None = None) -> Result:
+    """kvsim size --json for `case` (or the `report` it printed) against vLLM's functions on the same specs and budget."""
+    from kvsim.catalogue import resolve_model
+    from kvsim.hardware import get_gpu
+    from kvsim.size_report import size_report
+
+    result = Result(case)
+    model = resolve_model(case.model)
+    gpu = get_gpu(case.gpu)
+    if report is None:
+        try:
+            report = size_report(
+                model, kv_dtype=case.kv_dtype, tp=case.tp, memory_bytes=gpu.memory_bytes, gpu_name=gpu.name,
+                context_tokens=case.context, settings=case.settings,
+            ).as_json()
+        except KvsimError as exc:
+            result.skipped = f"kvsim size refuses it: {exc}"
+            return result
+    if not report["block_rounded_is_vllm_exact"]:
+        result.compared["block_rounded_is_vllm_exact"] = (False, True)
+        return result
+    v = vllm_modules()
+    specs = vllm_specs(v, model, report)
+    cfg = vllm_config(v, case.settings, report["context_tokens"], case.tp)
+    budget = report["kv_budget_bytes"]
+    groups = v.planning.get_kv_cache_groups(cfg, dict(specs))
+    try:
+        configs = v.planning.get_kv_cache_configs(cfg, [specs], [budget], groups)
+    except ValueError:  # _check_enough_kv_cache_memory: vLLM refuses to start
+        result.compared["vllm_starts"] = (report["vllm_starts"], False)
+        return result
+    scheduler_config = v.utils.generate_scheduler_kv_cache_config(configs)
+    tokens, concurrency = v.utils.get_kv_cache_capacity(cfg, scheduler_config)
+    num_blocks = scheduler_config.num_blocks
+    c = result.compared
+    c["vllm_starts"] = (report["vllm_starts"], True)
+    c["vllm_num_gpu_blocks"] = (report["vllm_num_gpu_blocks"], num_blocks)
+    c["vllm_bytes_per_block"] = (report["vllm_bytes_per_block"], configs[0].kv_cache_tensors[0].size // num_blocks)
+    c["vllm_kv_cache_size_tokens"] = (report["vllm_kv_cache_size_tokens"], tokens)
+    c["max_tokens_block_rounded"] = (report["max_tokens_block_rounded"], tokens)
+    c["vllm_max_concurrency"] = (report["vllm_max_concurrency"], concurrency)
+    c["max_sequences_block_rounded"] = (report["max_sequences_block_rounded"], round(concurrency, 4))
+    c["vllm_num_groups"] = (report["vllm_num_groups"], len(groups))
+    c["vllm_cache_block_size"] = (report["vllm_cache_block_size"], min(g.kv_cache_spec.block_size for g in groups))
+    c["vllm_max_in_flight_tokens"] = (report["vllm_max_in_flight_tokens"], cfg.max_in_flight_tokens)
+    vllm_groups = [
+        {
+            "kind": spec_kind(v, g.kv_cache_spec),
+            "num_layers": len(g.layer_names),
+            "block_size": g.kv_cache_spec.block_size,
+            "page_bytes": g.kv_cache_spec.page_size_bytes,
+            "blocks_per_request": cdiv(g.kv_cache_spec.max_memory_usage_bytes(cfg), g.kv_cache_spec.page_size_bytes),
+        }
+        for g in scheduler_config.kv_cache_groups
+    ]
+    c["vllm_groups"] = (report["vllm_groups"], vllm_groups)
+    c["vllm_blocks_per_request"] = (report["vllm_blocks_per_request"], sum(g["blocks_per_request"] for g in vllm_groups))
+    mamba = [s for s in specs.values() if isinstance(s, v.kvi.MambaSpec)]
+    if mamba:
+        attention = next(s for s in specs.values() if not isinstance(s, v.kvi.MambaSpec))
+        c["vllm_state_page_bytes"] = (report["vllm_state_page_bytes"], mamba[0].real_page_size_bytes)
+        c["vllm_state_page_padded_bytes"] = (report["vllm_state_page_padded_bytes"], mamba[0].page_size_bytes)
+        # the raise (Platform._align_hybrid_block_size): the attention page holds the state, and one alignment
+        # step less would not (unless --block-size already held it)
+        step = report["vllm_block_alignment"]
+        smaller = attention.copy_with_new_block_size(report["vllm_block_size"] - step).page_size_bytes
+        c["vllm_block_size_is_smallest_holding_the_state"] = (
+            True,
+            report["vllm_block_size"] % step == 0
+            and attention.page_size_bytes >= mamba[0].real_page_size_bytes
+            and (not report["vllm_block_size_raised"] or smaller < mamba[0].real_page_size_bytes),
+        )
+    return result
+
+
+def catalogue_cases() -> list[Case]:
+    """Every catalogue model at tp 1, 2, 8 on an H100 and an H200, async and sync scheduling."""
+    from kvsim.catalogue import model_names
+
+    return [
+        Case(name, tp, gpu, VllmSettings(async_scheduling=sched))
+        for name in model_names()
+        for tp in TPS
+        for gpu in GPUS
+        for sched in (True, False)
+    ]
+
+
+def settings_cases() -> list[Case]:
+    """The vLLM settings and options beside the defaults: fp8 KV, a short context, a smaller batch budget,
+    prefix caching on a hybrid (mamba_cache_mode align), a larger kernel block, and a start vLLM refuses."""
+    return [
+        Case("llama-3.1-8b", 1, "h100-80gb", kv_dtype="fp8"),
+        Case("deepseek-v3", 8, "h200", kv_dtype="fp8"),
+        Case("gemma-3-27b", 2, "h100-80gb", kv_dtype="fp8", context=4096),
+        Case("gpt-oss-120b", 1, "h200", VllmSettings(max_num_batched_tokens=2048), context=8192),
+        Case("mistral-7b-v0.1", 1, "h100-80gb", VllmSettings(max_num_batched_tokens=512, async_scheduling=False), context=3000),
+        Case("qwen3-next-80b-a3b", 4, "h100-80gb", VllmSettings(mamba_cache_mode="align")),
+        Case("qwen3-next-80b-a3b", 4, "h100-80gb", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64)),
+        Case("qwen3-next-80b-a3b", 8, "h200", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64), context=1000),
+        Case("qwen3-next-80b-a3b", 4, "h200", VllmSettings(kernel_block_size=32), kv_dtype="fp8"),
+        Case("qwen3-next-80b-a3b", 8, "h100-80gb", context=200),
+        Case("qwen3-235b-a22b", 8, "h100-80gb", context=500_000),  # one request does not fit: vLLM refuses
+    ]
+
+
+def run(cases: list[Case]) -> list[Result]:
+    return [check(case) for case in cases]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one line per case; exit 1 if any compared field differs."""
+    results = run(catalogue_cases() + settings_cases())
+    bad = 0
+    for r in results:
+        if r.skipped:
+            print(f"skip  {r.case.label}: {r.skipped}")
+        elif r.differing:
+            bad += 1
+            print(f"DIFF  {r.case.label}: " + "; ".join(f"{k}: kvsim {a!r} vs vLLM {b!r}" for k, (a, b) in r.differing.items()))
+        else:
+            print(f"ok    {r.case.label}: {len(r.compared)} fields equal")
+    compared = sum(1 for r in results if not r.skipped)
+    print(f"{compared} cases compared ({len(results) - compared} skipped), {bad} with differences")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
