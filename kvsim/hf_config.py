@@ -1,8 +1,8 @@
 """Hugging Face config.json -> ModelSpec, offline: which kind each layer is and what it stores.
 
-Handles explicit vs derived head_dim, MHA (no num_key_value_heads), Falcon multi_query, MLA, sliding windows
-(model-wide, `layer_types`, `sliding_window_pattern`, family alternation), Qwen3-Next and Jamba hybrids, and
-configs nested under `text_config`. A field it needs and cannot find raises KvsimError naming field and file.
+The family reader (kvsim.hf.families) decides each layer's kind and shape by vLLM 0.33's rule for that family;
+a layout key the reader does not read is refused first (kvsim.hf.layout_keys). A field it needs and cannot find
+raises KvsimError naming field and file.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.errors import KvsimError
-from kvsim.hf.attention import attention_layer
-from kvsim.hf.context import rope_scaled_max_len, weight_dtype
+from kvsim.hf.context import max_model_len, weight_dtype
+from kvsim.hf.families import ATTENTION_FREE, family_of, read_layers
 from kvsim.hf.fields import Config, flatten
+from kvsim.hf.layout_keys import check_layout_keys, check_layout_keys_read
 from kvsim.hf.params import estimate_num_params
-from kvsim.hf.patterns import layer_kinds
-from kvsim.hf.state import state_layer
-from kvsim.models import LayerKind, LayerSpec, ModelSpec
+from kvsim.models import ModelSpec
 
 __all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
 
@@ -56,28 +55,18 @@ def model_spec_from_config(
     """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors."""
     data = flatten(data)
     cfg = Config(data, source)
+    family = family_of(cfg)
+    check_layout_keys(cfg, family)  # before any figure: a layout key this family's reader ignores is an error
     num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
     hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
-    num_heads = cfg.get_int("num_attention_heads", "n_head", "num_heads")
-    max_len = rope_scaled_max_len(cfg, cfg.get_int("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"))
-    kinds = layer_kinds(cfg, num_layers)
-    attention = attention_layer(cfg, hidden_size, num_heads)
-    state = state_layer(cfg, hidden_size) if LayerKind.LINEAR_STATE in kinds else None
-    window = cfg.get_int("sliding_window") if LayerKind.SLIDING in kinds else None
-
-    layers = []
-    for kind in kinds:
-        if kind == LayerKind.LINEAR_STATE:
-            layers.append(state)
-        elif kind == LayerKind.SLIDING and attention.kind == LayerKind.FULL:
-            layers.append(LayerSpec(LayerKind.SLIDING, attention.num_kv_heads, attention.head_dim, window=window))
-        else:  # FULL, or MLA (MLA models have no sliding layers kvsim knows of)
-            layers.append(attention)
+    num_heads = 0 if family in ATTENTION_FREE else cfg.get_int("num_attention_heads", "n_head", "num_heads")
+    layers = read_layers(cfg, family, hidden_size, num_heads, num_layers)
+    check_layout_keys_read(cfg, family)
     return ModelSpec(
         name=name,
         hf_id=hf_id,
         layers=tuple(layers),
-        max_model_len=max_len,
+        max_model_len=max_model_len(cfg, assume_default=family in ATTENTION_FREE),
         num_params=num_params,
         hidden_size=hidden_size,
         num_attention_heads=num_heads,

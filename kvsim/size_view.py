@@ -124,7 +124,7 @@ def _print_report(console: Console, report) -> None:
         if g.kind == "state":
             kinds.add_row("linear state", str(g.num_layers), "-", "-", "0", _h(g.state_bytes) + " const")
             continue
-        name = ("mla latent" if mla else "full") if g.kind == "full" else f"sliding({g.window})"
+        name = ("mla latent" if mla else "full") if g.kind == "full" else f"{g.kind}({g.window})"
         kept = n if g.kind == "full" else min(n, g.window)
         kinds.add_row(name, str(g.num_layers), str(spec.num_kv_heads), str(spec.head_dim), f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
     console.print(kinds)

@@ -7,7 +7,7 @@ Follows vLLM v0.22-v0.24 (vllm/platforms/interface.py `Platform._align_hybrid_bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.errors import KvsimError
@@ -133,6 +133,18 @@ class VllmStartup:
         return self.num_blocks / self.blocks_per_request
 
 
+def _promote_chunked(spec: KVCacheSpec) -> KVCacheSpec:
+    """vLLM 0.33 turns its hybrid KV cache manager off for chunked local attention (unless
+    VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1) and allocates those layers as full attention."""
+    chunked = [g for g in spec.groups if g.kind == "chunked"]
+    if not chunked:
+        return spec
+    full = [g for g in spec.groups if g.kind == "full"] + chunked
+    merged = KVCacheGroupSpec("full", sum(g.num_layers for g in full), bytes_per_token=sum(g.bytes_per_token for g in full))
+    rest = tuple(g for g in spec.groups if g.kind not in ("full", "chunked"))
+    return replace(spec, groups=(merged, *rest))
+
+
 def vllm_startup(
     spec: KVCacheSpec,
     budget_bytes: int,
@@ -166,6 +178,7 @@ def vllm_startup(
     positive_int(max_num_batched_tokens, "--max-num-batched-tokens")
     positive_int(max_model_len, "--context")
     _check_options(kernel_block_size, mamba_cache_mode)
+    spec = _promote_chunked(spec)
     per_token = _attention_bytes_per_token(spec)
     if per_token is None:
         return None

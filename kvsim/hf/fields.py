@@ -35,19 +35,29 @@ def flatten(data: dict[str, Any]) -> dict[str, Any]:
     text = data.get("text_config")
     if isinstance(text, dict):  # gemma3, llava...: the decoder lives here
         data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
-    defaults = _CLASS_DEFAULTS.get(str(data.get("model_type", "")).lower(), {})
-    return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
+    return {**data, **{k: v for k, v in class_defaults(data).items() if data.get(k) is None}}
+
+
+def class_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields the family's transformers config class fills in (by model_type)."""
+    return _CLASS_DEFAULTS.get(str(data.get("model_type", "")).lower(), {})
 
 
 class Config:
-    """A config dict plus the file it came from, so every missing field names both."""
+    """A config dict plus the file it came from, so every missing field names both.
+
+    `read` collects every field a reader asked for, so kvsim.hf.layout_keys can refuse a layout key that was
+    set but never consulted.
+    """
 
     def __init__(self, data: dict[str, Any], source: str):
         self.data = data
         self.source = source
+        self.read: set[str] = set()
 
     def get(self, *names: str, default: Any = _MISSING) -> Any:
         """The first of `names` present with a non-null value; `default` if given, else a KvsimError."""
+        self.read.update(names)
         for name in names:
             value = self.data.get(name)
             if value is not None:
@@ -55,6 +65,10 @@ class Config:
         if default is not _MISSING:
             return default
         raise KvsimError(f"missing field {' / '.join(names)!s}", source=self.source, field=names[0])
+
+    def consult(self, *names: str) -> None:
+        """Mark `names` as read on purpose: under this reading they do not change the cache (MLA's KV heads)."""
+        self.read.update(names)
 
     def get_int(self, *names: str, default: Any = _MISSING) -> Any:
         """Like `get`, but a present value must be a positive integer (a default is returned as is)."""

@@ -1,4 +1,5 @@
-"""Which kind each layer is: layer_types, hybrid intervals/indices/periods, sliding-window patterns.
+"""Which kind each layer is, for configs of the generic family: layer_types, hybrid intervals/indices/periods,
+sliding-window patterns. Family-specific layouts are kvsim.hf.families'.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ _LAYER_TYPE_KINDS = {
 }
 
 
-def layer_kinds(cfg: Config, num_layers: int) -> list[LayerKind]:
-    """Each layer's kind, from the most explicit description the config gives."""
+def layer_kinds(cfg: Config, num_layers: int, extra: dict[str, LayerKind] | None = None) -> list[LayerKind]:
+    """Each layer's kind, from the most explicit description the config gives; `extra` adds layer_types names."""
     layer_types = cfg.get("layer_types", default=None)
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
             raise KvsimError(f"expected a list of {num_layers} layer types", source=cfg.source, field="layer_types")
-        unknown = sorted({str(t) for t in layer_types} - set(_LAYER_TYPE_KINDS))
+        known = {**_LAYER_TYPE_KINDS, **(extra or {})}
+        unknown = sorted({str(t) for t in layer_types} - set(known))
         if unknown:
             raise KvsimError(
-                f"unknown layer type(s) {', '.join(unknown)} (known: {', '.join(_LAYER_TYPE_KINDS)})",
+                f"unknown layer type(s) {', '.join(unknown)} (known: {', '.join(known)})",
                 source=cfg.source,
                 field="layer_types",
             )
-        return [_LAYER_TYPE_KINDS[t] for t in layer_types]
+        return [known[t] for t in layer_types]
     interval = cfg.get_int("full_attention_interval", default=None)
     if interval is not None:  # Qwen3-Next: every interval-th layer is full attention, the rest gated delta net
         return [LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.LINEAR_STATE for i in range(num_layers)]
@@ -50,14 +52,6 @@ def layer_kinds(cfg: Config, num_layers: int) -> list[LayerKind]:
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
             raise KvsimError(f"expected an integer in [0, {period}), got {offset!r}", source=cfg.source, field="attn_layer_offset")
         return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
-    for field in ("hybrid_override_pattern", "layers_block_type", "mamba_d_ssm", "mamba_num_heads", "mamba_n_heads", "mamba_d_state"):
-        if cfg.get(field, default=None) is not None:  # Nemotron-H, Zamba, Falcon-H1...: never size them as all-attention
-            raise KvsimError(
-                "a hybrid attention/mamba layout kvsim does not know (it reads layer_types, full_attention_interval, "
-                "attn_layer_period/offset and attn_layer_indices)",
-                source=cfg.source,
-                field=field,
-            )
     window = cfg.get("sliding_window", default=None)
     if window is None or cfg.get("use_sliding_window", default=True) is False:  # Qwen: False unless set
         return [LayerKind.FULL] * num_layers
