@@ -9,7 +9,7 @@ from typing import Callable
 from kvsim.errors import KvsimError
 from kvsim.hf.attention import attention_layer
 from kvsim.hf.fields import Config
-from kvsim.hf.state import mamba1, mamba2, ssm_dtype, state
+from kvsim.hf.state import mamba1, mamba2, mamba_intermediate, ssm_dtype, state
 from kvsim.models import LayerKind, LayerSpec
 
 # Nemotron-H's hybrid_override_pattern, one character a layer (vLLM nemotron_h.py ALL_DECODER_LAYER_TYPES).
@@ -37,7 +37,10 @@ def _nemotron_h(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) 
         d_conv=cfg.get_int("conv_kernel"),
         dtype=ssm_dtype(cfg, "mamba_ssm_cache_dtype", "fp32"),
     )
+    cfg.consult("attention_head_dim")  # vLLM sizes attention from head_dim (or hidden / heads), not this key
     attention = attention_layer(cfg, hidden_size, num_heads) if "*" in pattern else None
+    if attention is None:  # no attention layer: its shape keys describe nothing this config builds
+        cfg.consult("head_dim", "num_key_value_heads")
     none = LayerSpec(LayerKind.NO_CACHE)
     return [mamba if c == "M" else attention if c == "*" else none for c in pattern]
 
@@ -47,7 +50,7 @@ def _falcon_h1(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -
     keeps KV and a state; intermediate is mamba_d_ssm, else mamba_expand x hidden_size."""
     attention = attention_layer(cfg, hidden_size, num_heads)
     mamba = mamba2(
-        intermediate=cfg.get_int("mamba_d_ssm", default=None) or cfg.get_int("mamba_expand") * hidden_size,
+        intermediate=mamba_intermediate(cfg, hidden_size),
         n_groups=cfg.get_int("mamba_n_groups", default=1),
         heads=cfg.get_int("mamba_n_heads"),
         head_dim=cfg.get_int("mamba_d_head"),
@@ -64,6 +67,10 @@ def _zamba2(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> l
     types = cfg.get("layers_block_type")
     if not isinstance(types, list) or len(types) != num_layers or set(types) - {"mamba", "hybrid"}:
         raise KvsimError(f"expected {num_layers} of mamba / hybrid", source=cfg.source, field="layers_block_type")
+    hybrid = [i for i, kind in enumerate(types) if kind == "hybrid"]
+    if cfg.get("hybrid_layer_ids", default=hybrid) != hybrid:
+        raise KvsimError(f"disagrees with layers_block_type (hybrid at {hybrid})", source=cfg.source, field="hybrid_layer_ids")
+    cfg.consult("num_key_value_heads")  # vLLM builds Zamba2's attention as MHA, whatever this says
     mamba = mamba2(
         intermediate=cfg.get_int("mamba_expand") * hidden_size,
         n_groups=cfg.get_int("mamba_ngroups", default=1),

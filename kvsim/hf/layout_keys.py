@@ -53,7 +53,7 @@ FAMILY_KEYS: dict[str, frozenset[str]] = {
     "dsa": frozenset({"index_head_dim"}),
     "qwen3_5": frozenset({"mamba_ssm_dtype"}),
     "nemotron_h": frozenset({"hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
-                             "n_groups", "conv_kernel", "mamba_ssm_cache_dtype"}),
+                             "n_groups", "conv_kernel", "mamba_ssm_cache_dtype", "attention_head_dim"}),
     "falcon_h1": frozenset(),
     "zamba2": frozenset({"layers_block_type", "hybrid_layer_ids", "attention_head_dim", "mamba_ngroups",
                          "n_mamba_heads", "mamba_headdim"}),

@@ -37,7 +37,9 @@ def layer_kinds(cfg: Config, num_layers: int, extra: dict[str, LayerKind] | None
                 source=cfg.source,
                 field="layer_types",
             )
-        return [known[t] for t in layer_types]
+        kinds = [known[t] for t in layer_types]
+        _check_interval(cfg, kinds)
+        return kinds
     interval = cfg.get_int("full_attention_interval", default=None)
     if interval is not None:  # Qwen3-Next: every interval-th layer is full attention, the rest gated delta net
         return [LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.LINEAR_STATE for i in range(num_layers)]
@@ -67,3 +69,17 @@ def layer_kinds(cfg: Config, num_layers: int, extra: dict[str, LayerKind] | None
     if pattern is None:  # `sliding_window` alone: every layer slides (Mistral 7B v0.1)
         return [LayerKind.SLIDING] * num_layers
     return [LayerKind.SLIDING if (i + 1) % pattern != 0 else LayerKind.FULL for i in range(num_layers)]
+
+
+def _check_interval(cfg: Config, kinds: list[LayerKind]) -> None:
+    """Qwen3.5 configs give both layer_types and full_attention_interval: they must say the same."""
+    interval = cfg.get_int("full_attention_interval", default=None)
+    if interval is None:
+        return
+    full = [i for i, kind in enumerate(kinds) if kind == LayerKind.FULL]
+    if full != [i for i in range(len(kinds)) if (i + 1) % interval == 0]:
+        raise KvsimError(
+            f"full_attention_interval {interval} disagrees with layer_types (full attention at {full})",
+            source=cfg.source,
+            field="full_attention_interval",
+        )

@@ -39,6 +39,15 @@ def mamba1(*, intermediate: int, d_state: int, d_conv: int, dtype: str | None = 
     return state(intermediate * (d_conv - 1), intermediate * d_state, dtype)
 
 
+def mamba_intermediate(cfg: Config, hidden_size: int) -> int:
+    """A mamba mixer's width: mamba_d_ssm when given (mamba_expand then unused), else mamba_expand x hidden_size."""
+    explicit = cfg.get_int("mamba_d_ssm", default=None)
+    if explicit is not None:
+        cfg.consult("mamba_expand")
+        return explicit
+    return cfg.get_int("mamba_expand") * hidden_size
+
+
 def state_layer(cfg: Config, hidden_size: int, dtype: str | None = None) -> LayerSpec:
     """The state layer of a generic hybrid config: gated delta net (Qwen3-Next, Qwen3.5) or mamba (Jamba, Granite-4).
 
@@ -54,9 +63,9 @@ def state_layer(cfg: Config, hidden_size: int, dtype: str | None = None) -> Laye
         dv = cfg.get_int("linear_value_head_dim")
         kernel = cfg.get_int("linear_conv_kernel_dim")
         return state((kernel - 1) * (dk * nk * 2 + dv * nv), nv * dv * dk, dtype)
-    if cfg.get("mamba_n_heads", default=None) is not None:  # Mamba-2 (Granite-4.0-H, Falcon-H1)
+    if cfg.get("mamba_n_heads", default=None) is not None:  # Mamba-2 (Granite-4.0-H, Bamba)
         return mamba2(
-            intermediate=cfg.get_int("mamba_d_ssm", default=None) or cfg.get_int("mamba_expand") * hidden_size,
+            intermediate=mamba_intermediate(cfg, hidden_size),
             n_groups=cfg.get_int("mamba_n_groups", default=1),
             heads=cfg.get_int("mamba_n_heads"),
             head_dim=cfg.get_int("mamba_d_head"),
