@@ -135,8 +135,8 @@ def _print_report(console: Console, report) -> None:
     rows = [
         ("KV per token, every per-token layer", _b(spec.bytes_per_token)),
         ("  full attention + MLA", _b(spec.full_bytes_per_token)),
-        ("  sliding window", _b(spec.bytes_per_token - spec.full_bytes_per_token)),
-        ("sliding-window cap per sequence", _b(sliding_cap_bytes_per_sequence(spec))),
+        ("  sliding window / chunked", _b(spec.bytes_per_token - spec.full_bytes_per_token)),
+        ("window / chunk cap per sequence", _b(sliding_cap_bytes_per_sequence(spec))),
         ("state per sequence (constant)", _b(spec.state_bytes_per_sequence)),
         (f"per block ({spec.block_size} tokens)", _b(spec.block_bytes)),
         (f"per sequence @ {n:,} tok, capped", _b(report.bytes_per_sequence)),
@@ -156,7 +156,7 @@ def _print_report(console: Console, report) -> None:
         summary.add_row(label, value)
     console.print(summary)
     console.print(
-        "capped: sliding layers keep only their window (engines that free blocks outside it); "
+        "capped: sliding layers keep only their window, chunked layers their chunk (engines that free blocks outside it); "
         "uncapped: every layer keeps every token.",
         style="dim",
     )
@@ -197,6 +197,14 @@ def _print_hybrid_pages(console: Console, h) -> None:
 def _print_vllm_lines(console: Console, report) -> None:
     """vLLM's two start-up lines (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
     cap, n = report.capacity, report.context_tokens
+    if report.spec.bytes_per_token == 0:  # attention-free (Mamba, RWKV): no per-token KV, a state per sequence
+        console.print(
+            f"no per-token KV cache (attention-free): the budget holds {cap.max_sequences_block_rounded:,.2f} sequences' "
+            "states, whatever their length",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
     tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
     if cap.vllm is None:
         how = "in whole blocks, state once (vLLM's arithmetic not followed for this layout)"
@@ -244,6 +252,11 @@ def _print_layout(console: Console, pool, address: str | None, offset: int | Non
         console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False, soft_wrap=True)
 
 
+def _short_kind(label: str) -> str:
+    """A layer kind label for narrow terminals: 'sliding(4096)' -> 'swa(4096)', 'linear-state' -> 'state'."""
+    return label.replace("linear-state", "state").replace("sliding", "swa").replace("chunked", "chunk")
+
+
 def show_models(*, as_json: bool = False) -> None:
     """The catalogue: name, HF id, layers by kind, KV heads, head_dim, KV bytes/token in bf16, params."""
     from kvsim.catalogue import catalogue_models
@@ -280,7 +293,7 @@ def show_models(*, as_json: bool = False) -> None:
         cells = {
             "name": r["name"],
             "hf id": r["hf_id"],
-            "layers": " + ".join(f"{n} {k}" for k, n in r["layers"].items()),
+            "layers": (" + " if wide else "+").join(f"{n} {k if wide else _short_kind(k)}" for k, n in r["layers"].items()),
             "KV heads": str(r["num_kv_heads"]),
             "head dim": str(r["head_dim"]),
             "KV HxD": f"{r['num_kv_heads']}x{r['head_dim']}",
@@ -288,7 +301,7 @@ def show_models(*, as_json: bool = False) -> None:
             "B/token": f"{r['kv_bytes_per_token_bf16']:,}",
             "state B/seq": f"{r['state_bytes_per_sequence_bf16']:,}" if r["state_bytes_per_sequence_bf16"] else "-",
             "max len": f"{r['max_model_len']:,}",
-            "params": f"{r['num_params'] / 1e9:.1f}B",
+            "params": f"{r['num_params'] / 1e9:.{0 if r['num_params'] >= 1e11 else 1}f}B",
         }
         table.add_row(*(cells[c] for c in cols))
     console.print(table)

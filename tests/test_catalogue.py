@@ -151,9 +151,9 @@ def test_gpu_aliases_and_unknown():
 # (name, layers by kind, KV bytes/token bf16 over every per-token layer, state bytes per sequence bf16)
 FAMILIES = [
     # 49 of 80 layers keep 8 KV heads x 128: 49 x 2 x 8 x 128 x 2
-    ("llama-3.3-nemotron-super-49b", {"full": 49, "none": 31}, 200704, 0),
+    ("nemotron-super-49b", {"full": 49, "none": 31}, 200704, 0),
     # 48 layers x 2 x 8 x 128 x 2; 36 of them chunked over 8192 tokens
-    ("llama-4-scout-17b-16e", {"chunked(8192)": 36, "full": 12}, 196608, 0),
+    ("llama-4-scout", {"chunked(8192)": 36, "full": 12}, 196608, 0),
     # 20 of 35 layers keep KV (2 heads x 256): 20 x 2 x 2 x 256 x 2; the last 15 reuse it
     ("gemma-3n-e4b", {"sliding(512)": 16, "full": 4, "none": 15}, 40960, 0),
     # full: 9 x 4 x (192 + 128) x 2; sliding: 39 x 8 x (192 + 128) x 2
@@ -186,7 +186,7 @@ def test_every_family_in_the_catalogue(name, layers, per_token, state):
         ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
         ("google/gemma-3-27b-it", "gemma-3-27b"),
         ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b"),
-        ("meta-llama/llama-4-scout-17b-16e-instruct", "llama-4-scout-17b-16e"),
+        ("meta-llama/llama-4-scout-17b-16e-instruct", "llama-4-scout"),
         ("Qwen/Qwen3-Next-80B-A3B-Thinking", "qwen3-next-80b-a3b"),
         ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v3.2"),
     ],
@@ -204,4 +204,4 @@ def test_catalogue_size_and_unique_repository_ids():
 def test_default_context_as_vllm_derives_it():
     assert resolve_model("phi-3.5-mini").max_model_len == 4096  # longrope: original_max_position_embeddings
     assert resolve_model("mamba-2.8b").max_model_len == 2048  # no length key
-    assert resolve_model("llama-4-scout-17b-16e").max_model_len == 10485760
+    assert resolve_model("llama-4-scout").max_model_len == 10485760
