@@ -491,3 +491,14 @@ def test_false_or_null_layout_keys_are_not_set(load):
     assert kinds(load({**MIMO_V2_FLASH, "model_type": "llama", "hybrid_layer_pattern": None, "swa_num_key_value_heads": None,
                        "swa_head_dim": None, "swa_v_head_dim": None, "sliding_window_size": None, "v_head_dim": None,
                        "swa_num_attention_heads": None})) == {"full": 6}  # fmt: skip
+
+
+def test_context_smallest_length_key_and_model_max_length(load):
+    base = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    assert load({**base, "max_position_embeddings": 8192, "seq_length": 4096}).max_model_len == 4096
+    assert load({**base, "max_position_embeddings": 8192, "model_max_length": 16384}).max_model_len == 16384
+    # transformers v5 rope_parameters, one dict per layer type: a linear factor still scales
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0}, "sliding_attention": {"rope_type": "default"}}
+    assert load({**base, "max_position_embeddings": 8192, "rope_parameters": rope}).max_model_len == 16384
+    with pytest.raises(KvsimError, match="max_position_embeddings"):
+        load(base)  # vLLM would assume 2048 with a warning; kvsim asks (attention models state their length)
