@@ -502,3 +502,23 @@ def test_context_smallest_length_key_and_model_max_length(load):
     assert load({**base, "max_position_embeddings": 8192, "rope_parameters": rope}).max_model_len == 16384
     with pytest.raises(KvsimError, match="max_position_embeddings"):
         load(base)  # vLLM would assume 2048 with a warning; kvsim asks (attention models state their length)
+
+
+def test_nemotron_h_through_vllms_hybrid_arithmetic(load):
+    spec = kv_cache_spec(load(NEMOTRON_H_8B))
+    startup = vllm_startup(spec, 7 * 4 * 4259840 * 100, max_model_len=8192)
+    # one attention layer's token: 2 x 8 x 128 x 2 = 4,096 B; one mamba layer's state: 30,720 x 2 + 1,048,576 x 4
+    # = 4,255,744 B; block_size raised to 16 x cdiv(4,255,744, 16 x 4,096) = 1,040 tokens, page 4,259,840 B
+    assert (startup.block_size, startup.page_bytes) == (1040, 4259840)
+    # 4 attention + 24 mamba layers: groups of 4, 1 full + 6 state groups
+    assert (startup.group_size, startup.num_groups, startup.num_blocks) == (4, 7, 700)
+    assert startup.tokens == 700 // 7 * 1040
+
+
+def test_no_parameter_estimate_for_families_with_their_own_reader(load):
+    shapes = {"vocab_size": 152576, "intermediate_size": 16384}  # what the generic count needs
+    assert load({**MIMO_V2_FLASH, **shapes}).num_params is None  # per-kind heads: the generic count would be wrong
+    assert load({**NEMOTRON_SUPER_BLOCKS, **shapes}).num_params is None  # per-layer heads and MLPs
+    assert load({**MIMO_V2_FLASH, **shapes, "model_type": "llama", "hybrid_layer_pattern": None, "swa_num_key_value_heads": None,
+                 "swa_head_dim": None, "swa_v_head_dim": None, "sliding_window_size": None, "v_head_dim": None,
+                 "swa_num_attention_heads": None}).num_params is not None  # fmt: skip

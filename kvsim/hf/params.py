@@ -20,10 +20,18 @@ def estimate_num_params(data: dict[str, Any], model: ModelSpec) -> int | None:
 
     Counts embeddings (and an untied LM head), each layer's q/k/v/o projections, MLP or all MoE experts
     (plus router and shared expert), and norms; ignores biases. Matches the published totals of Llama 3.x,
-    Mistral, Mixtral and Qwen3 dense models to the parameter. MLA and linear/mamba layers: None.
+    Mistral, Mixtral and Qwen3 dense models to the parameter. MLA, linear/mamba, chunked and no-cache layers,
+    layers of differing shapes and families with a reader of their own (kvsim.hf.families): None.
     """
+    from kvsim.hf.families import family_of
+    from kvsim.hf.fields import Config
+
     data = flatten(data)
-    if any(layer.kind not in (LayerKind.FULL, LayerKind.SLIDING) for layer in model.layers):
+    if family_of(Config(data, model.source or "")) != "generic":
+        return None
+    if any(layer.kind not in (LayerKind.FULL, LayerKind.SLIDING) or layer.head_dim_v for layer in model.layers):
+        return None
+    if len({(layer.num_kv_heads, layer.head_dim) for layer in model.layers}) > 1:
         return None
     h = model.hidden_size
     inter = data.get("moe_intermediate_size") or data.get("intermediate_size") or data.get("ffn_dim")
