@@ -522,3 +522,15 @@ def test_no_parameter_estimate_for_families_with_their_own_reader(load):
     assert load({**MIMO_V2_FLASH, **shapes, "model_type": "llama", "hybrid_layer_pattern": None, "swa_num_key_value_heads": None,
                  "swa_head_dim": None, "swa_v_head_dim": None, "sliding_window_size": None, "v_head_dim": None,
                  "swa_num_attention_heads": None}).num_params is not None  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("use_cla", True), ("cla_share_factor", 2), ("cross_attention_layers", [3, 8]), ("linear_attn_config", {"kda_layers": [1]})],
+)
+def test_layout_keys_of_families_kvsim_does_not_read_are_refused(load, key, value):
+    # Hunyuan's cross-layer KV sharing, Mllama's cross-attention layers, Kimi-Linear's KDA layers
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+           "max_position_embeddings": 8192, key: value}  # fmt: skip
+    with pytest.raises(KvsimError, match=key):
+        load(cfg)

@@ -12,12 +12,13 @@ from kvsim.errors import KvsimError
 from kvsim.hf.fields import Config, class_defaults
 
 # A key "looks like layout" when its name holds one of these: layer patterns, per-kind head counts and sizes,
-# windows and chunks, KV sharing, MLA / indexer, mamba / linear-attention state.
+# windows and chunks, KV sharing (Gemma-3n, Hunyuan's cross-layer attention), cross-attention layers, MLA / indexer,
+# mamba / linear-attention state.
 LAYOUT_KEY = re.compile(
     r"layer_types|layer_type|_pattern|block_config|block_type|layer_ids|layer_indices|attn_layer|attn_type|"
     r"head_dim|key_value_heads|kv_heads|heads_in_group|kv_lora|kv_shared|shared_kv|window|attention_chunk|"
     r"chunked|^index_|mamba|ssm|linear_|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
-    r"lightning|kv_channels|multi_query"
+    r"lightning|kv_channels|multi_query|^use_cla|cla_share|cross_attention_layers"
 )
 
 # Keys every reader understands (kvsim.hf.attention, kvsim.hf.patterns, kvsim.hf.state).
@@ -32,11 +33,12 @@ _GENERIC = frozenset({
     "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_ssm",
 })  # fmt: skip
 
-# Keys that look like layout but never change what a layer caches (biases, kernels' chunking, rope of a kind).
+# Keys that look like layout but never change what a layer caches (biases, kernels' chunking, rope of a kind,
+# query heads of a kind, the indexer's query side, MTP layers' own pattern).
 _NEUTRAL = frozenset({
     "mamba_dt_rank", "mamba_proj_bias", "mamba_conv_bias", "mamba_chunk_size", "mamba_rms_norm",
     "mamba_norm_before_gate", "mamba_use_mlp", "mamba_hidden_act", "mamba_dt_min", "mamba_dt_max",
-    "mamba_dt_init_floor", "mamba_dt_limit", "use_mamba_kernels", "ssm_multipliers", "ssm_in_multiplier",
+    "mamba_dt_init_floor", "mamba_dt_limit", "use_mamba_kernels", "use_mambapy", "ssm_multipliers", "ssm_in_multiplier",
     "ssm_out_multiplier", "swa_rope_theta", "swa_num_attention_heads", "add_swa_attention_sink_bias",
     "activation_sparsity_pattern", "qk_nope_head_dim", "mtp_hybrid_override_pattern", "index_topk", "index_n_heads",
     "expert_layer_period", "expert_layer_offset", "use_sliding_window_attention_in_all_layers",

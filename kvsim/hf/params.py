@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsim.hf.fields import flatten
+from kvsim.hf.families import family_of
+from kvsim.hf.fields import Config, flatten
 from kvsim.models import LayerKind, ModelSpec
 
 # Families whose MLP is two matrices (up, down) rather than gated (gate, up, down).
@@ -23,9 +24,6 @@ def estimate_num_params(data: dict[str, Any], model: ModelSpec) -> int | None:
     Mistral, Mixtral and Qwen3 dense models to the parameter. MLA, linear/mamba, chunked and no-cache layers,
     layers of differing shapes and families with a reader of their own (kvsim.hf.families): None.
     """
-    from kvsim.hf.families import family_of
-    from kvsim.hf.fields import Config
-
     data = flatten(data)
     if family_of(Config(data, model.source or "")) != "generic":
         return None
