@@ -534,3 +534,10 @@ def test_layout_keys_of_families_kvsim_does_not_read_are_refused(load, key, valu
            "max_position_embeddings": 8192, key: value}  # fmt: skip
     with pytest.raises(KvsimError, match=key):
         load(cfg)
+
+
+def test_gemma4_global_kv_heads_without_k_eq_v_is_not_guessed(load):
+    with pytest.raises(KvsimError, match="num_global_key_value_heads"):
+        load({**GEMMA4, "attention_k_eq_v": False})
+    with pytest.raises(KvsimError, match="global_head_dim"):
+        load({k: v for k, v in GEMMA4.items() if k != "global_head_dim"})  # no class default assumed

@@ -19,7 +19,7 @@ from kvsim.models import LayerKind, LayerSpec
 _FAMILY_OF = {
     "deci": "deci", "nemotron-nas": "deci", "nemotron_nas": "deci",
     "llama4": "llama4", "llama4_text": "llama4",
-    "gemma4": "gemma4", "gemma4_text": "gemma4",
+    "gemma4": "gemma4", "gemma4_text": "gemma4", "gemma4_unified": "gemma4", "gemma4_unified_text": "gemma4",
     "gemma3n": "gemma3n", "gemma3n_text": "gemma3n",
     "mimo_v2_flash": "mimo_v2", "mimo_v2": "mimo_v2",
     "deepseek_v32": "dsa", "glm_moe_dsa": "dsa",
@@ -143,15 +143,20 @@ def _llama4(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> l
 
 def _gemma4(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """Gemma 4 (vLLM gemma4.py, per-layer config): sliding layers num_key_value_heads x head_dim over
-    sliding_window; full layers num_global_key_value_heads x global_head_dim (each falling back to the sliding
-    one). attention_k_eq_v still caches K and V (K is loaded into both)."""
+    sliding_window; full layers global_head_dim wide, with num_global_key_value_heads KV heads on
+    attention_k_eq_v models (which still cache K and V: K is loaded into both), num_key_value_heads otherwise.
+
+    kvsim asks for global_head_dim rather than assume the config class's default, and refuses
+    num_global_key_value_heads without attention_k_eq_v, a combination no public config shows.
+    """
     kinds = layer_kinds(cfg, num_layers)
     local = attention_layer(cfg, hidden_size, num_heads)
-    full = LayerSpec(
-        LayerKind.FULL,
-        num_kv_heads=cfg.get_int("num_global_key_value_heads", default=local.num_kv_heads),
-        head_dim=cfg.get_int("global_head_dim", default=local.head_dim),
-    )
+    global_heads = cfg.get_int("num_global_key_value_heads", default=None)
+    if global_heads is not None and not cfg.get("attention_k_eq_v", default=False):
+        raise KvsimError(
+            "not modelled: num_global_key_value_heads without attention_k_eq_v", source=cfg.source, field="num_global_key_value_heads"
+        )
+    full = LayerSpec(LayerKind.FULL, num_kv_heads=global_heads or local.num_kv_heads, head_dim=cfg.get_int("global_head_dim"))
     window = cfg.get_int("sliding_window") if LayerKind.SLIDING in kinds else None
     return [replace(local, kind=LayerKind.SLIDING, window=window) if k == LayerKind.SLIDING else full for k in kinds]
 
