@@ -111,6 +111,23 @@ def show_size(
         _print_layout(console, pool, address, offset)
 
 
+def _group_shape(model, group, tp: int) -> tuple[str, str]:
+    """KV heads per rank and head size ('192/128' where V differs) of a group's layers; '-' where they differ."""
+    from kvsim.models import LayerKind
+
+    kinds = {"full": (LayerKind.FULL, LayerKind.MLA), "sliding": (LayerKind.SLIDING,), "chunked": (LayerKind.CHUNKED,)}[group.kind]
+    layers = [layer for layer in model.layers if layer.kind in kinds and (group.window is None or layer.window == group.window)]
+    shapes = {
+        (layer.kv_heads_per_rank(tp), str(layer.latent_dim) if layer.kind == LayerKind.MLA else
+         f"{layer.head_dim}" + (f"/{layer.head_dim_v}" if layer.head_dim_v and layer.head_dim_v != layer.head_dim else ""))
+        for layer in layers
+    }  # fmt: skip
+    if len(shapes) != 1:
+        return "-", "-"
+    heads, dim = shapes.pop()
+    return str(heads), dim
+
+
 def _print_report(console: Console, report) -> None:
     from kvsim.sizing import sliding_cap_bytes_per_sequence
 
@@ -126,7 +143,8 @@ def _print_report(console: Console, report) -> None:
             continue
         name = ("mla latent" if mla else "full") if g.kind == "full" else f"{g.kind}({g.window})"
         kept = n if g.kind == "full" else min(n, g.window)
-        kinds.add_row(name, str(g.num_layers), str(spec.num_kv_heads), str(spec.head_dim), f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
+        heads, dim = _group_shape(model, g, report.tp)
+        kinds.add_row(name, str(g.num_layers), heads, dim, f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
     console.print(kinds)
 
     summary = Table(show_header=False, box=None, padding=(0, 2))

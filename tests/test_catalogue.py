@@ -154,6 +154,8 @@ FAMILIES = [
     ("nemotron-super-49b", {"full": 49, "none": 31}, 200704, 0),
     # 48 layers x 2 x 8 x 128 x 2; 36 of them chunked over 8192 tokens
     ("llama-4-scout", {"chunked(8192)": 36, "full": 12}, 196608, 0),
+    # sliding: 25 x 2 x 8 x 256 x 2; full: 5 x 2 x 2 x 512 x 2 (global head size and KV heads)
+    ("gemma-4-26b-a4b", {"sliding(1024)": 25, "full": 5}, 204800 + 20480, 0),
     # 20 of 35 layers keep KV (2 heads x 256): 20 x 2 x 2 x 256 x 2; the last 15 reuse it
     ("gemma-3n-e4b", {"sliding(512)": 16, "full": 4, "none": 15}, 40960, 0),
     # full: 9 x 4 x (192 + 128) x 2; sliding: 39 x 8 x (192 + 128) x 2
