@@ -1,7 +1,7 @@
 """Which config keys decide a model's cache layout, and which of them kvsim reads for each family.
 
-A config that sets a layout key its family's reader does not read is refused (KvsimError naming key and file)
-before anything is sized: kvsim never prints a number built on a key it ignored.
+A config that sets a layout key its family's reader does not read, or does not consult for that config, is
+refused (KvsimError naming key and file): kvsim never prints a number built on a key it ignored.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _NEUTRAL = frozenset({
     "mamba_dt_init_floor", "mamba_dt_limit", "use_mamba_kernels", "use_mambapy", "ssm_multipliers", "ssm_in_multiplier",
     "ssm_out_multiplier", "swa_rope_theta", "swa_num_attention_heads", "add_swa_attention_sink_bias",
     "activation_sparsity_pattern", "qk_nope_head_dim", "mtp_hybrid_override_pattern", "index_topk", "index_n_heads",
-    "expert_layer_period", "expert_layer_offset", "use_sliding_window_attention_in_all_layers",
+    "expert_layer_period", "expert_layer_offset",
 })  # fmt: skip
 
 # Family (as kvsim.hf.families names it) -> the layout keys its reader reads beyond the generic ones.
