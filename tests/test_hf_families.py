@@ -541,3 +541,10 @@ def test_gemma4_global_kv_heads_without_k_eq_v_is_not_guessed(load):
         load({**GEMMA4, "attention_k_eq_v": False})
     with pytest.raises(KvsimError, match="global_head_dim"):
         load({k: v for k, v in GEMMA4.items() if k != "global_head_dim"})  # no class default assumed
+
+
+def test_every_family_reader_has_its_row_in_the_layout_key_table():
+    from kvsim.hf.families import _READERS
+    from kvsim.hf.layout_keys import FAMILY_KEYS
+
+    assert set(_READERS) == set(FAMILY_KEYS)

@@ -7,6 +7,7 @@ kvsim.hf.layout_keys' table, checked before any reader runs.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from kvsim.errors import KvsimError
 from kvsim.hf import hybrids
@@ -49,21 +50,7 @@ def family_of(cfg: Config) -> str:
 def read_layers(cfg: Config, family: str, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """Every layer's cache footprint, in order (a Falcon-H1 / Zamba2 layer with both attention and mamba
     contributes two specs)."""
-    if family in hybrids.READERS:
-        return hybrids.READERS[family](cfg, hidden_size, num_heads, num_layers)
-    if family == "deci":
-        return _deci(cfg, hidden_size, num_heads, num_layers)
-    if family == "mimo_v2":
-        return _mimo_v2(cfg, hidden_size, num_heads, num_layers)
-    if family == "gemma4":
-        return _kv_shared(cfg, _gemma4(cfg, hidden_size, num_heads, num_layers))
-    if family == "gemma3n":
-        return _kv_shared(cfg, generic(cfg, hidden_size, num_heads, num_layers))
-    if family == "llama4":
-        return _llama4(cfg, hidden_size, num_heads, num_layers)
-    if family == "qwen3_5":  # vLLM keeps the gated delta net's recurrent state in the config's mamba_ssm_dtype
-        return generic(cfg, hidden_size, num_heads, num_layers, ssm=ssm_dtype(cfg, "mamba_ssm_dtype"))
-    return generic(cfg, hidden_size, num_heads, num_layers, indexer=family == "dsa")
+    return _READERS[family](cfg, hidden_size, num_heads, num_layers)
 
 
 def generic(
@@ -187,3 +174,27 @@ def _mimo_v2(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> 
         window=cfg.get_int("sliding_window_size", "sliding_window"),
     )
     return [swa if flag else full for flag in flags]
+
+
+def _qwen3_5(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
+    """Qwen3.5: the generic hybrid layout; vLLM keeps the gated delta net's recurrent state in mamba_ssm_dtype."""
+    return generic(cfg, hidden_size, num_heads, num_layers, ssm=ssm_dtype(cfg, "mamba_ssm_dtype"))
+
+
+def _dsa(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
+    """DeepSeek-V3.2 / GLM-5: MLA layers that also cache sparse-attention indexer keys."""
+    return generic(cfg, hidden_size, num_heads, num_layers, indexer=True)
+
+
+Reader = Callable[[Config, int, int, int], list[LayerSpec]]
+_READERS: dict[str, Reader] = {
+    "generic": generic,
+    "deci": _deci,
+    "llama4": _llama4,
+    "gemma4": lambda cfg, *shape: _kv_shared(cfg, _gemma4(cfg, *shape)),
+    "gemma3n": lambda cfg, *shape: _kv_shared(cfg, generic(cfg, *shape)),
+    "mimo_v2": _mimo_v2,
+    "dsa": _dsa,
+    "qwen3_5": _qwen3_5,
+    **hybrids.READERS,
+}
