@@ -548,3 +548,14 @@ def test_every_family_reader_has_its_row_in_the_layout_key_table():
     from kvsim.hf.layout_keys import FAMILY_KEYS
 
     assert set(_READERS) == set(FAMILY_KEYS)
+
+
+def test_indexer_sharing_keys_are_refused_until_modelled(load):
+    # GLM-5.x: index_topk_freq / index_skip_topk_offset make some layers reuse another layer's indexer (vLLM
+    # deepseek_v2.py builds fewer index caches); indexer_types says which
+    for key, value in [("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("indexer_types", ["full", "shared"])]:
+        with pytest.raises(KvsimError, match=key):
+            load({**DEEPSEEK_V32, "model_type": "glm_moe_dsa", key: value})
+    # these describe the MLP and the indexer's rope, not the cache
+    cfg = {**DEEPSEEK_V32, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 58, "indexer_rope_interleave": True, "qk_head_dim": 192}
+    assert kv_cache_spec(load(cfg)).bytes_per_token == 61 * (576 * 2 + 132)

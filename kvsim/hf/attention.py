@@ -25,7 +25,7 @@ def attention_layer(cfg: Config, hidden_size: int, num_heads: int, *, indexer: b
         if indexer:
             dim = cfg.get_int("index_head_dim")
             index = dim + dim // _INDEXER_QUANT_BLOCK * 4
-        cfg.consult("num_key_value_heads", "v_head_dim", "head_dim")  # MLA caches the latent, not per-head K/V
+        cfg.consult("num_key_value_heads", "v_head_dim", "head_dim", "qk_head_dim")  # MLA caches the latent only
         return LayerSpec(LayerKind.MLA, latent_dim=latent, index_bytes=index)
     head_dim = _head_dim(cfg, hidden_size, num_heads)
     v = cfg.get_int("v_head_dim", default=0)

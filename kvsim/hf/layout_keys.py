@@ -17,7 +17,7 @@ from kvsim.hf.fields import Config, class_defaults
 LAYOUT_KEY = re.compile(
     r"layer_types|layer_type|_pattern|block_config|block_type|layer_ids|layer_indices|attn_layer|attn_type|"
     r"head_dim|key_value_heads|kv_heads|heads_in_group|kv_lora|kv_shared|shared_kv|window|attention_chunk|"
-    r"chunked|^index_|mamba|ssm|linear_|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
+    r"chunked|^index_|^indexer_|mamba|ssm|linear_|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
     r"lightning|kv_channels|multi_query|^use_cla|cla_share|cross_attention_layers|per_layer_config"
 )
 
@@ -25,7 +25,7 @@ LAYOUT_KEY = re.compile(
 _GENERIC = frozenset({
     "head_dim", "kv_channels", "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
     "multi_query", "multi_query_attention", "new_decoder_architecture",
-    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
     "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "sliding_window_pattern",
     "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "linear_conv_kernel_dim",
@@ -34,14 +34,14 @@ _GENERIC = frozenset({
 })  # fmt: skip
 
 # Keys that look like layout but never change what a layer caches (biases, kernels' chunking, rope of a kind,
-# query heads of a kind, the indexer's query side, MTP layers' own pattern).
+# query heads of a kind, the indexer's query side, MTP layers' own pattern, dense / MoE MLP per layer).
 _NEUTRAL = frozenset({
     "mamba_dt_rank", "mamba_proj_bias", "mamba_conv_bias", "mamba_chunk_size", "mamba_rms_norm",
     "mamba_norm_before_gate", "mamba_use_mlp", "mamba_hidden_act", "mamba_dt_min", "mamba_dt_max",
     "mamba_dt_init_floor", "mamba_dt_limit", "use_mamba_kernels", "use_mambapy", "ssm_multipliers", "ssm_in_multiplier",
     "ssm_out_multiplier", "swa_rope_theta", "swa_num_attention_heads", "add_swa_attention_sink_bias",
     "activation_sparsity_pattern", "qk_nope_head_dim", "mtp_hybrid_override_pattern", "index_topk", "index_n_heads",
-    "expert_layer_period", "expert_layer_offset",
+    "expert_layer_period", "expert_layer_offset", "mlp_layer_types", "indexer_rope_interleave",
 })  # fmt: skip
 
 # Family (as kvsim.hf.families names it) -> the layout keys its reader reads beyond the generic ones.
