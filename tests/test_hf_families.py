@@ -550,12 +550,23 @@ def test_every_family_reader_has_its_row_in_the_layout_key_table():
     assert set(_READERS) == set(FAMILY_KEYS)
 
 
-def test_indexer_sharing_keys_are_refused_until_modelled(load):
-    # GLM-5.x: index_topk_freq / index_skip_topk_offset make some layers reuse another layer's indexer (vLLM
-    # deepseek_v2.py builds fewer index caches); indexer_types says which
-    for key, value in [("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("indexer_types", ["full", "shared"])]:
-        with pytest.raises(KvsimError, match=key):
-            load({**DEEPSEEK_V32, "model_type": "glm_moe_dsa", key: value})
+def test_indexer_sharing_across_layers(load):
+    # IndexCache (GLM-5.x): index_topk_freq 4 from offset 3: layer i builds an indexer when
+    # max(i - 2, 0) % 4 == 0: layers 0, 1, 2, then 6, 10, ..., 58 (14 more): 17 of 61 layers cache index keys
+    cfg = {**DEEPSEEK_V32, "model_type": "glm_moe_dsa", "index_topk_freq": 4, "index_skip_topk_offset": 3}
+    model = load(cfg)
+    with_index = [i for i, layer in enumerate(model.layers) if layer.index_bytes]
+    assert with_index == [0, 1, 2] + list(range(6, 61, 4)) and len(with_index) == 17
+    assert kv_cache_spec(model).bytes_per_token == 61 * 576 * 2 + 17 * 132
+    types = ["full" if i in with_index else "shared" for i in range(61)]
+    assert load({**cfg, "indexer_types": types}).layers == model.layers  # agrees: accepted
+    with pytest.raises(KvsimError, match="indexer_types"):
+        load({**cfg, "indexer_types": ["full"] * 61})
+    pattern = ["F", "S"] * 30 + ["F"]  # an explicit pattern wins over the frequency
+    assert sum(1 for layer in load({**cfg, "index_topk_pattern": pattern}).layers if layer.index_bytes) == 31
+
+
+def test_dsa_mlp_and_indexer_rope_keys_are_not_layout(load):
     # these describe the MLP and the indexer's rope, not the cache
     cfg = {**DEEPSEEK_V32, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 58, "indexer_rope_interleave": True, "qk_head_dim": 192}
     assert kv_cache_spec(load(cfg)).bytes_per_token == 61 * (576 * 2 + 132)

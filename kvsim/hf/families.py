@@ -182,8 +182,26 @@ def _qwen3_5(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> 
 
 
 def _dsa(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
-    """DeepSeek-V3.2 / GLM-5: MLA layers that also cache sparse-attention indexer keys."""
-    return generic(cfg, hidden_size, num_heads, num_layers, indexer=True)
+    """DeepSeek-V3.2 / GLM-5: MLA layers that also cache sparse-attention indexer keys, on the layers that build
+    an indexer (vLLM deepseek_v2.py, IndexCache): all of them unless index_topk_pattern marks a layer 'S' or,
+    without a pattern, max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0 (defaults 2 and 1)."""
+    layers = generic(cfg, hidden_size, num_heads, num_layers, indexer=True)
+    pattern = cfg.get("index_topk_pattern", default=None)
+    if pattern is not None:
+        if not isinstance(pattern, (list, str)) or len(pattern) != num_layers:
+            raise KvsimError(f"expected {num_layers} layer marks", source=cfg.source, field="index_topk_pattern")
+        builds = [mark != "S" for mark in pattern]
+        cfg.consult("index_topk_freq", "index_skip_topk_offset")  # vLLM reads them only without a pattern
+    else:
+        freq = cfg.get_int("index_topk_freq", default=1)
+        offset = cfg.get("index_skip_topk_offset", default=2)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise KvsimError(f"expected an integer, got {offset!r}", source=cfg.source, field="index_skip_topk_offset")
+        builds = [max(i - offset + 1, 0) % freq == 0 for i in range(num_layers)]
+    types = cfg.get("indexer_types", default=None)  # vLLM does not read it for these models: it must agree
+    if types is not None and types != ["full" if b else "shared" for b in builds]:
+        raise KvsimError("disagrees with index_topk_freq / index_skip_topk_offset", source=cfg.source, field="indexer_types")
+    return [layer if build else replace(layer, index_bytes=0) for layer, build in zip(layers, builds)]
 
 
 Reader = Callable[[Config, int, int, int], list[LayerSpec]]

@@ -42,6 +42,7 @@ _NEUTRAL = frozenset({
     "ssm_out_multiplier", "swa_rope_theta", "swa_num_attention_heads", "add_swa_attention_sink_bias",
     "activation_sparsity_pattern", "qk_nope_head_dim", "mtp_hybrid_override_pattern", "index_topk", "index_n_heads",
     "expert_layer_period", "expert_layer_offset", "mlp_layer_types", "indexer_rope_interleave",
+    "index_share_for_mtp_iteration",
 })  # fmt: skip
 
 # Family (as kvsim.hf.families names it) -> the layout keys its reader reads beyond the generic ones.
@@ -52,7 +53,7 @@ FAMILY_KEYS: dict[str, frozenset[str]] = {
     "gemma4": frozenset({"global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "num_kv_shared_layers"}),
     "gemma3n": frozenset({"num_kv_shared_layers"}),
     "mimo_v2": frozenset({"hybrid_layer_pattern", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size"}),
-    "dsa": frozenset({"index_head_dim"}),
+    "dsa": frozenset({"index_head_dim", "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern", "indexer_types"}),
     "qwen3_5": frozenset({"mamba_ssm_dtype"}),
     "nemotron_h": frozenset({"hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
                              "n_groups", "conv_kernel", "mamba_ssm_cache_dtype", "attention_head_dim"}),
