@@ -164,6 +164,8 @@ FAMILIES = [
     ("deepseek-v3.2", {"mla": 61}, 78324, 0),
     # 4 x 2 x 8 x 128 x 2; 24 mamba layers x (30,720 bf16 conv + 1,048,576 fp32 ssm elements)
     ("nemotron-h-8b", {"linear-state": 24, "none": 24, "full": 4}, 16384, 24 * (30720 * 2 + 1048576 * 4)),
+    # every one of 44 layers: KV 2 x 2 x 128 x 2, and a mamba-2 state (3 x (3072 + 2 x 256) + 24 x 128 x 256) x 2
+    ("falcon-h1-7b", {"full": 44, "linear-state": 44}, 44 * 1024, 44 * (3 * 3584 + 786432) * 2),
     # 4 attention layers x 2 x 8 x 128 x 2; 28 mamba layers x (8192 x 3 + 8192 x 16) x 2
     ("jamba-v0.1", {"linear-state": 28, "full": 4}, 16384, 28 * 8192 * 19 * 2),
     # attention-free: 64 x (5120 x 3 + 5120 x 16) x 2

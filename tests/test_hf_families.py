@@ -345,6 +345,11 @@ FALCON_H1 = {  # tiiuae/Falcon-H1 field names
 }
 
 
+def test_falcon_h1_auto_mamba_head_dim(load):
+    spec = kv_cache_spec(load({**FALCON_H1, "mamba_d_head": "auto"}))  # 1536 / 24 heads = 64, as given explicitly
+    assert spec.state_bytes_per_sequence == kv_cache_spec(load(FALCON_H1)).state_bytes_per_sequence
+
+
 def test_falcon_h1_every_layer_keeps_kv_and_state(load):
     spec = kv_cache_spec(load(FALCON_H1))
     assert spec.bytes_per_token == 36 * 2 * 2 * 64 * 2 == 18432

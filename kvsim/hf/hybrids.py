@@ -49,11 +49,14 @@ def _falcon_h1(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -
     """Falcon-H1 (vLLM falcon_h1.py): every layer runs attention and a mamba-2 mixer side by side, so each
     keeps KV and a state; intermediate is mamba_d_ssm, else mamba_expand x hidden_size."""
     attention = attention_layer(cfg, hidden_size, num_heads)
+    intermediate, heads = mamba_intermediate(cfg, hidden_size), cfg.get_int("mamba_n_heads")
+    # transformers' FalconH1Config: mamba_d_head "auto" is the mixer width over its heads
+    head_dim = intermediate // heads if cfg.get("mamba_d_head") == "auto" else cfg.get_int("mamba_d_head")
     mamba = mamba2(
-        intermediate=mamba_intermediate(cfg, hidden_size),
+        intermediate=intermediate,
         n_groups=cfg.get_int("mamba_n_groups", default=1),
-        heads=cfg.get_int("mamba_n_heads"),
-        head_dim=cfg.get_int("mamba_d_head"),
+        heads=heads,
+        head_dim=head_dim,
         d_state=cfg.get_int("mamba_d_state"),
         d_conv=cfg.get_int("mamba_d_conv"),
     )
