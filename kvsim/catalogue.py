@@ -1,7 +1,7 @@
 """The model catalogue shipped as package data (kvsim/data/models.yaml), and name resolution.
 
-`resolve_model` accepts a short name (`qwen3-0.6b`), a Hugging Face id (`Qwen/Qwen3-0.6B`), either in any
-case, or a path to a config.json. Catalogue entries go through the same config reader as files do.
+`resolve_model` accepts a short name (`qwen3-0.6b`), a Hugging Face id (`Qwen/Qwen3-0.6B`) or one of its
+instruct / chat / base variants (`Qwen/Qwen3-0.6B-Base`), in any case, or a path to a config.json. Catalogue entries go through the same config reader as files do.
 """
 
 from __future__ import annotations
@@ -62,16 +62,27 @@ def catalogue_entry(name: str) -> dict:
     return _entries()[_lookup(name)]
 
 
+@functools.lru_cache(maxsize=1)
+def _by_repository_id() -> dict[str, str]:
+    """Short name by lower-case repository id: each entry's hf_id and its aliases (instruct / chat variants)."""
+    ids: dict[str, str] = {}
+    for short, entry in _entries().items():
+        for repo in [entry["hf_id"], *entry.get("aliases", [])]:
+            assert repo.lower() not in ids, f"repository id {repo} names two catalogue entries"
+            ids[repo.lower()] = short
+    return ids
+
+
 def _lookup(name: str) -> str:
-    """Short name for `name` (short name or HF id, any case); KvsimError with close matches if unknown."""
+    """Short name for `name` (short name, HF id or alias, any case); KvsimError with close matches if unknown."""
     key = name.strip().lower()
     entries = _entries()
     if key in entries:
         return key
-    by_hf = {entry["hf_id"].lower(): short for short, entry in entries.items()}
+    by_hf = _by_repository_id()
     if key in by_hf:
         return by_hf[key]
-    candidates = list(entries) + [entry["hf_id"] for entry in entries.values()]
+    candidates = list(entries) + list(by_hf)
     close = difflib.get_close_matches(key, [c.lower() for c in candidates], n=4, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise KvsimError(

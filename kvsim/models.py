@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 
+from kvsim.units import dtype_bytes
+
 
 class LayerKind(str, Enum):
     """How a layer keeps its past.
@@ -18,13 +20,24 @@ class LayerKind(str, Enum):
       that frees blocks outside the window keeps at most `window` tokens per sequence;
     - MLA: multi-head latent attention (DeepSeek): one compressed latent of `kv_lora_rank +
       qk_rope_head_dim` elements per token, no separate K and V, the same on every TP rank;
-    - LINEAR_STATE: linear attention / gated delta net / mamba: a constant-size state per sequence.
+    - CHUNKED: chunked local attention (Llama 4): attends within its `window`-token chunk only; same
+      per-token cost as FULL. vLLM 0.33 allocates it as FULL by default (it turns its hybrid KV cache manager
+      off for chunked local attention), so only kvsim's own "needed" figures cap it at the chunk;
+    - LINEAR_STATE: linear attention / gated delta net / mamba / RWKV: a constant-size state per sequence;
+    - NO_CACHE: a layer that keeps nothing: an MLP-only layer (Nemotron-H `-`/`E`), attention replaced by a
+      no-op or a linear map (DeciLM), or one that reads an earlier layer's KV (Gemma-3n/Gemma 4 KV sharing).
     """
 
     FULL = "full"
     SLIDING = "sliding"
+    CHUNKED = "chunked"
     MLA = "mla"
     LINEAR_STATE = "linear-state"
+    NO_CACHE = "none"
+
+
+_WINDOWED = (LayerKind.SLIDING, LayerKind.CHUNKED)
+_KV_HEADS = (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -35,30 +48,40 @@ def _cdiv(a: int, b: int) -> int:
 class LayerSpec:
     """One decoder layer's cache footprint, in elements (dtype applied later by `kvsim.sizing`).
 
+    `head_dim_v` is V's head size where it differs from K's (MiMo-V2: 192 / 128); 0 means equal.
+    `index_bytes` is a sparse-attention indexer's key cache per token (DeepSeek-V3.2, GLM-5): vLLM stores it
+    as fp8 plus one fp32 scale per 128 elements whatever the KV dtype, so it is bytes, not elements.
     `state_elements` is the whole per-sequence state of a LINEAR_STATE layer (conv + recurrent/ssm state);
-    `state_sharded` says whether TP ranks split it (heads / channels are split in vLLM's gated delta net
-    and mamba layers), in which case each rank holds `cdiv(state_elements, tp)`.
+    `ssm_elements` of them (the recurrent/ssm part) are kept in `ssm_dtype` when one is given (vLLM's
+    mamba_ssm_cache_dtype: float32 for Nemotron-H, the config's mamba_ssm_dtype for Qwen3.5), the rest in the
+    model's dtype. `state_sharded` says whether TP ranks split it (heads / channels are split in vLLM's gated
+    delta net and mamba layers), in which case each rank holds `cdiv(state_elements, tp)`.
     """
 
     kind: LayerKind
-    num_kv_heads: int = 0  # FULL / SLIDING
-    head_dim: int = 0  # FULL / SLIDING
-    window: int | None = None  # SLIDING
+    num_kv_heads: int = 0  # FULL / SLIDING / CHUNKED
+    head_dim: int = 0  # FULL / SLIDING / CHUNKED: K's head size
+    window: int | None = None  # SLIDING: window; CHUNKED: attention_chunk_size
     latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim
     state_elements: int = 0  # LINEAR_STATE
     state_sharded: bool = True
+    head_dim_v: int = 0  # V's head size when it differs from head_dim
+    index_bytes: int = 0  # MLA with a sparse-attention indexer: its key cache, bytes per token
+    ssm_elements: int = 0  # LINEAR_STATE: the part of state_elements kept in ssm_dtype
+    ssm_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind in (LayerKind.FULL, LayerKind.SLIDING):
-            assert self.num_kv_heads > 0 and self.head_dim > 0, self
-        assert (self.window is not None and self.window > 0) == (self.kind == LayerKind.SLIDING), self
+        if self.kind in _KV_HEADS:
+            assert self.num_kv_heads > 0 and self.head_dim > 0 and self.head_dim_v >= 0, self
+        assert (self.window is not None and self.window > 0) == (self.kind in _WINDOWED), self
         assert (self.latent_dim > 0) == (self.kind == LayerKind.MLA), self
         assert (self.state_elements > 0) == (self.kind == LayerKind.LINEAR_STATE), self
+        assert 0 <= self.ssm_elements <= self.state_elements and self.index_bytes >= 0, self
 
     @property
     def holds_tokens(self) -> bool:
-        """Whether this layer's cache grows with every token (all kinds but LINEAR_STATE)."""
-        return self.kind != LayerKind.LINEAR_STATE
+        """Whether this layer's cache grows with every token (attention kinds, not state or no-cache)."""
+        return self.kind not in (LayerKind.LINEAR_STATE, LayerKind.NO_CACHE)
 
     def kv_heads_per_rank(self, tp: int = 1) -> int:
         """KV heads on one TP rank: split across ranks, replicated when fewer heads than ranks (vLLM)."""
@@ -70,9 +93,9 @@ class LayerSpec:
         """Cache elements one token adds to this layer on one TP rank (0 for state layers)."""
         if self.kind == LayerKind.MLA:
             return self.latent_dim
-        if self.kind == LayerKind.LINEAR_STATE:
+        if not self.holds_tokens:
             return 0
-        return 2 * self.kv_heads_per_rank(tp) * self.head_dim  # K and V
+        return self.kv_heads_per_rank(tp) * (self.head_dim + (self.head_dim_v or self.head_dim))  # K and V
 
     def state_elements_per_rank(self, tp: int = 1) -> int:
         """Constant per-sequence state elements on one TP rank (0 for attention layers)."""
@@ -80,14 +103,29 @@ class LayerSpec:
             return self.state_elements
         return _cdiv(self.state_elements, tp)
 
+    def state_bytes_per_rank(self, model_dtype_bytes: float, tp: int = 1) -> int:
+        """Constant per-sequence state bytes on one TP rank: the ssm part in ssm_dtype, the rest in the model's."""
+        if self.kind != LayerKind.LINEAR_STATE:
+            return 0
+        ssm = _cdiv(self.ssm_elements, tp) if self.state_sharded else self.ssm_elements
+        ssm_bytes = dtype_bytes(self.ssm_dtype) if self.ssm_dtype else model_dtype_bytes
+        return int((self.state_elements_per_rank(tp) - ssm) * model_dtype_bytes + ssm * ssm_bytes)
+
+    @property
+    def label(self) -> str:
+        """The kind as tables group it: 'full', 'sliding(4096)', 'chunked(8192)', 'mla', 'linear-state', 'none'."""
+        return f"{self.kind.value}({self.window})" if self.kind in _WINDOWED else self.kind.value
+
     def describe(self) -> str:
-        """A short label for tables: 'full 8x128', 'sliding(4096) 8x128', 'mla 576', 'linear-state 1097728'."""
+        """A short label: 'full 8x128', 'sliding(4096) 8x192/128', 'mla latent 576 + index 132 B', ..."""
         if self.kind == LayerKind.MLA:
-            return f"mla latent {self.latent_dim}"
+            return f"mla latent {self.latent_dim}" + (f" + index {self.index_bytes} B" if self.index_bytes else "")
         if self.kind == LayerKind.LINEAR_STATE:
-            return f"linear-state {self.state_elements} elems"
-        prefix = f"sliding({self.window})" if self.kind == LayerKind.SLIDING else "full"
-        return f"{prefix} {self.num_kv_heads}x{self.head_dim}"
+            return f"linear-state {self.state_elements} elems" + (f" ({self.ssm_elements} in {self.ssm_dtype})" if self.ssm_dtype else "")
+        if self.kind == LayerKind.NO_CACHE:
+            return "none"
+        v = f"/{self.head_dim_v}" if self.head_dim_v and self.head_dim_v != self.head_dim else ""
+        return f"{self.label} {self.num_kv_heads}x{self.head_dim}{v}"
 
 
 @dataclass(frozen=True)
@@ -123,13 +161,12 @@ class ModelSpec:
         """Layers by kind label, e.g. {'full': 21, 'sliding(4096)': 21}, in first-seen order."""
         counts: Counter[str] = Counter()
         for layer in self.layers:
-            label = f"sliding({layer.window})" if layer.kind == LayerKind.SLIDING else layer.kind.value
-            counts[label] += 1
+            counts[layer.label] += 1
         return dict(counts)
 
     @property
     def attention_layers(self) -> tuple[LayerSpec, ...]:
-        """Layers whose cache grows per token (full, sliding, MLA)."""
+        """Layers whose cache grows per token (full, sliding, chunked, MLA)."""
         return tuple(layer for layer in self.layers if layer.holds_tokens)
 
     @property

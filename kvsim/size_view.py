@@ -136,6 +136,23 @@ def _step_time_line(spec, gpu, report, tp: int) -> str:
         raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), field=flag) from None
 
 
+def _group_shape(model, group, tp: int) -> tuple[str, str]:
+    """KV heads per rank and head size ('192/128' where V differs) of a group's layers; '-' where they differ."""
+    from kvsim.models import LayerKind
+
+    kinds = {"full": (LayerKind.FULL, LayerKind.MLA), "sliding": (LayerKind.SLIDING,), "chunked": (LayerKind.CHUNKED,)}[group.kind]
+    layers = [layer for layer in model.layers if layer.kind in kinds and (group.window is None or layer.window == group.window)]
+    shapes = {
+        (layer.kv_heads_per_rank(tp), str(layer.latent_dim) if layer.kind == LayerKind.MLA else
+         f"{layer.head_dim}" + (f"/{layer.head_dim_v}" if layer.head_dim_v and layer.head_dim_v != layer.head_dim else ""))
+        for layer in layers
+    }  # fmt: skip
+    if len(shapes) != 1:
+        return "-", "-"
+    heads, dim = shapes.pop()
+    return str(heads), dim
+
+
 def _print_report(console: Console, report) -> None:
     from kvsim.sizing import sliding_cap_bytes_per_sequence
 
@@ -149,9 +166,10 @@ def _print_report(console: Console, report) -> None:
         if g.kind == "state":
             kinds.add_row("linear state", str(g.num_layers), "-", "-", "0", _h(g.state_bytes) + " const")
             continue
-        name = ("mla latent" if mla else "full") if g.kind == "full" else f"sliding({g.window})"
+        name = ("mla latent" if mla else "full") if g.kind == "full" else f"{g.kind}({g.window})"
         kept = n if g.kind == "full" else min(n, g.window)
-        kinds.add_row(name, str(g.num_layers), str(spec.num_kv_heads), str(spec.head_dim), f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
+        heads, dim = _group_shape(model, g, report.tp)
+        kinds.add_row(name, str(g.num_layers), heads, dim, f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
     console.print(kinds)
 
     summary = Table(show_header=False, box=None, padding=(0, 2))
@@ -160,8 +178,8 @@ def _print_report(console: Console, report) -> None:
     rows = [
         ("KV per token, every per-token layer", _b(spec.bytes_per_token)),
         ("  full attention + MLA", _b(spec.full_bytes_per_token)),
-        ("  sliding window", _b(spec.bytes_per_token - spec.full_bytes_per_token)),
-        ("sliding-window cap per sequence", _b(sliding_cap_bytes_per_sequence(spec))),
+        ("  sliding window / chunked", _b(spec.bytes_per_token - spec.full_bytes_per_token)),
+        ("window / chunk cap per sequence", _b(sliding_cap_bytes_per_sequence(spec))),
         ("state per sequence (constant)", _b(spec.state_bytes_per_sequence)),
         (f"per block ({spec.block_size} tokens)", _b(spec.block_bytes)),
         (f"per sequence @ {n:,} tok, capped", _b(report.bytes_per_sequence)),
@@ -181,7 +199,7 @@ def _print_report(console: Console, report) -> None:
         summary.add_row(label, value)
     console.print(summary)
     console.print(
-        "capped: sliding layers keep only their window (engines that free blocks outside it); "
+        "capped: sliding layers keep only their window, chunked layers their chunk (engines that free blocks outside it); "
         "uncapped: every layer keeps every token.",
         style="dim",
     )
@@ -232,6 +250,14 @@ def _print_vllm_lines(console: Console, report) -> None:
     from kvsim.vllm_sizing import VLLM_VERSION
 
     cap, n, st = report.capacity, report.context_tokens, report.settings
+    if report.spec.bytes_per_token == 0:  # attention-free (Mamba, RWKV): no per-token KV, a state per sequence
+        console.print(
+            f"no per-token KV cache (attention-free): the budget holds {cap.max_sequences_block_rounded:,.2f} sequences' "
+            "states, whatever their length",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
     tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
     v = cap.vllm
     if v is None:
@@ -293,6 +319,11 @@ def _print_layout(console: Console, pool, address: str | None, offset: int | Non
         console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False, soft_wrap=True)
 
 
+def _short_kind(label: str) -> str:
+    """A layer kind label for narrow terminals: 'sliding(4096)' -> 'swa(4096)', 'linear-state' -> 'state'."""
+    return label.replace("linear-state", "state").replace("sliding", "swa").replace("chunked", "chunk")
+
+
 def show_models(*, as_json: bool = False) -> None:
     """The catalogue: name, HF id, layers by kind, KV heads, head_dim, KV bytes/token in bf16, params."""
     from kvsim.catalogue import catalogue_models
@@ -329,7 +360,7 @@ def show_models(*, as_json: bool = False) -> None:
         cells = {
             "name": r["name"],
             "hf id": r["hf_id"],
-            "layers": " + ".join(f"{n} {k}" for k, n in r["layers"].items()),
+            "layers": (" + " if wide else "+").join(f"{n} {k if wide else _short_kind(k)}" for k, n in r["layers"].items()),
             "KV heads": str(r["num_kv_heads"]),
             "head dim": str(r["head_dim"]),
             "KV HxD": f"{r['num_kv_heads']}x{r['head_dim']}",
@@ -337,7 +368,7 @@ def show_models(*, as_json: bool = False) -> None:
             "B/token": f"{r['kv_bytes_per_token_bf16']:,}",
             "state B/seq": f"{r['state_bytes_per_sequence_bf16']:,}" if r["state_bytes_per_sequence_bf16"] else "-",
             "max len": f"{r['max_model_len']:,}",
-            "params": f"{r['num_params'] / 1e9:.1f}B",
+            "params": f"{r['num_params'] / 1e9:.{0 if r['num_params'] >= 1e11 else 1}f}B",
         }
         table.add_row(*(cells[c] for c in cols))
     console.print(table)

@@ -48,24 +48,25 @@ def kv_cache_spec(model: ModelSpec, *, kv_dtype: str = "bf16", block_size: int =
     for layer in model.attention_layers:
         _check_kv_heads_split(layer.num_kv_heads, tp, model.name)
     kv_bytes = int(dtype_bytes(kv_dtype, field="--kv-dtype", kv=True))
-    state_bytes = int(dtype_bytes(_state_dtype(model)))
+    state_bytes = dtype_bytes(_state_dtype(model))
 
     full = [layer for layer in model.layers if layer.kind in (LayerKind.FULL, LayerKind.MLA)]
-    windows: dict[int, list] = {}
+    windowed: dict[tuple[str, int], list] = {}  # (group kind, window) -> layers
     for layer in model.layers:
-        if layer.kind == LayerKind.SLIDING:
-            windows.setdefault(layer.window, []).append(layer)
+        if layer.kind in (LayerKind.SLIDING, LayerKind.CHUNKED):
+            windowed.setdefault((layer.kind.value, layer.window), []).append(layer)
     states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+
+    def per_token(layers: list) -> int:  # K+V (or latent) in the KV dtype, plus any indexer keys in fp8
+        return sum(layer.elements_per_token(tp) for layer in layers) * kv_bytes + sum(layer.index_bytes for layer in layers)
 
     groups = []
     if full:
-        per_token = sum(layer.elements_per_token(tp) for layer in full) * kv_bytes
-        groups.append(KVCacheGroupSpec("full", len(full), bytes_per_token=per_token))
-    for window, layers in windows.items():
-        per_token = sum(layer.elements_per_token(tp) for layer in layers) * kv_bytes
-        groups.append(KVCacheGroupSpec("sliding", len(layers), bytes_per_token=per_token, window=window))
+        groups.append(KVCacheGroupSpec("full", len(full), bytes_per_token=per_token(full)))
+    for (kind, window), layers in windowed.items():
+        groups.append(KVCacheGroupSpec(kind, len(layers), bytes_per_token=per_token(layers), window=window))
     if states:
-        total = sum(layer.state_elements_per_rank(tp) for layer in states) * state_bytes
+        total = sum(layer.state_bytes_per_rank(state_bytes, tp) for layer in states)
         groups.append(KVCacheGroupSpec("state", len(states), state_bytes=total))
 
     attention = model.attention_layers
@@ -101,22 +102,22 @@ def is_mla(model: ModelSpec) -> bool:
 
 
 def sliding_cap_bytes_per_sequence(spec: KVCacheSpec) -> int:
-    """The most sliding-window KV one sequence ever needs: each sliding group's window of tokens."""
-    return sum(g.bytes_per_token * g.window for g in spec.groups if g.kind == "sliding")
+    """The most windowed KV one sequence ever needs: each sliding group's window, each chunked group's chunk."""
+    return sum(g.bytes_per_token * g.window for g in spec.groups if g.window is not None)
 
 
 def bytes_per_sequence(spec: KVCacheSpec, num_tokens: int, *, capped: bool = True) -> int:
     """KV + state of one sequence of `num_tokens` tokens, before block rounding.
 
-    capped: sliding layers keep at most their window (an engine that frees blocks outside the window);
-    uncapped: every per-token layer keeps every token (what engines without window freeing allocate).
-    State layers count once either way.
+    capped: sliding layers keep at most their window, chunked layers at most one chunk (an engine that frees
+    blocks they no longer attend to); uncapped: every per-token layer keeps every token (what engines without
+    window freeing allocate, and vLLM 0.33 for chunked layers by default). State layers count once either way.
     """
     total = spec.state_bytes_per_sequence
     for g in spec.groups:
-        if g.kind == "full" or (g.kind == "sliding" and not capped):
+        if g.kind == "full" or (g.window is not None and not capped):
             total += g.bytes_per_token * num_tokens
-        elif g.kind == "sliding":
+        elif g.window is not None:
             total += g.bytes_per_token * min(num_tokens, g.window)
     return total
 
@@ -126,7 +127,8 @@ def block_rounded_bytes_per_sequence(spec: KVCacheSpec, num_tokens: int) -> int:
 
     Full layers hold cdiv(n, block_size) blocks. A sliding layer holds the blocks its window can touch,
     vLLM's SlidingWindowSpec bound with a one-token step: cdiv(window, block_size) + 1, never more than the
-    sequence's own cdiv(n, block_size).
+    sequence's own cdiv(n, block_size). A chunked layer holds its current chunk's blocks: cdiv(chunk, block_size),
+    one more when chunks do not start on a block boundary.
     """
     bs = spec.block_size
     blocks = cdiv(num_tokens, bs)
@@ -136,6 +138,8 @@ def block_rounded_bytes_per_sequence(spec: KVCacheSpec, num_tokens: int) -> int:
             total += g.bytes_per_token * bs * blocks
         elif g.kind == "sliding":
             total += g.bytes_per_token * bs * min(blocks, cdiv(g.window, bs) + 1)
+        elif g.kind == "chunked":
+            total += g.bytes_per_token * bs * min(blocks, cdiv(g.window, bs) + (1 if g.window % bs else 0))
     return total
 
 

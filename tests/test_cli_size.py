@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from kvsim.catalogue import model_names
+
 from kvsim.sizing import cdiv
 
 GiB = 2**30
@@ -99,8 +101,11 @@ def test_models_command(cli):
     assert "qwen3-0.6b" in result.stdout and "deepseek-v3" in result.stdout and "70,272" in result.stdout
     rows = json.loads(cli(["models", "--json"]).stdout)
     by_name = {r["name"]: r for r in rows}
-    assert len(rows) == 18
+    assert len(rows) == len(model_names()) >= 40
     assert by_name["gemma-2-9b"]["layers"] == {"sliding(4096)": 21, "full": 21}
+    assert by_name["llama-4-scout"]["layers"] == {"chunked(8192)": 36, "full": 12}
+    assert by_name["nemotron-h-8b"]["layers"] == {"linear-state": 24, "none": 24, "full": 4}
+    assert "chunked(8192)" in result.stdout  # the table shows each model's layer kinds
     assert by_name["qwen3-0.6b"]["kv_bytes_per_token_bf16"] == 114688
     assert (by_name["deepseek-v3"]["num_kv_heads"], by_name["deepseek-v3"]["head_dim"]) == (1, 576)
 

@@ -501,7 +501,8 @@ def test_chatglm_multi_query_groups_and_kv_channels(write_config):
 @pytest.mark.parametrize(
     "rope, max_len",
     [
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),  # Qwen3 + YaRN
+        # vLLM 0.33 takes a YaRN config's max_position_embeddings as already scaled (no factor applied)
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 40960),
         ({"type": "linear", "factor": 2.0}, 2 * 40960),
         ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 40960),  # already scaled
         (None, 40960),

@@ -91,3 +91,37 @@ def test_model_spec_is_frozen():
     model = make_model([LayerSpec(LayerKind.FULL, num_kv_heads=1, head_dim=8)])
     with pytest.raises(Exception):
         model.name = "other"  # type: ignore[misc]
+
+
+def test_v_heads_of_their_own_size():
+    layer = LayerSpec(LayerKind.SLIDING, num_kv_heads=8, head_dim=192, head_dim_v=128, window=128)
+    assert layer.elements_per_token() == 8 * (192 + 128)
+    assert layer.elements_per_token(tp=2) == 4 * (192 + 128)
+    assert layer.describe() == "sliding(128) 8x192/128"
+
+
+def test_chunked_layer_costs_like_full_and_labels_its_chunk():
+    layer = LayerSpec(LayerKind.CHUNKED, num_kv_heads=8, head_dim=128, window=8192)
+    assert layer.elements_per_token() == 2 * 8 * 128 and layer.holds_tokens
+    assert layer.label == "chunked(8192)"
+
+
+def test_no_cache_layer_keeps_nothing():
+    layer = LayerSpec(LayerKind.NO_CACHE)
+    assert (layer.elements_per_token(), layer.state_bytes_per_rank(2), layer.holds_tokens) == (0, 0, False)
+    model = make_model([LayerSpec(LayerKind.FULL, num_kv_heads=8, head_dim=128), layer])
+    assert model.layer_counts == {"full": 1, "none": 1} and len(model.attention_layers) == 1
+
+
+def test_ssm_part_of_a_state_in_its_own_dtype():
+    # Nemotron-H's mamba layer: conv 30,720 elements in bf16, ssm 1,048,576 in fp32
+    layer = LayerSpec(LayerKind.LINEAR_STATE, state_elements=30720 + 1048576, ssm_elements=1048576, ssm_dtype="fp32")
+    assert layer.state_bytes_per_rank(2) == 30720 * 2 + 1048576 * 4
+    assert layer.state_bytes_per_rank(2, tp=2) == (30720 + 1048576) // 2 * 2 + 1048576 // 2 * 2
+    same = LayerSpec(LayerKind.LINEAR_STATE, state_elements=1079296)
+    assert same.state_bytes_per_rank(2) == 1079296 * 2
+
+
+def test_indexer_bytes_ride_on_mla_layers():
+    layer = LayerSpec(LayerKind.MLA, latent_dim=576, index_bytes=132)
+    assert layer.elements_per_token() == 576 and layer.describe() == "mla latent 576 + index 132 B"

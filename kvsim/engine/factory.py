@@ -42,6 +42,10 @@ class AllocatorConfig:
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
     """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`."""
     assert spec.block_size == config.block_size or config.kind == "flat"
+    if spec.bytes_per_token == 0:
+        from kvsim.errors import KvsimError
+
+        raise KvsimError("not modelled: replaying an attention-free model (no per-token KV, only a state per sequence)", field="model")
     if config.kind == "paged":
         from kvsim.engine.paged import PagedAllocator
 

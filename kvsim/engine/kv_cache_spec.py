@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GroupKind = Literal["full", "sliding", "state"]
+GroupKind = Literal["full", "sliding", "chunked", "state"]
 
 
 @dataclass(frozen=True)
@@ -18,13 +18,15 @@ class KVCacheGroupSpec:
     - `full`: full attention and MLA layers: every token's KV is kept for the life of the request.
     - `sliding`: sliding-window layers: only the last `window` tokens are needed; a paged engine frees blocks
       that fall wholly outside the window.
+    - `chunked`: chunked local attention layers (Llama 4): only the current `window`-token chunk is attended
+      to. vLLM 0.33 allocates these as full attention by default; the paged allocator does the same.
     - `state`: linear-attention / mamba layers: one constant-size state per request (`state_bytes`).
     """
 
     kind: GroupKind
     num_layers: int
     bytes_per_token: int = 0  # K+V (or MLA latent) of one token across this group's layers, this rank
-    window: int | None = None  # sliding only: tokens each layer attends to
+    window: int | None = None  # sliding: tokens each layer attends to; chunked: the chunk size
     state_bytes: int = 0  # state only: bytes per request across this group's layers
 
     def __post_init__(self) -> None:
@@ -33,7 +35,7 @@ class KVCacheGroupSpec:
             assert self.state_bytes > 0 and self.bytes_per_token == 0
         else:
             assert self.bytes_per_token > 0 and self.state_bytes == 0
-            assert (self.window is not None and self.window > 0) == (self.kind == "sliding")
+            assert (self.window is not None and self.window > 0) == (self.kind in ("sliding", "chunked"))
 
 
 @dataclass(frozen=True)

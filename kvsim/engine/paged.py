@@ -54,7 +54,8 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         per_token = [g for g in spec.groups if g.kind != "state"]
         if not per_token:
             raise KvsimError("the paged allocator needs at least one attention layer group", field="model")
-        if enable_prefix_caching and not spec.is_uniform:
+        # chunked layers are allocated as full ones (vLLM 0.33's default), so they share prefixes like them
+        if enable_prefix_caching and not all(g.kind in ("full", "chunked") for g in spec.groups):
             raise KvsimError(
                 "prefix caching is not supported for models with sliding-window or state layers",
                 field="prefix_caching",

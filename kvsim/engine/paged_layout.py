@@ -39,8 +39,9 @@ def page_layout(spec: KVCacheSpec) -> PageLayout:
     bs = spec.block_size
     by_window: dict[int | None, int] = {}
     for g in spec.groups:
-        if g.kind != "state":
-            by_window[g.window] = by_window.get(g.window, 0) + g.bytes_per_token
+        if g.kind != "state":  # chunked layers are allocated as full ones, as vLLM 0.33 does by default
+            window = g.window if g.kind == "sliding" else None
+            by_window[window] = by_window.get(window, 0) + g.bytes_per_token
     assert by_window, "the paged allocator needs at least one attention layer group"
     windows = sorted(by_window, key=lambda w: (w is not None, w or 0))
     page_token_bytes = math.gcd(*by_window.values())
