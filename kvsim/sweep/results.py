@@ -14,6 +14,7 @@ from kvsim.errors import KvsimError
 from kvsim.sweep.points import Task
 
 JOURNAL = "rows.jsonl"
+META = "sweep.json"  # the sweep's axes and chart metrics, for `kvsim plot`
 TABLE = "results.parquet"
 TABLE_CSV = "results.csv"
 
@@ -21,9 +22,10 @@ TABLE_CSV = "results.csv"
 class Results:
     """The rows of one sweep under `out_dir`: those already journaled and those added now."""
 
-    def __init__(self, out_dir: Path, tasks: list[Task]):
+    def __init__(self, out_dir: Path, tasks: list[Task], *, meta: dict | None = None):
         self.out_dir = Path(out_dir)
         self.tasks = tasks
+        self.meta = meta or {}
         self.rows: dict[str, dict] = {}  # key -> row (a later line for a key replaces an earlier one)
         self._journal = None
         wanted = {t.key for t in tasks}
@@ -86,6 +88,7 @@ class Results:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         paths = [self.out_dir / TABLE]
         frame.to_parquet(paths[0], index=False)
+        (self.out_dir / META).write_text(json.dumps(self.meta, indent=1) + "\n")
         if csv:
             paths.append(self.out_dir / TABLE_CSV)
             frame.to_csv(paths[1], index=False)

@@ -15,6 +15,7 @@ from kvsim.errors import KvsimError
 from kvsim.yaml_fields import Fields
 
 COMBINES = ("grid", "zip")
+DEFAULT_METRICS = ("throughput_tokens_per_s", "ttft_p99_s", "preemptions_per_request")
 # What a capacity-search target may bound (each `metric <= value`): summary metrics of `kvsim replay` and the
 # two a sweep derives (`task.derived_metrics`).
 TARGET_METRICS = (
@@ -65,6 +66,12 @@ class SweepSpec:
     axes: tuple[Axis, ...]
     combine: str
     search: Search | None
+    metrics: tuple[str, ...] = DEFAULT_METRICS  # what `kvsim plot` draws of the table
+
+    def meta(self) -> dict:
+        """What the table's charts need to know of the sweep (written beside it as sweep.json)."""
+        return {"name": self.name, "axes": [a.path for a in self.axes], "combine": self.combine,
+                "search_axis": self.search.axis if self.search else None, "metrics": list(self.metrics)}
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -101,8 +108,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
     search = _search(f.sub("search", None), [a.path for a in axes])
     if not axes and search is None:
         raise f.error("axes", "give at least one axis (or a search)")
+    metrics = f.get("metrics", list(DEFAULT_METRICS))
+    if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise f.error("metrics", f"must be a non-empty list of table columns, got {metrics!r}")
     f.done()
-    return SweepSpec(name, path, base, base_path, tuple(fixed), tuple(axes), combine, search)
+    return SweepSpec(name, path, base, base_path, tuple(fixed), tuple(axes), combine, search, tuple(metrics))
 
 
 def _read_yaml(path: Path, *, source: str) -> Any:

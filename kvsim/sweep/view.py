@@ -43,7 +43,7 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
     options = ReplayOptions(device=device, tensors=tensors, timing=timing)
     tasks = make_tasks(spec, options)
     out_dir = Path(out) if out is not None else Path("reports") / "sweeps" / spec.name
-    results = Results(out_dir, tasks)
+    results = Results(out_dir, tasks, meta=spec.meta())
     pending = results.pending()
     rows: Iterator = run_ray(pending, ray) if ray else run_local(pending, workers)
     console = console or Console(stderr=True)
