@@ -71,7 +71,8 @@ class SweepSpec:
     def meta(self) -> dict:
         """What the table's charts need to know of the sweep (written beside it as sweep.json)."""
         return {"name": self.name, "axes": [a.path for a in self.axes], "combine": self.combine,
-                "search_axis": self.search.axis if self.search else None, "metrics": list(self.metrics)}
+                "search_axis": self.search.axis if self.search else None,
+                "search_target": dict(self.search.targets) if self.search else None, "metrics": list(self.metrics)}
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
