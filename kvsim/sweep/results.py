@@ -85,11 +85,14 @@ class Results:
     def write(self, *, csv: bool = False) -> list[Path]:
         """Write results.parquet (and results.csv); the paths written."""
         frame = self.frame()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         paths = [self.out_dir / TABLE]
-        frame.to_parquet(paths[0], index=False)
-        (self.out_dir / META).write_text(json.dumps(self.meta, indent=1) + "\n")
-        if csv:
-            paths.append(self.out_dir / TABLE_CSV)
-            frame.to_csv(paths[1], index=False)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(paths[0], index=False)
+            (self.out_dir / META).write_text(json.dumps(self.meta, indent=1) + "\n")
+            if csv:
+                paths.append(self.out_dir / TABLE_CSV)
+                frame.to_csv(paths[1], index=False)
+        except OSError as exc:  # a directory where the table goes, a full disk
+            raise KvsimError(f"cannot write {exc.filename or self.out_dir}: {exc.strerror or exc}", field="--out") from None
         return paths

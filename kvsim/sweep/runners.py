@@ -19,7 +19,8 @@ def run_local(tasks: list[Task], workers: int | None = None) -> Iterator[tuple[T
 
     Workers ignore Ctrl-C: the sweep's process stops handing out tasks, keeps what finished, and ends them.
     """
-    workers = workers or os.cpu_count() or 1
+    if workers is None:
+        workers = os.cpu_count() or 1
     if workers < 1:
         raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
     if workers == 1 or len(tasks) <= 1:
@@ -59,12 +60,17 @@ def run_ray(tasks: list[Task], address: str) -> Iterator[tuple[Task, dict]]:
     except ImportError:
         raise KvsimError("the Ray backend needs ray: pip install 'kvsim[ray]'", field="--ray") from None
     started = False
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # here, not in the generator: a bad address fails before the progress bar
         try:
             ray.init(address=None if address == "auto" else address, logging_level="ERROR", log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise KvsimError(f"cannot connect to Ray at {address}: {exc}", field="--ray") from None
         started = True
+    return _ray_rows(ray, tasks, started)
+
+
+def _ray_rows(ray, tasks: list[Task], started: bool) -> Iterator[tuple[Task, dict]]:
+    """Submit every task, yield rows as they finish; cancel the rest when closed early (Ctrl-C)."""
     remote = ray.remote(num_cpus=1, max_retries=0)(run_task_in)
     cwd = os.getcwd()
     running = {}

@@ -11,6 +11,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from kvsim.errors import KvsimError
 from kvsim.replay_options import ReplayOptions
 from kvsim.sweep.points import make_tasks
 from kvsim.sweep.results import Results
@@ -39,13 +40,18 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
     """
     from kvsim.sweep.runners import run_local, run_ray
 
+    if workers is not None and workers < 1:  # checked before anything runs (the runner starts lazily)
+        raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
     spec = load_sweep(path)
     options = ReplayOptions(device=device, tensors=tensors, timing=timing)
     tasks = make_tasks(spec, options)
     out_dir = Path(out) if out is not None else Path("reports") / "sweeps" / spec.name
     results = Results(out_dir, tasks, meta=spec.meta())
     pending = results.pending()
-    rows: Iterator = run_ray(pending, ray) if ray else run_local(pending, workers)
+    if not pending:
+        rows: Iterator = iter(())
+    else:
+        rows = run_ray(pending, ray) if ray else run_local(pending, workers)
     console = console or Console(stderr=True)
     progress = Progress(
         TextColumn(f"[bold]{spec.name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
@@ -66,7 +72,7 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
         interrupted = True
         raise
     finally:
-        rows.close()  # ends the backend's workers when interrupted
+        getattr(rows, "close", lambda: None)()  # ends the backend's workers when interrupted
         results.close()
         paths = results.write(csv=csv) if results.rows else []
         outcome = SweepOutcome(paths, len(results.rows), results.num_failed, run, len(tasks) - len(pending), interrupted)
