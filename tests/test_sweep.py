@@ -191,3 +191,16 @@ def test_shipped_sweeps_validate_every_point(name):
     spec = load_sweep(REPO / "workloads" / "sweeps" / name)
     tasks = make_tasks(spec, ACCOUNTING)
     assert tasks and len({t.key for t in tasks}) == len(tasks)
+
+
+def test_the_sweep_package_imports_only_the_workload_and_replay_stages():
+    """kvsim.sweep sits above the replay: it may import the workload reader, the replay and its summary,
+    never the CLI, the charts or the engine's internals."""
+    import ast
+
+    allowed = {"kvsim.errors", "kvsim.yaml_fields", "kvsim.replay_options", "kvsim.workload", "kvsim.replay",
+               "kvsim.reports", "kvsim.catalogue", "kvsim.hardware"}
+    for path in (REPO / "kvsim" / "sweep").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvsim"):
+                assert node.module in allowed or node.module.startswith("kvsim.sweep"), (path.name, node.module)

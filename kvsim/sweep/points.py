@@ -7,7 +7,7 @@ import copy
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvsim.errors import KvsimError
@@ -95,7 +95,6 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
     """Expand and validate every point (one error naming the axis and value of the first bad one), then
     split each into one task per allocator."""
     from kvsim.catalogue import resolve_model
-    from kvsim.engine.factory import AllocatorConfig  # noqa: F401  (the workload reader builds them)
     from kvsim.hardware import get_gpu
     from kvsim.workload import workload_from_mapping
 
@@ -142,6 +141,6 @@ def _point_error(spec: SweepSpec, values: tuple[tuple[str, Any], ...], exc: Kvsi
 
 
 def _task_key(mapping: dict, options: ReplayOptions, search: Search | None) -> str:
-    blob = json.dumps({"workload": mapping, "options": options.__dict__, "search": search.__dict__ if search else None},
+    blob = json.dumps({"workload": mapping, "options": asdict(options), "search": asdict(search) if search else None},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
