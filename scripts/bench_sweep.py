@@ -2,7 +2,10 @@
 file, accounting only) with 1 and 2 local workers and on a local Ray instance; wall times, the speed-up, and
 the Ray backend's overhead per task beside the 2-worker local run. The three tables must be byte-identical.
 
-    PYTHONPATH=$PWD python3 scripts/bench_sweep.py [--points 100] [--ray-cpus 2] [--no-ray]
+`--tiny` replays one request per point instead of 2,000, so a task's wall time is almost all backend overhead
+(process hand-off, pickling, Ray's scheduling): the overhead per task, free of the machine's load on replays.
+
+    PYTHONPATH=$PWD python3 scripts/bench_sweep.py [--points 100] [--ray-cpus 2] [--no-ray] [--tiny]
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=100, help="Points (seeds) in the sweep.")
     parser.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance.")
     parser.add_argument("--no-ray", action="store_true", help="Skip the Ray backend.")
+    parser.add_argument("--tiny", action="store_true", help="One request per point: measures the backends' overhead.")
     args = parser.parse_args()
 
     from kvsim.sweep.view import run_sweep
 
     tmp = Path(tempfile.mkdtemp(prefix="kvsim-bench-sweep-"))
     sweep = tmp / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({"name": "bench", "base": str(REPO / "workloads" / "poisson.yaml"),
-                                     "axes": {"seed": list(range(args.points))}}))
+    fields = {"name": "bench", "base": str(REPO / "workloads" / "poisson.yaml"), "axes": {"seed": list(range(args.points))}}
+    if args.tiny:
+        fields["set"] = {"requests.count": 1}
+    sweep.write_text(yaml.safe_dump(fields))
     results = {}
 
     def timed(name: str, **kwargs) -> None:
@@ -54,12 +60,16 @@ def main() -> None:
     rows = results["local-1"]["rows"]
     summary = {
         "points": args.points,
+        "tiny": args.tiny,
         "rows": rows,
         "speedup_2_workers": results["local-1"]["wall_s"] / results["local-2"]["wall_s"],
         "tables_identical": len(set(tables.values())) == 1,
         **results,
     }
+    summary["local_2_ms_per_task"] = 1e3 * results["local-2"]["wall_s"] / rows
+    summary["local_1_ms_per_task"] = 1e3 * results["local-1"]["wall_s"] / rows
     if "ray" in results:
+        summary["ray_ms_per_task"] = 1e3 * results["ray"]["wall_s"] / rows
         summary["ray_overhead_per_task_ms"] = 1e3 * (results["ray"]["wall_s"] - results["local-2"]["wall_s"]) / rows
     print(json.dumps(summary, indent=1))
 

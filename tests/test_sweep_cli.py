@@ -47,3 +47,33 @@ def test_ray_without_ray_installed_says_how_to_get_it(cli, tmp_path, monkeypatch
     result = cli(["sweep", str(path), "--ray", "auto", "-q", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "--ray: the Ray backend needs ray: pip install 'kvsim[ray]'" in result.output
+
+
+def test_a_real_ctrl_c_keeps_the_finished_rows_and_exits_130(tmp_path):
+    """SIGINT to `kvsim sweep -j 2` mid-run: the table holds exactly the journaled rows, and a rerun finishes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.test_sweep import REPO
+
+    path = make_sweep(tmp_path, axes={"seed": list(range(12))}, set={"requests.count": 400, "kv_budget": "64MiB"})
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "kvsim", "sweep", str(path), "--out", str(out), "-j", "2", "-q"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    journal = out / "rows.jsonl"
+    deadline = time.monotonic() + 120
+    while not (journal.is_file() and journal.read_text().count("\n") >= 2) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no rows within 120 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    kept = journal.read_text().count("\n")
+    assert proc.returncode == 130, err
+    assert f"interrupted: {kept} of 24 rows kept in {out}; rerun to resume" in err and "Traceback" not in err
+    assert len(pd.read_parquet(out / "results.parquet")) == kept < 24
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert f"24 rows (0 failed); {24 - kept} run now, {kept} already done" in rerun.stderr

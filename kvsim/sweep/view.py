@@ -84,7 +84,10 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
 def run_sweep_cli(path: str, **kwargs) -> None:
     """`kvsim sweep`: run, then one line per table written and a count of rows, failures and skips."""
     console = Console(stderr=True)
-    outcome = run_sweep(path, console=console, **kwargs)
+    try:
+        outcome = run_sweep(path, console=console, **kwargs)
+    except KeyboardInterrupt:  # run_sweep has written the table and said so
+        raise SystemExit(130) from None
     for written in outcome.paths:
         print(written)
     console.print(f"{outcome.num_rows} rows ({outcome.num_failed} failed); {outcome.num_run} run now, "
