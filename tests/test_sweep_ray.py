@@ -42,3 +42,19 @@ def test_ray_capacity_search_matches_the_local_one(tmp_path, local_ray):
     assert on_ray.paths[0].read_bytes() == local.paths[0].read_bytes()
     table = pd.read_parquet(on_ray.paths[0])
     assert list(table["capacity_status"]) == ["below lo", "found"]  # flat-max: no 2048-token slab in 64 MiB and table["error"].isna().all()
+
+
+@pytest.mark.parametrize("name", ["block-size-x-budget", "rate-x-allocator-capacity", "model-x-gpu-x-dtype"])
+def test_shipped_sweeps_give_the_same_table_locally_and_on_ray(tmp_path, local_ray, name):
+    """Each shipped sweep as shipped, cut to 30 requests per replay to keep the shared machine free."""
+    import yaml
+
+    fields = yaml.safe_load((REPO / "workloads" / "sweeps" / f"{name}.yaml").read_text())
+    fields["base"] = str(REPO / "workloads" / "sweeps" / fields["base"])
+    fields["set"] = {**fields.get("set", {}), "requests.count": 30}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(fields, sort_keys=False))
+    local = run_sweep(path, out=tmp_path / "local", workers=2)
+    on_ray = run_sweep(path, out=tmp_path / "ray", ray="auto")
+    assert on_ray.num_failed == 0 and on_ray.num_rows == local.num_rows > 0
+    assert on_ray.paths[0].read_bytes() == local.paths[0].read_bytes()

@@ -30,6 +30,12 @@ LABELS = {
 }
 
 
+def _label(metric: str, meta: dict) -> str:
+    if metric == "capacity" and meta.get("search_axis"):
+        return f"capacity ({meta['search_axis']})"
+    return LABELS.get(metric, metric)
+
+
 def is_sweep(path: Path) -> bool:
     return (Path(path) / TABLE).is_file()
 
@@ -106,7 +112,7 @@ def lines(table: pd.DataFrame, meta: dict):
             if r == 0 and allocator is not None:
                 ax.set_title(allocator)
             if col == 0:
-                ax.set_ylabel(LABELS.get(metric, metric))
+                ax.set_ylabel(_label(metric, meta))
             if r == len(metrics) - 1:
                 ax.set_xlabel(x_axis)
                 if not numeric:
@@ -152,8 +158,8 @@ def heatmap(table: pd.DataFrame, meta: dict):
         if key:
             ax.set_title(" / ".join(map(str, key)))
     grid[0][0].set_ylabel(rows_axis)
-    fig.colorbar(image, ax=grid[0].tolist(), label=LABELS.get(metric, metric), shrink=0.9)
-    titles(fig, f"{LABELS.get(metric, metric)} over {rows_axis} and {cols_axis}", _subtitle(table, meta))
+    fig.colorbar(image, ax=grid[0].tolist(), label=_label(metric, meta), shrink=0.9)
+    titles(fig, f"{_label(metric, meta)} over {rows_axis} and {cols_axis}", _subtitle(table, meta))
     return fig
 
 
