@@ -144,6 +144,9 @@ def test_rerun_skips_finished_rows_and_a_changed_point_reruns(tmp_path, monkeypa
     changed = run_sweep(path, out=tmp_path / "out", workers=1)
     assert (changed.num_run, changed.num_skipped, len(calls)) == (2, 2, 2)
     assert list(pd.read_parquet(changed.paths[0])["kv_budget"]) == ["128MiB"] * 2 + ["192MiB"] * 2
+    monkeypatch.setattr("kvsim.sweep.points.code_fingerprint", lambda: "other kvsim code")
+    recoded = run_sweep(path, out=tmp_path / "out", workers=1)  # rows of other code are stale: all rerun
+    assert (recoded.num_run, recoded.num_skipped) == (4, 0)
 
 
 def test_ctrl_c_keeps_every_finished_row_and_a_rerun_completes_the_same_table(tmp_path, monkeypatch):

@@ -4,10 +4,12 @@ kvsim's workload reader before anything runs, and split into tasks, one per poin
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvsim.errors import KvsimError
@@ -22,8 +24,8 @@ _EXCLUSIVE = {"kv_budget": "gpu_memory_utilization", "gpu_memory_utilization": "
 class Task:
     """One unit of work: a point's workload with one allocator, replayed once or searched over one axis.
 
-    `key` hashes everything the row depends on (the mapping, the options, the search), so a rerun skips a
-    task whose row is in the journal and reruns one whose inputs changed.
+    `key` hashes everything the row depends on (the mapping, the options, the search, kvsim's code), so a
+    rerun skips a task whose row is in the journal and reruns one whose inputs changed.
     """
 
     point: int  # index of the point in expansion order
@@ -119,6 +121,17 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
     return tasks
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of kvsim's own source and data files: a row journaled by other code is stale, so a rerun after
+    kvsim changed (a scheduler fix, a new metric) replays every point instead of mixing old rows with new."""
+    root = Path(__file__).resolve().parents[1]  # the kvsim package
+    digest = hashlib.sha256()
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.yaml")]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _set_or_fail(spec: SweepSpec, mapping: dict, path: str, value: Any, field: str) -> None:
     try:
         set_path(mapping, path, value)
@@ -141,6 +154,6 @@ def _point_error(spec: SweepSpec, values: tuple[tuple[str, Any], ...], exc: Kvsi
 
 
 def _task_key(mapping: dict, options: ReplayOptions, search: Search | None) -> str:
-    blob = json.dumps({"workload": mapping, "options": asdict(options), "search": asdict(search) if search else None},
-                      sort_keys=True, default=str)
+    blob = json.dumps({"workload": mapping, "options": asdict(options), "search": asdict(search) if search else None,
+                       "kvsim": code_fingerprint()}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
