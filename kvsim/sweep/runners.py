@@ -7,31 +7,39 @@ import multiprocessing
 import os
 import signal
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from kvsim.errors import KvsimError
 from kvsim.sweep.points import Task
 from kvsim.sweep.task import error_row, run_task, run_task_in
 
 
-def run_local(tasks: list[Task], workers: int | None = None) -> Iterator[tuple[Task, dict]]:
+def run_local(tasks: list[Task], workers: int | None = None) -> Iterable[tuple[Task, dict]]:
     """Run `tasks` in `workers` processes (default: one per CPU; 1 runs them in this process).
 
-    Workers ignore Ctrl-C: the sweep's process stops handing out tasks, keeps what finished, and ends them.
+    The workers are forked here, before the caller starts its progress bar's thread. They ignore Ctrl-C: the
+    sweep's process stops handing out tasks, keeps what finished, and `close()` ends them.
     """
     if workers is None:
         workers = os.cpu_count() or 1
     if workers < 1:
         raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
     if workers == 1 or len(tasks) <= 1:
-        for task in tasks:
-            yield task, run_task(task)
-        return
+        return ((task, run_task(task)) for task in tasks)
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_ignore_sigint)
-    try:
-        running = {pool.submit(run_task, task): task for task in tasks}
+    return _PoolRows(pool, {pool.submit(run_task, task): task for task in tasks})
+
+
+class _PoolRows:
+    """Rows from a process pool as they finish (in task order within one wake-up); `close()` ends the pool."""
+
+    def __init__(self, pool: ProcessPoolExecutor, running: dict):
+        self.pool, self.running = pool, running
+
+    def __iter__(self) -> Iterator[tuple[Task, dict]]:
+        running = self.running
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in sorted(done, key=lambda f: (running[f].point, running[f].allocator_index)):
@@ -41,9 +49,10 @@ def run_local(tasks: list[Task], workers: int | None = None) -> Iterator[tuple[T
                 except Exception as exc:  # noqa: BLE001  (the worker died: killed, out of memory)
                     row = error_row(task, f"worker died: {type(exc).__name__}: {exc}")
                 yield task, row
-    finally:
-        processes = list((pool._processes or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        processes = list((self.pool._processes or {}).values())
+        self.pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:  # a worker still mid-replay (after Ctrl-C) is ended now
             process.terminate()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -49,7 +49,7 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
     results = Results(out_dir, tasks, meta=spec.meta())
     pending = results.pending()
     if not pending:
-        rows: Iterator = iter(())
+        rows: Iterable = iter(())
     else:
         rows = run_ray(pending, ray) if ray else run_local(pending, workers)
     console = console or Console(stderr=True)
