@@ -3,6 +3,7 @@ its capacity searched; a failing task's row carries the error instead of figures
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -82,8 +83,6 @@ def derived_metrics(result, run, record: dict) -> dict:
 
 def _with(task: Task, value) -> dict:
     """The task's workload with the search axis set to `value`."""
-    import copy
-
     mapping = copy.deepcopy(task.workload)
     set_path(mapping, task.search.axis, value)
     return mapping

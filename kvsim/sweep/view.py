@@ -40,7 +40,7 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
     """
     from kvsim.sweep.runners import run_local, run_ray
 
-    if workers is not None and workers < 1:  # checked before anything runs (the runner starts lazily)
+    if workers is not None and workers < 1:  # checked before the sweep file is even read
         raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
     spec = load_sweep(path)
     options = ReplayOptions(device=device, tensors=tensors, timing=timing)
