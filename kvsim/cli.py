@@ -230,6 +230,26 @@ def cache_curve(
     show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out)
 
 
+@app.command()
+@user_errors
+def sweep(
+    sweep_file: Annotated[str, typer.Argument(help="Sweep YAML: a base workload, axes by dotted path, optional search (see docs/sweeps.md).")],
+    out: Annotated[Optional[str], typer.Option("--out", help="Results directory (default: reports/sweeps/<sweep name>/).")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", "-j", help="Local worker processes (default: one per CPU).", show_default=False)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Run on Ray: auto (a running cluster, else a local one) or a cluster ADDRESS.", show_default=False)] = None,
+    tensors: Annotated[bool, typer.Option("--tensors", help="Replay with cache tensors (default: accounting only).")] = False,
+    device: Annotated[str, typer.Option("--device", help="With --tensors: cuda, cpu or auto.")] = "auto",
+    timing: Annotated[str, typer.Option("--timing", help="Every replay's step clock: roofline, measured, kernels-db or auto (passed through).")] = "roofline",
+    csv: Annotated[bool, typer.Option("--csv", help="Also write results.csv next to results.parquet.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Replay every point of a sweep (a grid of workload fields) into one resumable table; rerun to resume."""
+    from kvsim.sweep.view import run_sweep_cli
+
+    run_sweep_cli(sweep_file, out=out, workers=workers, ray=ray, tensors=tensors, device=device, timing=timing,
+                  csv=csv, quiet=quiet)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -87,6 +87,15 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    return workload_from_mapping(raw, path, sha256=hashlib.sha256(data).hexdigest(), trace=trace, seed=seed, limit=limit)
+
+
+def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | None = None, seed: int | None = None,
+                          limit: int | None = None) -> Workload:
+    """Validate an already parsed workload mapping as if read from `path` (errors name it; relative paths in
+    it are relative to its folder); `load_workload` for a file, a sweep for each of its points."""
+    path = Path(path)
+    source = str(path)
     f = Fields(raw if raw is not None else {}, source=source)
     base_dir = path.parent
 
@@ -127,7 +136,7 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         allocators=allocators,
         scheduler=scheduler,
         path=path,
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=sha256,
         description=f.str("description", ""),
     )
     f.done()

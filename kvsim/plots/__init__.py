@@ -78,7 +78,33 @@ def plot_reports(dirs: Iterable[str | Path] | None = None, fmt: str = "png", *, 
             raise KvsimError("no reports found (run `kvsim replay workloads/poisson.yaml` first)", source="reports/")
     written = []
     for directory in dirs:
+        if (Path(directory) / "results.parquet").is_file():  # a `kvsim sweep` table
+            written += plot_sweep(directory, fmt, note=note)
+            continue
         written += plot_report(load_report(directory), fmt, note=note)
+    return written
+
+
+def plot_sweep(directory: str | Path, fmt: str = "png", *, note: Note = _stderr) -> list[Path]:
+    """The charts of a sweep table that its axes allow (lines, heatmap, capacity bars), written beside it."""
+    from kvsim.plots import sweep
+    from kvsim.plots.style import check_format, save
+
+    fmt = check_format(fmt)
+    directory = Path(directory)
+    try:
+        table, meta = sweep.load_sweep_table(directory)
+    except MissingData as why:
+        note(f"{directory}: skipped: {why}")
+        return []
+    written = []
+    for stem, draw in sweep.CHARTS:
+        try:
+            fig = draw(table, meta)
+        except MissingData as why:
+            note(f"{directory}: skipped {stem}: {why}")
+            continue
+        written.append(save(fig, directory / f"{stem}.{fmt}"))
     return written
 
 
