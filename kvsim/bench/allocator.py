@@ -20,6 +20,7 @@ from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_file
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,7 @@ def run_allocator_bench(
 
 def write_csv(result: AllocatorBenchResult, path: Path) -> None:
     """One header row and one result row."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    with output_file(path).open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(result.as_dict()))
         writer.writeheader()
         writer.writerow(result.as_dict())
@@ -153,6 +153,8 @@ def show_allocator_bench(
     """Run the benchmark, print it (a rich table or one JSON object) and write `out` as CSV if given."""
     import json
 
+    if out is not None:  # checked before the run, not after it
+        output_file(out)
     result = run_allocator_bench(
         num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching, seed=seed
     )
