@@ -14,9 +14,10 @@ from kvsim.roofline import Roofline
 TIMINGS = ("roofline", "measured")
 # Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
 # request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
-# of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors near 20 s.
+# of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors under 8 s
+# (scripts/bench_main_job.py).
 CUDA_READ_EVERY = 1
-CPU_READ_EVERY = 4000
+CPU_READ_EVERY = 8000
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(blocker)])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"kvsim: error: --out: cannot create the report directory {blocker}: File exists"]
+    assert lines == [f"kvsim: error: --out: {blocker} is a file, not a directory"]
     out = tmp_path / "o"
     (out / "summary.csv").mkdir(parents=True)
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(out)])

@@ -214,6 +214,9 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         if start == end:
             return np.empty(0, dtype=np.int64)
         first, last = start // bs, (end - 1) // bs
+        if first == last and table[first * k] is not None:  # a decode run inside one block: the common case
+            base = table[first * k].block_id * bs - first * bs
+            return np.arange(base + start, base + end, dtype=np.int64)
         blocks = (table[j * k] for j in range(first, last + 1))
         ids = np.fromiter((-1 if b is None else b.block_id for b in blocks), dtype=np.int64, count=last - first + 1)
         pos = np.arange(start, end, dtype=np.int64)  # (end - start,)

@@ -56,6 +56,23 @@ class StepTimer:
             end = time.perf_counter_ns()
         self._records[-1].append((kind, start, end))
 
+    @contextmanager
+    def measure_steps(self, kind: str, num_steps: int) -> Iterator[None]:
+        """Time the block once as `kind` spread evenly over `num_steps` steps: the current one and the
+        `num_steps - 1` it opens (CPU only: a synchronous op's host time can be split after it ran).
+
+        For work that covers several steps in one op (a decode run's writes): each step gets the mean.
+        """
+        assert num_steps >= 1 and not self._cuda, (num_steps, self.device)
+        start = time.perf_counter_ns()
+        yield
+        share = (time.perf_counter_ns() - start) / num_steps
+        for j in range(num_steps):
+            if j:
+                self.new_step()
+            if self.enabled:
+                self._records[-1].append((kind, 0, share))
+
     def new_step(self) -> None:
         """Close the current step and open the next one: the replay calls it as each scheduler step begins.
 
