@@ -66,12 +66,14 @@ class StepTimer:
         assert num_steps >= 1 and not self._cuda, (num_steps, self.device)
         start = time.perf_counter_ns()
         yield
-        share = (time.perf_counter_ns() - start) / num_steps
-        for j in range(num_steps):
-            if j:
-                self.new_step()
-            if self.enabled:
-                self._records[-1].append((kind, 0, share))
+        record = (kind, 0, (time.perf_counter_ns() - start) / num_steps)
+        self._records[-1].append(record)
+        if num_steps > 1:
+            self.new_step()  # settles the steps closed so far
+            self._records[-1].append(record)
+            # The steps in between close at once: a CPU step is settled whenever asked (`_done` is true).
+            self._records[-1:-1] = [[record] for _ in range(num_steps - 2)]
+            self._totals[-1:-1] = [None] * (num_steps - 2)
 
     def new_step(self) -> None:
         """Close the current step and open the next one: the replay calls it as each scheduler step begins.
