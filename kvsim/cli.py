@@ -151,6 +151,7 @@ def replay(
     layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
     read_every: Annotated[Optional[int], typer.Option("--read-every", help="Read + attend on every N-th decode step; every step writes. Default: 1 on CUDA (and with --timing measured), 8000 on CPU.", show_default=False)] = None,
+    max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "2GiB",
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
@@ -160,7 +161,7 @@ def replay(
     run_replay_cli(
         Path(workload), out=Path(out) if out else None, device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
-        integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]),
+        integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
     )
 
 

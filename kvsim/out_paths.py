@@ -12,11 +12,22 @@ from pathlib import Path
 from kvsim.errors import KvsimError
 
 
-def output_dir(path: str | Path, *, field: str = "--out") -> Path:
-    """Create directory `path` (and its parents) if needed and check it is writable; returns it."""
+def output_dir(path: str | Path, *, field: str = "--out", create: bool = True) -> Path:
+    """Create directory `path` (and its parents) if needed and check it is writable; returns it.
+
+    With `create` False nothing is made: the nearest existing ancestor must be a writable directory (a
+    check before a long run whose failure should leave no empty directory behind).
+    """
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise KvsimError(f"{out} is a file, not a directory", field=field)
+    if not create:
+        ancestor = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+        if not ancestor.is_dir():
+            raise KvsimError(f"cannot create the directory {out}: {ancestor} is a file", field=field)
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise KvsimError(f"cannot write into the directory {ancestor}: permission denied", field=field)
+        return out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file among the parents, no permission, a read-only or virtual file system

@@ -86,6 +86,8 @@ def run_replay(
             # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes ~18 s instead of hours.
         options = replace(options, device=device, read_every=read_every)
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
+    if device == "cpu":
+        _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(
         workload=workload,
         model_name=model.name,
@@ -109,6 +111,24 @@ def run_replay(
     else:
         result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
     return result
+
+
+def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:
+    """Refuse, before anything runs, a CPU cache pool over `options.max_host_bytes` (--max-host-memory)."""
+    from kvsim.engine.factory import make_allocator
+    from kvsim.units import format_bytes
+
+    for config in configs:
+        spec = ctx.spec(config.block_size)
+        num_slots = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len).num_slots
+        nbytes = 2 * options.num_layers * num_slots * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        if nbytes > options.max_host_bytes:
+            raise KvsimError(
+                f"{config.label}'s CPU cache pool needs {format_bytes(nbytes)} of host memory ({num_slots:,} slots x "
+                f"{options.num_layers} layer(s)), over the {format_bytes(options.max_host_bytes)} allowed; replay with "
+                f"--no-tensors, or allow it with --max-host-memory {-(-nbytes // 2**30)}GiB",
+                field="--max-host-memory",
+            )
 
 
 @contextmanager

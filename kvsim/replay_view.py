@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvsim.units import format_bytes
+from kvsim.out_paths import output_dir
+from kvsim.units import format_bytes, parse_bytes
 
 
 class ReplayProgress:
@@ -135,6 +136,7 @@ def run_replay_cli(
     integrity: bool = False,
     read_every: int | None = None,
     command: str | None = None,
+    max_host_memory: str = "2GiB",
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 
@@ -146,13 +148,18 @@ def run_replay_cli(
     from kvsim.workload import load_workload
 
     workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
-    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity, read_every=read_every)
+    max_host_bytes = parse_bytes(max_host_memory, field="--max-host-memory")
+    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity,
+                            read_every=read_every, max_host_bytes=max_host_bytes)  # fmt: skip
+    ignored = options.ignored_without_tensors()
+    if ignored:
+        Console(stderr=True).print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
+    out_dir = output_dir(out if out is not None else Path("reports") / workload.name, create=False)  # before the replay runs
     console = Console(stderr=json_out)
     with ReplayProgress(console, enabled=not quiet) as progress:
         result = run_replay(workload, options, progress=progress)
     if result.note and not quiet:
         Console(stderr=True).print(f"note: {result.note}", style="dim")
-    out_dir = out if out is not None else Path("reports") / workload.name
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)
     if json_out:

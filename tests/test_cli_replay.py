@@ -138,3 +138,25 @@ def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
     notes = [line for line in result.stdout.splitlines() if "rejected 5 of 5 requests" in line]
     assert len(notes) == 3 and notes[0].startswith("flat-oracle: rejected 5 of 5 requests, e.g. request 0: its slab of ")
     assert "rejected" not in cli(["replay", str(write_tiny(tmp_path, count=5)), "--no-tensors", "--out", str(tmp_path / "p")]).stdout
+
+
+def test_a_cpu_pool_over_the_host_memory_cap_is_refused_before_the_replay(cli, tmp_path, monkeypatch):
+    import kvsim.replay_loop
+
+    monkeypatch.setattr(kvsim.replay_loop, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
+    path = write_tiny(tmp_path, budget_tokens=1024)  # 1024 slots of BPT bytes (all layers); 1 materialised
+    result = cli(["replay", str(path), "--device", "cpu", "--max-host-memory", "1KiB", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvsim: error: --max-host-memory: flat-oracle's CPU cache pool needs ")
+    assert "--no-tensors" in line and "--max-host-memory 1GiB" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):
+    path = write_tiny(tmp_path, count=3)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--layers", "2", "--read-every", "5", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "note: --no-tensors: --layers, --read-every ignored" in result.stderr
+    plain = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(tmp_path / "p")])
+    assert "ignored" not in plain.stderr

@@ -55,3 +55,24 @@ def test_bench_kernels_bad_out_is_one_line(cli, tmp_path, case):
     assert result.exit_code == 2, result.output
     assert "kvsim: error: --out:" in result.output.splitlines()[-1]
     assert not isinstance(result.exception, OSError)
+
+
+def test_output_dir_check_without_creating(tmp_path):
+    a_file = tmp_path / "a.csv"
+    a_file.write_text("x")
+    assert output_dir(tmp_path / "x" / "y", create=False) == tmp_path / "x" / "y"
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(KvsimError, match="a.csv is a file"):
+        output_dir(a_file / "y", create=False)
+
+
+def test_replay_out_under_a_file_fails_before_the_replay(cli, tmp_path, monkeypatch):
+    import kvsim.replay
+
+    monkeypatch.setattr(kvsim.replay, "run_replay", lambda *a, **kw: pytest.fail("replayed before checking --out"))
+    a_file = tmp_path / "a.csv"
+    a_file.write_text("x")
+    from tests.conftest import REPO
+
+    result = cli(["replay", str(REPO / "workloads" / "poisson.yaml"), "--no-tensors", "--out", str(a_file / "r")])
+    assert result.exit_code == 2 and result.output.strip().startswith("kvsim: error: --out:")
