@@ -142,11 +142,12 @@ def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
 
 def test_a_cpu_pool_over_the_host_memory_cap_is_refused_before_the_replay(cli, tmp_path, monkeypatch):
     import kvsim.replay
+    import kvsim.replay_workers
 
-    monkeypatch.setattr(kvsim.replay, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
+    for module in (kvsim.replay, kvsim.replay_workers):
+        monkeypatch.setattr(module, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
     path = write_tiny(tmp_path, budget_tokens=1024)  # 1024 slots of BPT bytes (all layers); 1 materialised
-    result = cli(["replay", str(path), "--device", "cpu", "--max-host-memory", "1KiB", "--out", str(tmp_path / "o")],
-                 env={"KVSIM_WORKERS": "1"})
+    result = cli(["replay", str(path), "--device", "cpu", "--max-host-memory", "1KiB", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("kvsim: error: --max-host-memory: flat-oracle's CPU cache pool needs ")
