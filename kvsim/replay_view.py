@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Callable
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvsim.out_paths import output_dir
 from kvsim.units import format_bytes, parse_bytes
@@ -79,30 +80,50 @@ _COLUMNS: tuple[tuple[str, Callable[[dict], str], bool], ...] = (
 _EMPTY = {"-", "0"}
 
 
-def summary_table(records: list[dict], *, title: str | None = None, width: int = 160) -> Table:
+LEGEND = (
+    "tokens: KV of computed tokens; resv: reserved for tokens a request will still produce; intl: internal "
+    "fragmentation (allocated, never to be used); extl: external fragmentation (free, but too scattered to "
+    "admit the waiting request); free: unused; pre-empt: preemptions; TTFT: time to first token; TPOT: time "
+    "per output token"
+)
+
+
+def summary_table(records: list[dict], *, title: str | None = None, width: int = 160) -> Group:
     """The replay's headline: per allocator, where the budget went (time-averaged %) and what it bought.
 
-    Optional columns are left out when empty for every allocator (no prefix caching, nothing rejected) or
-    when they would not fit in `width` terminal columns.
+    No cell is ever cut: essential columns that do not fit in `width` terminal columns go on to a second
+    table (the allocator column repeated); optional columns are left out when empty for every allocator (no
+    prefix caching, nothing rejected) or when they would not fit. A legend line explains the abbreviations.
     """
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
-    table.add_column("allocator", no_wrap=True)
     cells = [[cell(r) for _, cell, _ in _COLUMNS] for r in records]
 
     def col_width(j: int) -> int:
         return max([len(line) for line in _COLUMNS[j][0].split("\n")] + [len(row[j]) for row in cells]) + 2  # pad, rule
 
-    used = max([len("allocator")] + [len(r["allocator"]) for r in records]) + 2
-    keep = []
+    first = max([len("allocator")] + [len(r["allocator"]) for r in records])
+    edges = 2  # the box's left and right edge characters
+    pages: list[list[int]] = [[]]
+    used = first + edges
     for j, (_, _, essential) in enumerate(_COLUMNS):
-        if essential or (any(row[j] not in _EMPTY for row in cells) and used + col_width(j) <= width):
-            keep.append(j)
+        fits = used + col_width(j) <= width
+        if essential and not fits and pages[-1]:
+            pages.append([])
+            used = first + edges
+            fits = True
+        if essential or (fits and any(row[j] not in _EMPTY for row in cells)):
+            pages[-1].append(j)
             used += col_width(j)
-    for j in keep:
-        table.add_column(_COLUMNS[j][0], justify="right", no_wrap=True)
-    for r, row in zip(records, cells):
-        table.add_row(r["allocator"], *(row[j] for j in keep))
-    return table
+    tables = []
+    for k, page in enumerate(pages):
+        table = Table(title=title if k == 0 else None, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
+                      pad_edge=False)  # fmt: skip
+        table.add_column("allocator", no_wrap=True, min_width=first)
+        for j in page:
+            table.add_column(_COLUMNS[j][0], justify="right", no_wrap=True, min_width=col_width(j) - 2)
+        for r, row in zip(records, cells):
+            table.add_row(r["allocator"], *(row[j] for j in page))
+        tables.append(table)
+    return Group(*tables, Text(LEGEND, style="dim"))
 
 
 def rejection_notes(result) -> list[str]:

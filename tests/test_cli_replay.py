@@ -162,3 +162,24 @@ def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):
     assert "note: --no-tensors: --layers, --read-every ignored" in result.stderr
     plain = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(tmp_path / "p")])
     assert "ignored" not in plain.stderr
+
+
+def test_the_summary_table_cuts_no_cell_at_80_columns(cli, tmp_path):
+    # Piped output is 80 columns wide: long labels and every column must still show whole, never "…".
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("  - {kind: flat, reserve: oracle}", "  - {kind: flat, reserve: oracle, placement: best-fit}")
+    path.write_text(text)
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "…" not in out and "..." not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    records = json.loads((tmp_path / "o" / "summary.json").read_text())
+    from kvsim.replay_view import _COLUMNS
+
+    for r in records:
+        assert r["allocator"] in out
+        for _, cell, essential in _COLUMNS:
+            if essential:
+                assert f" {cell(r)}" in out, (r["allocator"], cell(r))
+    assert "resv: reserved for tokens a request will still" in out and "pre-empt: preemptions" in out
