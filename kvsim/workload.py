@@ -71,6 +71,10 @@ class Workload:
         assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
 
 
+WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
+                   "max_model_len", "requests", "allocators", "scheduler")  # fmt: skip
+
+
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
     """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
     file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
@@ -87,7 +91,10 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
-    f = Fields(raw if raw is not None else {}, source=source)
+    if raw is None:
+        raise KvsimError("the workload file is empty (see workloads/poisson.yaml for every field)", source=source)
+    f = Fields(raw, source=source)
+    f.only(WORKLOAD_FIELDS)
     base_dir = path.parent
 
     name = f.str("name", path.stem)
