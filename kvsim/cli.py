@@ -11,6 +11,7 @@ import sys
 from typing import Callable, TypeVar
 
 import typer
+import typer.core
 
 from kvsim.errors import KvsimError
 
@@ -23,6 +24,25 @@ app = typer.Typer(
 )
 
 F = TypeVar("F", bound=Callable)
+
+# typer's --help labels a flag `<bool>`, as if it took a value; a flag (--json, --no-tensors) shows no type.
+_option_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _option_type(self, ctx)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from kvsim import __version__
+
+        typer.echo(f"kvsim {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", help="Print kvsim's version and exit.", callback=_show_version, is_eager=True),
+) -> None:
+    """KV-cache sizing, paged-allocator simulation and real GPU measurements."""
 
 
 def user_errors(fn: F) -> F:

@@ -183,6 +183,13 @@ def run_replay_cli(
         Console(stderr=True).print(f"note: {result.note}", style="dim")
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)
+    if integrity:  # a failed check raised during the replay; reaching here is the verdict
+        reads = sum(run.num_read_samples for run in result.runs)
+        Console(stderr=True).print(
+            f"integrity: passed: {len(result.runs)} allocator(s), every token's K/V as written: {reads:,} sampled batch "
+            "reads checked token by token, every finished, swapped-in or prefix-hit request checked in the pool",
+            markup=False, highlight=False,
+        )
     if json_out:
         sys.stdout.write(json.dumps(jsonable(records), indent=2) + "\n")
         return paths.out_dir

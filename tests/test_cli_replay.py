@@ -36,6 +36,7 @@ def test_replay_with_tensors_on_cpu(cli, tmp_path):
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)
     assert all(r["write_us_p50"] > 0 for r in records)
+    assert "integrity: passed: 3 allocator(s)" in result.stderr
 
 
 def test_bad_workload_exits_2_with_one_line(cli, tmp_path):

@@ -275,3 +275,19 @@ def test_models_table_on_an_80_column_terminal_keeps_kv_heads_and_head_dim(cli, 
     assert "1x576" in row and "70,272" in row
     row = next(line for line in out.splitlines() if line.split() and line.split()[0] == "gemma-3-27b")
     assert "16x128" in row
+
+
+def test_version_and_flags_without_a_type_in_help(cli):
+    from kvsim import __version__
+
+    result = cli(["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"kvsim {__version__}"
+    help_text = cli(["replay", "--help"]).stdout
+    assert "--no-tensors" in help_text and "<bool>" not in help_text and "<int>" in help_text
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "16"])
+def test_plot_size_refuses_a_max_context_at_or_below_the_left_edge(cli, tmp_path, value):
+    result = cli(["plot", "size", "-m", "qwen3-0.6b", "--max-context", value, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--max-context: must be above the chart's left edge, 16 tokens" in result.stderr
+    assert not list(tmp_path.iterdir())
