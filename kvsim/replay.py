@@ -13,7 +13,7 @@ import numpy as np
 
 from kvsim.errors import KvsimError
 from kvsim.replay_loop import replay_allocator
-from kvsim.replay_options import CPU_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
+from kvsim.replay_options import CPU_MEASURED_READ_EVERY, CPU_READ_EVERY, CUDA_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
 from kvsim.replay_records import ReplayResult
 from kvsim.roofline import Roofline
 
@@ -79,11 +79,18 @@ def run_replay(
         device = str(resolved)
         read_every = options.read_every
         if read_every is None:
-            read_every = 1 if resolved.type == "cuda" or options.timing == "measured" else CPU_READ_EVERY
+            if resolved.type == "cuda":
+                read_every = CUDA_READ_EVERY
+            else:
+                read_every = CPU_MEASURED_READ_EVERY if options.timing == "measured" else CPU_READ_EVERY
         if options.device == "auto" and resolved.type == "cpu":
             note = f"no CUDA device: cache tensors on the CPU, reads sampled every {read_every} decode steps"
             # CPU tensors are the default since every step's write is one cheap scatter and the reads, which
-            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes ~18 s instead of hours.
+            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes seconds instead of hours.
+        if options.timing == "measured" and read_every > 1:
+            sampled = (f"measured timing: reads timed every {read_every} decode steps, the steps between "
+                       "at the last read's µs per context token")  # fmt: skip
+            note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed)
     if device == "cpu":

@@ -140,6 +140,17 @@ def rejection_notes(result) -> list[str]:
     return lines
 
 
+def clock_source(result) -> str:
+    """What the replay's clock stands for: the workload's GPU (roofline), or the device that was measured."""
+    if result.options.timing == "measured":
+        import torch
+
+        from kvsim.engine.device import device_name
+
+        return f"timed as measured on {device_name(torch.device(result.device))} (not {result.hardware_name})"
+    return f"on {result.hardware_name}"
+
+
 def run_replay_cli(
     workload_path: Path,
     *,
@@ -195,7 +206,7 @@ def run_replay_cli(
         return paths.out_dir
     if not quiet:
         title = (
-            f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
+            f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
             f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
         )
         console.print(summary_table(records, title=title, width=console.width))
