@@ -47,7 +47,7 @@ class ModelRunner:
         decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
         run_slots = None  # (k, num_decodes): slot of each decoding request's token in each step of the row
         if decodes:
-            run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts.tolist())], axis=1)
+            run_slots = alloc.decode_slot_mapping(decodes, starts, k)
         # Step 0: the prefill chunks and the first decode token of each request, one scatter.
         slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in out.prefills]
         ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in out.prefills]
