@@ -68,6 +68,9 @@ def get_gpu(name: str) -> GPUSpec:
     """The GPU called `name` (`h100-80gb`, `H200`, `a100-40gb`...; case-insensitive, '_' or ' ' as '-')."""
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     aliases = _aliases()
+    variants = [k for k in gpu_names() if k.startswith(key + "-")]
+    if key not in _catalogue() and len(variants) > 1:  # `a100`: the 40 GB or the 80 GB card?
+        raise KvsimError(f"ambiguous GPU {name!r}: say which of {', '.join(variants)}", field="--gpu")
     if key in aliases:
         return _catalogue()[aliases[key]]
     close = difflib.get_close_matches(key, list(aliases), n=3, cutoff=0.5)

@@ -23,6 +23,21 @@ from kvsim.models import ModelSpec
 __all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
 
 
+def config_name(path: Path, data: dict) -> str:
+    """A model's name from its config file: the file's own name (`qwen25-7b.json` -> qwen25-7b), or for a
+    Hugging Face `config.json` the config's `_name_or_path` (its last part) or else the folder holding it.
+
+    Never the folder of a file with a name of its own: workloads resolve paths to absolute ones, and every
+    report would be named after wherever the file happens to live.
+    """
+    if path.stem.lower() != "config":
+        return path.stem
+    hub = data.get("_name_or_path")
+    if isinstance(hub, str) and hub.strip().strip("/"):
+        return hub.strip().strip("/").split("/")[-1]
+    return path.resolve().parent.name or path.stem
+
+
 def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
     """Read a Hugging Face config.json at `path` into a ModelSpec (parameter count estimated from it)."""
     source = str(path)
@@ -36,7 +51,7 @@ def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
         raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
     if not isinstance(data, dict):
         raise KvsimError("expected a JSON object at the top level", source=source)
-    spec = model_spec_from_config(data, source=source, name=name or Path(path).parent.name or Path(path).stem)
+    spec = model_spec_from_config(data, source=source, name=name or config_name(Path(path), data))
     estimate = estimate_num_params(data, spec)
     if estimate is None:
         return spec

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir
 from kvsim.profile_stream import PagedPool, PerRequestTensors, replay_stream
 
 SETTINGS = {"default": None, "expandable": "expandable_segments:True"}
@@ -88,7 +89,7 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
         ok = summary[summary["status"] == "ok"]
         slug = ok["device"].iat[0] if len(ok) else "cuda"
         out = Path(out_dir) if out_dir else Path("reports/profile") / slugify(slug)
-        out.mkdir(parents=True, exist_ok=True)
+        output_dir(out)
         for pickle in Path(tmp).glob("*.pickle"):
             shutil.move(str(pickle), out / f"snapshot-{pickle.name}")
     timeline = pd.concat(timelines, ignore_index=True) if timelines else pd.DataFrame()

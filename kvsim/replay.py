@@ -13,7 +13,7 @@ import numpy as np
 
 from kvsim.errors import KvsimError
 from kvsim.replay_loop import replay_allocator
-from kvsim.replay_options import CPU_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
+from kvsim.replay_options import CPU_MEASURED_READ_EVERY, CPU_READ_EVERY, CUDA_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
 from kvsim.replay_records import ReplayResult
 from kvsim.roofline import Roofline
 
@@ -80,14 +80,23 @@ def run_replay(
         device = str(resolved)
         read_every = options.read_every
         if read_every is None:
-            read_every = 1 if resolved.type == "cuda" or options.timing == "measured" else CPU_READ_EVERY
+            if resolved.type == "cuda":
+                read_every = CUDA_READ_EVERY
+            else:
+                read_every = CPU_MEASURED_READ_EVERY if options.timing == "measured" else CPU_READ_EVERY
         if options.device == "auto" and resolved.type == "cpu":
             note = f"no CUDA device: cache tensors on the CPU, reads sampled every {read_every} decode steps"
             # CPU tensors are the default since every step's write is one cheap scatter and the reads, which
-            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes ~18 s instead of hours.
+            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes seconds instead of hours.
+        if options.timing == "measured" and read_every > 1:
+            sampled = (f"measured timing: reads timed every {read_every} decode steps, the steps between "
+                       "at the last read's µs per context token")  # fmt: skip
+            note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
+    if device == "cpu":
+        _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(
         workload=workload,
         model_name=model.name,
@@ -129,6 +138,24 @@ def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str):
         if exc.field in ("model", "hardware", "kv_dtype"):
             raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
         raise
+
+
+def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:
+    """Refuse, before anything runs, a CPU cache pool over `options.max_host_bytes` (--max-host-memory)."""
+    from kvsim.engine.factory import make_allocator
+    from kvsim.units import format_bytes
+
+    for config in configs:
+        spec = ctx.spec(config.block_size)
+        num_slots = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len).num_slots
+        nbytes = 2 * options.num_layers * num_slots * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        if nbytes > options.max_host_bytes:
+            raise KvsimError(
+                f"{config.label}'s CPU cache pool needs {format_bytes(nbytes)} of host memory ({num_slots:,} slots x "
+                f"{options.num_layers} layer(s)), over the {format_bytes(options.max_host_bytes)} allowed; replay with "
+                f"--no-tensors, or allow it with --max-host-memory {-(-nbytes // 2**30)}GiB",
+                field="--max-host-memory",
+            )
 
 
 @contextmanager

@@ -50,7 +50,9 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             if exc.field != "num_layers":
                 raise
             raise KvsimError(str(exc).removeprefix("num_layers: "), field="--layers") from None
-    runner = ModelRunner(cache, allocator, read_every=options.read_every or 1) if cache is not None else None
+    runner = None
+    if cache is not None:
+        runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured")
     needs_ids = config.prefix_caching or options.integrity
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
@@ -134,7 +136,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
                 # The clock needs this step's own kernel time before the next step is scheduled: on CUDA this
                 # waits for the step's last event, the one host sync per step that measured timing costs by
                 # design. The roofline clock never waits; its kernel columns are resolved after the loop.
-                times = cache.timer.step_times()
+                times = {**runner.estimate, **cache.timer.step_times()}  # reads scaled from the last sample, if none
                 dt = sum(times.values()) * 1e-6 * scale
                 kernels = (times.get("write", nan), times.get("read", nan), times.get("attention", nan))
             else:

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Callable
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from kvsim.units import format_bytes
+from kvsim.out_paths import output_dir
+from kvsim.units import format_bytes, parse_bytes
 
 
 class ReplayProgress:
@@ -78,30 +80,50 @@ _COLUMNS: tuple[tuple[str, Callable[[dict], str], bool], ...] = (
 _EMPTY = {"-", "0"}
 
 
-def summary_table(records: list[dict], *, title: str | None = None, width: int = 160) -> Table:
+LEGEND = (
+    "tokens: KV of computed tokens; resv: reserved for tokens a request will still produce; intl: internal "
+    "fragmentation (allocated, never to be used); extl: external fragmentation (free, but too scattered to "
+    "admit the waiting request); free: unused; pre-empt: preemptions; TTFT: time to first token; TPOT: time "
+    "per output token"
+)
+
+
+def summary_table(records: list[dict], *, title: str | None = None, width: int = 160) -> Group:
     """The replay's headline: per allocator, where the budget went (time-averaged %) and what it bought.
 
-    Optional columns are left out when empty for every allocator (no prefix caching, nothing rejected) or
-    when they would not fit in `width` terminal columns.
+    No cell is ever cut: essential columns that do not fit in `width` terminal columns go on to a second
+    table (the allocator column repeated); optional columns are left out when empty for every allocator (no
+    prefix caching, nothing rejected) or when they would not fit. A legend line explains the abbreviations.
     """
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
-    table.add_column("allocator", no_wrap=True)
     cells = [[cell(r) for _, cell, _ in _COLUMNS] for r in records]
 
     def col_width(j: int) -> int:
         return max([len(line) for line in _COLUMNS[j][0].split("\n")] + [len(row[j]) for row in cells]) + 2  # pad, rule
 
-    used = max([len("allocator")] + [len(r["allocator"]) for r in records]) + 2
-    keep = []
+    first = max([len("allocator")] + [len(r["allocator"]) for r in records])
+    edges = 2  # the box's left and right edge characters
+    pages: list[list[int]] = [[]]
+    used = first + edges
     for j, (_, _, essential) in enumerate(_COLUMNS):
-        if essential or (any(row[j] not in _EMPTY for row in cells) and used + col_width(j) <= width):
-            keep.append(j)
+        fits = used + col_width(j) <= width
+        if essential and not fits and pages[-1]:
+            pages.append([])
+            used = first + edges
+            fits = True
+        if essential or (fits and any(row[j] not in _EMPTY for row in cells)):
+            pages[-1].append(j)
             used += col_width(j)
-    for j in keep:
-        table.add_column(_COLUMNS[j][0], justify="right", no_wrap=True)
-    for r, row in zip(records, cells):
-        table.add_row(r["allocator"], *(row[j] for j in keep))
-    return table
+    tables = []
+    for k, page in enumerate(pages):
+        table = Table(title=title if k == 0 else None, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1),
+                      pad_edge=False)  # fmt: skip
+        table.add_column("allocator", no_wrap=True, min_width=first)
+        for j in page:
+            table.add_column(_COLUMNS[j][0], justify="right", no_wrap=True, min_width=col_width(j) - 2)
+        for r, row in zip(records, cells):
+            table.add_row(r["allocator"], *(row[j] for j in page))
+        tables.append(table)
+    return Group(*tables, Text(LEGEND, style="dim"))
 
 
 def rejection_notes(result) -> list[str]:
@@ -116,6 +138,17 @@ def rejection_notes(result) -> list[str]:
             lines.append(f"{run.label}: rejected {len(rejected):,} of {n:,} requests, e.g. request {i}: {reason} "
                          "(each reason in requests.csv)")
     return lines
+
+
+def clock_source(result) -> str:
+    """What the replay's clock stands for: the workload's GPU (roofline), or the device that was measured."""
+    if result.options.timing == "measured":
+        import torch
+
+        from kvsim.engine.device import device_name
+
+        return f"timed as measured on {device_name(torch.device(result.device))} (not {result.hardware_name})"
+    return f"on {result.hardware_name}"
 
 
 def run_replay_cli(
@@ -135,6 +168,7 @@ def run_replay_cli(
     integrity: bool = False,
     read_every: int | None = None,
     command: str | None = None,
+    max_host_memory: str = "2GiB",
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 
@@ -146,21 +180,33 @@ def run_replay_cli(
     from kvsim.workload import load_workload
 
     workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
-    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity, read_every=read_every)
+    max_host_bytes = parse_bytes(max_host_memory, field="--max-host-memory")
+    options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity,
+                            read_every=read_every, max_host_bytes=max_host_bytes)  # fmt: skip
+    ignored = options.ignored_without_tensors()
+    if ignored:
+        Console(stderr=True).print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
+    out_dir = output_dir(out if out is not None else Path("reports") / workload.name, create=False)  # before the replay runs
     console = Console(stderr=json_out)
     with ReplayProgress(console, enabled=not quiet) as progress:
         result = run_replay(workload, options, progress=progress)
     if result.note and not quiet:
         Console(stderr=True).print(f"note: {result.note}", style="dim", markup=False)
-    out_dir = out if out is not None else Path("reports") / workload.name
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)
+    if integrity:  # a failed check raised during the replay; reaching here is the verdict
+        reads = sum(run.num_read_samples for run in result.runs)
+        Console(stderr=True).print(
+            f"integrity: passed: {len(result.runs)} allocator(s), every token's K/V as written: {reads:,} sampled batch "
+            "reads checked token by token, every finished, swapped-in or prefix-hit request checked in the pool",
+            markup=False, highlight=False,
+        )
     if json_out:
         sys.stdout.write(json.dumps(jsonable(records), indent=2) + "\n")
         return paths.out_dir
     if not quiet:
         title = (
-            f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
+            f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
             f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it), clock: {result.clock}"
         )
         console.print(summary_table(records, title=title, width=console.width))

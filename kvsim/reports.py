@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir
 from kvsim.replay_records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
 
 CATEGORIES = (
@@ -185,11 +186,7 @@ def _version(package: str) -> str | None:
 
 def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = False, command: str | None = None) -> ReportPaths:
     """Write every report of `result` under `out_dir` (created if needed) and return their paths."""
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file in the way, no permission, a read-only disk
-        raise KvsimError(f"cannot create the report directory {out}: {exc.strerror or exc}", field="--out") from None
+    out = output_dir(out_dir)
     paths = ReportPaths(
         out_dir=out,
         steps=out / "steps.parquet",

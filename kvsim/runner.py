@@ -20,11 +20,16 @@ class ModelRunner:
     until its request finishes, so a block owned twice or overwritten cannot go unseen.
     """
 
-    def __init__(self, cache, allocator, *, read_every: int = 1):
+    def __init__(self, cache, allocator, *, read_every: int = 1, estimate_reads: bool = False):
         assert read_every >= 1
         self.cache = cache
         self.allocator = allocator
         self.read_every = read_every
+        # Measured timing with sampled reads: a step that does not read gets the last sample's read and
+        # attention µs per context token times its own context tokens (`estimate`, reset every row).
+        self.estimate_reads = estimate_reads
+        self.estimate: dict[str, float] = {}
+        self._us_per_token: dict[str, float] = {}
         self.paged = hasattr(allocator, "block_table")
         self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
         self.num_decode_steps = 0  # decode steps executed so far: the read sampling counter
@@ -37,11 +42,12 @@ class ModelRunner:
             if pairs:
                 cache.copy_blocks(pairs)
         decodes, k = out.decodes, out.num_steps
+        self.estimate = {}
         starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
         decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
         run_slots = None  # (k, num_decodes): slot of each decoding request's token in each step of the row
         if decodes:
-            run_slots = np.stack([alloc.slot_mapping(seq, c, c + k) for seq, c in zip(decodes, starts.tolist())], axis=1)
+            run_slots = alloc.decode_slot_mapping(decodes, starts, k)
         # Step 0: the prefill chunks and the first decode token of each request, one scatter.
         slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in out.prefills]
         ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in out.prefills]
@@ -63,6 +69,9 @@ class ModelRunner:
         first = (-self.num_decode_steps) % every  # the row's first step whose global decode index is sampled
         self.num_decode_steps += k
         tables, complete = None, True
+        if self.estimate_reads and first >= k and self._us_per_token:  # no read in this row: scale the last one
+            tokens = int(starts.sum()) + k * len(starts)
+            self.estimate = {kind: us * tokens for kind, us in self._us_per_token.items()}
         if self.paged and first < k:
             raw = [self.allocator.block_table(seq) for seq in decodes]
             complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
@@ -84,6 +93,9 @@ class ModelRunner:
                 read = cache.read_flat([self.allocator.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
             cache.decode_attention(read)
             self.num_read_samples += 1
+            if self.estimate_reads:
+                times, tokens = cache.timer.step_times(), sum(lens)
+                self._us_per_token = {kind: times[kind] / tokens for kind in ("read", "attention") if kind in times}
 
     def _verify_row(self, out: SchedulerOutput) -> None:
         """Integrity: the whole KV of requests that finish in this row, were swapped in, or were admitted onto

@@ -71,6 +71,10 @@ class Workload:
         assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
 
 
+WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
+                   "max_model_len", "requests", "allocators", "scheduler")  # fmt: skip
+
+
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
     """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
     file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
@@ -96,7 +100,10 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     it are relative to its folder); `load_workload` for a file, a sweep for each of its points."""
     path = Path(path)
     source = str(path)
-    f = Fields(raw if raw is not None else {}, source=source)
+    if raw is None:
+        raise KvsimError("the workload file is empty (see workloads/poisson.yaml for every field)", source=source)
+    f = Fields(raw, source=source)
+    f.only(WORKLOAD_FIELDS)
     base_dir = path.parent
 
     name = f.str("name", path.stem)

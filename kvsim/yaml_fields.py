@@ -101,6 +101,18 @@ class Fields:
         """A list of mappings, each read with its own Fields (`allocators[2].block_size`)."""
         return [Fields(item, source=self.source, prefix=f"{self.path(key)}[{i}]") for i, item in enumerate(self._list(key))]
 
+    def only(self, known: tuple[str, ...]) -> None:
+        """Reject, before any field is read, keys outside `known`: a typo (`kv_budgett`) is named as itself,
+        not reported as whatever required field it was meant to be."""
+        unknown = [k for k in self.raw if k not in known]
+        if unknown:
+            import difflib
+
+            hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(str(k), known, n=1)) else str(k)
+                     for k in unknown]  # fmt: skip
+            raise KvsimError(f"unknown field(s) {', '.join(hints)} (known here: {', '.join(sorted(known))})",
+                             source=self.source, field=self.prefix or None)
+
     def done(self) -> None:
         unknown = [k for k in self.raw if k not in self._seen]
         if unknown:

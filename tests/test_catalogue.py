@@ -209,3 +209,12 @@ def test_default_context_as_vllm_derives_it():
     assert resolve_model("phi-3.5-mini").max_model_len == 4096  # longrope: original_max_position_embeddings
     assert resolve_model("mamba-2.8b").max_model_len == 2048  # no length key
     assert resolve_model("llama-4-scout").max_model_len == 10485760
+
+
+def test_a_gpu_name_that_fits_two_cards_is_an_error_listing_them(cli):
+    # `--gpu a100` silently meant the 80 GB card.
+    with pytest.raises(KvsimError, match=r"^--gpu: ambiguous GPU 'a100': say which of a100-40gb, a100-80gb$"):
+        get_gpu("a100")
+    assert get_gpu("A100_40GB").key == "a100-40gb" and get_gpu("h100").key == "h100-80gb"  # one card: fine
+    result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "a100"])
+    assert result.exit_code == 2 and result.stderr.strip() == "kvsim: error: --gpu: ambiguous GPU 'a100': say which of a100-40gb, a100-80gb"

@@ -36,6 +36,7 @@ def test_replay_with_tensors_on_cpu(cli, tmp_path):
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)
     assert all(r["write_us_p50"] > 0 for r in records)
+    assert "integrity: passed: 3 allocator(s)" in result.stderr
 
 
 def test_bad_workload_exits_2_with_one_line(cli, tmp_path):
@@ -93,12 +94,13 @@ def test_cpu_tensors_keep_summary_csv_byte_identical_and_count_read_samples(cli,
     assert all(r["num_read_samples"] == 0 for r in json.loads((off / "summary.json").read_text()))
 
 
-def test_read_every_must_be_positive_and_measured_reads_every_step(cli, tmp_path):
+def test_read_every_must_be_positive_and_measured_names_the_device_it_measured(cli, tmp_path):
     path = write_tiny(tmp_path, count=4)
     zero = cli(["replay", str(path), "--device", "cpu", "--read-every", "0", "--out", str(tmp_path / "o")])
     assert zero.exit_code == 2 and "--read-every" in zero.output
     measured = cli(["replay", str(path), "--device", "cpu", "--timing", "measured", "--read-every", "3", "--out", str(tmp_path / "o")])
-    assert measured.exit_code == 2 and "--read-every 1" in measured.output
+    assert measured.exit_code == 0, measured.output
+    assert "timed as measured on cpu (" in measured.stdout and "(not NVIDIA" in measured.stdout
 
 
 @pytest.mark.parametrize("tensors", [["--no-tensors"], ["--device", "cpu"]])
@@ -122,7 +124,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(blocker)])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"kvsim: error: --out: cannot create the report directory {blocker}: File exists"]
+    assert lines == [f"kvsim: error: --out: {blocker} is a file, not a directory"]
     out = tmp_path / "o"
     (out / "summary.csv").mkdir(parents=True)
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(out)])
@@ -138,3 +140,48 @@ def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
     notes = [line for line in result.stdout.splitlines() if "rejected 5 of 5 requests" in line]
     assert len(notes) == 3 and notes[0].startswith("flat-oracle: rejected 5 of 5 requests, e.g. request 0: its slab of ")
     assert "rejected" not in cli(["replay", str(write_tiny(tmp_path, count=5)), "--no-tensors", "--out", str(tmp_path / "p")]).stdout
+
+
+def test_a_cpu_pool_over_the_host_memory_cap_is_refused_before_the_replay(cli, tmp_path, monkeypatch):
+    import kvsim.replay
+    import kvsim.replay_workers
+
+    for module in (kvsim.replay, kvsim.replay_workers):
+        monkeypatch.setattr(module, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
+    path = write_tiny(tmp_path, budget_tokens=1024)  # 1024 slots of BPT bytes (all layers); 1 materialised
+    result = cli(["replay", str(path), "--device", "cpu", "--max-host-memory", "1KiB", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvsim: error: --max-host-memory: flat-oracle's CPU cache pool needs ")
+    assert "--no-tensors" in line and "--max-host-memory 1GiB" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):
+    path = write_tiny(tmp_path, count=3)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--layers", "2", "--read-every", "5", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "note: --no-tensors: --layers, --read-every ignored" in result.stderr
+    plain = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(tmp_path / "p")])
+    assert "ignored" not in plain.stderr
+
+
+def test_the_summary_table_cuts_no_cell_at_80_columns(cli, tmp_path):
+    # Piped output is 80 columns wide: long labels and every column must still show whole, never "…".
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("  - {kind: flat, reserve: oracle}", "  - {kind: flat, reserve: oracle, placement: best-fit}")
+    path.write_text(text)
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "…" not in out and "..." not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    records = json.loads((tmp_path / "o" / "summary.json").read_text())
+    from kvsim.replay_view import _COLUMNS
+
+    for r in records:
+        assert r["allocator"] in out
+        for _, cell, essential in _COLUMNS:
+            if essential:
+                assert f" {cell(r)}" in out, (r["allocator"], cell(r))
+    assert "resv: reserved for tokens a request will still" in out and "pre-empt: preemptions" in out

@@ -298,3 +298,19 @@ def test_vllm_settings_errors_and_a_refused_start_through_the_cli(cli):
     out = cli(["size", "-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"]).stdout
     assert "vLLM 0.33.0 would refuse to start: one request of 131,072 tokens needs 8,192 blocks of 2,621,440 B" in out
     assert run_json(cli, ["-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"])["vllm_starts"] is False
+
+
+def test_version_and_flags_without_a_type_in_help(cli):
+    from kvsim import __version__
+
+    result = cli(["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"kvsim {__version__}"
+    help_text = cli(["replay", "--help"]).stdout
+    assert "--no-tensors" in help_text and "<bool>" not in help_text and "<int>" in help_text
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "16"])
+def test_plot_size_refuses_a_max_context_at_or_below_the_left_edge(cli, tmp_path, value):
+    result = cli(["plot", "size", "-m", "qwen3-0.6b", "--max-context", value, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--max-context: must be above the chart's left edge, 16 tokens" in result.stderr
+    assert not list(tmp_path.iterdir())

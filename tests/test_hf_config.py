@@ -516,3 +516,27 @@ def test_rope_scaling_sets_the_default_context_as_vllm_derives_it(write_config, 
 def test_gemma3_rope_scaling_is_already_in_its_max_length(write_config):
     cfg = {**LLAMA_8B, "model_type": "gemma3_text", "sliding_window": 1024, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     assert load_hf_config(write_config(cfg)).max_model_len == 131072
+
+
+def test_a_config_file_names_the_model_by_its_own_name_not_its_folder(tmp_path):
+    # `~/configs/mywl/qwen25-7b.json` was named `mywl`; workloads make every path absolute, so every report was.
+    folder = tmp_path / "mywl"
+    folder.mkdir()
+    (folder / "qwen25-7b.json").write_text(json.dumps(LLAMA_8B))
+    assert load_hf_config(folder / "qwen25-7b.json").name == "qwen25-7b"
+    # A Hugging Face checkout's config.json: the config's own name, else the checkout's folder.
+    (folder / "config.json").write_text(json.dumps({**LLAMA_8B, "_name_or_path": "meta-llama/Llama-3.1-8B"}))
+    assert load_hf_config(folder / "config.json").name == "Llama-3.1-8B"
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    assert load_hf_config(folder / "config.json").name == "mywl"
+    assert load_hf_config(folder / "config.json", name="mine").name == "mine"
+
+
+def test_a_workload_names_its_config_model_after_the_file(tmp_path):
+    from kvsim.replay import run_replay
+    from kvsim.replay_options import ReplayOptions
+    from kvsim.workload import load_workload
+    from tests.test_replay import write_tiny
+
+    result = run_replay(load_workload(write_tiny(tmp_path, count=2)), ReplayOptions(tensors=False), workers=1)
+    assert result.model_name == "tiny-model"  # tiny.yaml's `model: tiny-model.json`, made absolute on load

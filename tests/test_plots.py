@@ -527,3 +527,97 @@ def test_a_meta_json_that_is_not_an_object_is_one_error_line(tmp_path, cli, text
     result = cli(["plot", str(report_dir)])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [f"kvsim: error: {report_dir / 'meta.json'}: expected a JSON object, got {kind}"]
+
+
+# --- what a new user found hard to read ---------------------------------------------------------------------
+
+
+def _make_uneven_report(directory: Path, allocators) -> Path:
+    """A report whose first allocator runs ten times longer than the others (as flat-max does on alpaca-like)."""
+    make_replay_report(directory, allocators=allocators)
+    steps = pd.read_parquet(directory / "steps.parquet")
+    long = steps["allocator"] == allocators[0]
+    steps.loc[long, "time_s"] *= 10
+    steps.loc[long, "step_time_s"] *= 10
+    steps.to_parquet(directory / "steps.parquet", index=False)
+    return directory
+
+
+@pytest.mark.parametrize("count", [4, 5])
+def test_waste_curves_panels_keep_their_own_time_axis_to_the_end_of_the_last_step(tmp_path, count):
+    labels = ("flat-max", "flat-pow2", "flat-oracle", "paged-16", "paged-16+prefix")[:count]
+    report = _make_uneven_report(tmp_path / "r", labels)
+    steps = pd.read_parquet(report / "steps.parquet")
+    fig = draw(report, "waste-curves")
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert [ax.get_title() for ax in panels] == list(labels)
+    for ax in panels:
+        rows = steps[steps["allocator"] == ax.get_title()]
+        end = (rows["time_s"] + rows["step_time_s"]).max()  # the last step's end, not its start
+        assert ax.get_xlim()[1] == pytest.approx(end)
+        assert ax.collections[0].get_paths()[0].vertices[:, 0].max() == pytest.approx(end)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    empty = [ax for ax in visible if not ax.get_title() and ax.get_legend() is None]
+    assert not empty  # 4 panels make a 2x2 grid; 5 leave one slot, and it holds the legend
+    assert len(visible) == (4 if count == 4 else 6)
+
+
+def test_figure2_labels_thin_segments_names_the_papers_run_and_shows_the_sharing_saving(tmp_path):
+    report = make_replay_report(tmp_path / "alpaca-like", workload="alpaca-like", allocators=("flat-max", "flat-oracle", "paged-16"))
+    summary = pd.read_csv(report / "summary.csv")
+    summary["shared_saved_pct"] = [0.0, 0.0, 12.5]
+    summary.to_csv(report / "summary.csv", index=False)
+    fig = draw(report, "figure2")
+    ax = fig.axes[0]
+    texts = {t.get_gid(): t.get_text() for t in ax.texts if t.get_gid()}
+    pct = summary.set_index("allocator")
+    for label in ("flat-max", "flat-oracle", "paged-16"):
+        for category in CATEGORIES:
+            if pct.loc[label, f"{category}_pct"] >= 0.05:  # every segment of 0.05% or more carries its figure
+                assert texts[f"label:{label}:{category}"] == f"{pct.loc[label, f'{category}_pct']:.1f}"
+    assert "ShareGPT" in texts["paper-heading"]
+    assert any("no Alpaca bars" in t.get_text() for t in fig.texts)
+    assert texts["saved:paged-16"] == "sharing saved\n12.5% of budget" and "saved:flat-max" not in texts
+    assert all(t.get_rotation() == 25 for t in ax.get_xticklabels())  # two-line labels over few bars: tilted
+
+
+def test_timeline_keeps_identical_series_apart_and_shows_each_peak(tmp_path):
+    report = make_replay_report(tmp_path / "r", num_steps=3000)  # more steps than bins: lines are binned means
+    steps = pd.read_parquet(report / "steps.parquet")
+    copy = steps[steps["allocator"] == "flat-max"].assign(allocator="flat-max-copy")
+    pd.concat([steps, copy]).to_parquet(report / "steps.parquet", index=False)
+    summary = pd.read_csv(report / "summary.csv")
+    pd.concat([summary, summary.iloc[:1].assign(allocator="flat-max-copy")]).to_csv(report / "summary.csv", index=False)
+    fig = draw(report, "timeline")
+    running = fig.axes[0]
+    lines = {line.get_gid(): line for line in running.get_lines()}
+    a, b = lines["running:flat-max"], lines["running:flat-max-copy"]
+    assert (a.get_linestyle(), a.get_linewidth()) != (b.get_linestyle(), b.get_linewidth())
+    for label in ("flat-max", "paged-16"):
+        band = next(c for c in running.collections if c.get_gid() == f"running-peaks:{label}")
+        peak = steps.loc[steps["allocator"] == label, "num_running"].max()
+        assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(peak)  # the legend's peak is drawn
+
+
+def test_latency_labels_its_guides_keeps_tpot_on_a_log_axis_and_shows_one_request(tmp_path):
+    report = make_replay_report(tmp_path / "r", num_requests=2)  # one rejected, one finished per allocator
+    fig = draw(report, "latency")
+    ttft_ax, tpot_ax = fig.axes[:2]
+    assert tpot_ax.get_xscale() == "log"  # even when TPOT spans less than 10x
+    for ax in (ttft_ax, tpot_ax):
+        assert {t.get_text().strip() for t in ax.texts} >= {"p50", "p99"}
+        drawn = [line for line in ax.get_lines() if not str(line.get_gid()).startswith("guide:")]
+        assert len(drawn) == len(ALLOCATORS) and all(line.get_marker() == "o" for line in drawn)
+
+
+def test_allocator_colours_never_reuse_a_byte_categorys_colour():
+    import matplotlib.colors as mcolors
+
+    from kvsim.plots.style import CATEGORY_COLORS, allocator_colors
+
+    for count in (5, 10, 14):
+        labels = [f"paged-{2**i}" for i in range(count - 2)] + ["flat-max", "flat-oracle"]
+        for color in allocator_colors(labels).values():
+            for category, taken in CATEGORY_COLORS.items():
+                distance = np.abs(np.array(mcolors.to_rgb(color)) - np.array(mcolors.to_rgb(taken))).sum()
+                assert distance > 0.3, (color, category)

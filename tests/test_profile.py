@@ -226,6 +226,8 @@ def test_profile_runs_its_children_end_to_end_on_a_fake_cuda(tmp_path, monkeypat
     import json
     import subprocess
 
+    import matplotlib.pyplot  # noqa: F401  (imported before subprocess.run is faked: a first import runs fc-list)
+
     import kvsim.profile as profile
 
     gpu = FakeCudaAllocator()
@@ -262,6 +264,8 @@ def test_profile_runs_its_children_end_to_end_on_a_fake_cuda(tmp_path, monkeypat
 def test_a_memory_stat_torch_does_not_have_fails_the_child_instead_of_reading_zero(tmp_path, monkeypatch):
     import json
     import subprocess
+
+    import matplotlib.pyplot  # noqa: F401  (imported before subprocess.run is faked: a first import runs fc-list)
 
     import kvsim.profile as profile
 

@@ -162,6 +162,24 @@ def test_measured_timing_drives_the_clock_with_kernel_times(tmp_path):
         kernels = np.nan_to_num(st["write_us"]) + np.nan_to_num(st["read_us"]) + np.nan_to_num(st["attention_us"])
         scale = 2 / 1  # the model's attention layers over the one materialised
         assert st["step_time_s"] == pytest.approx(kernels * 1e-6 * scale, rel=1e-6, abs=1e-7)
+        assert run.num_read_samples < (st["num_decode_tokens"] > 0).sum()  # reads sampled on a CPU ...
+        decoding = st["num_decode_tokens"] > 0
+        assert np.isfinite(st["read_us"][decoding]).all()  # ... and every decode step still has a read time
+
+
+def test_measured_timing_scales_unsampled_reads_by_context_tokens(tmp_path):
+    # A step without a read is given the last sampled read's µs per context token times its own tokens.
+    from kvsim.runner import ModelRunner
+
+    workload = tiny_workload(tmp_path, count=3, max_output=30)
+    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", timing="measured", read_every=7), workers=1)
+    assert "reads timed every 7 decode steps" in result.note
+    for run in result.runs:
+        st = run.steps
+        rows = np.flatnonzero(st["num_decode_tokens"] > 0)
+        assert 0 < run.num_read_samples < len(rows)
+        assert np.isfinite(st["read_us"][rows]).all() and (st["read_us"][rows] > 0).all()
+    assert ModelRunner.__init__.__kwdefaults__["estimate_reads"] is False  # roofline replays never estimate
 
 
 def test_options_that_need_tensors_say_so():
@@ -175,8 +193,7 @@ def test_options_that_need_tensors_say_so():
         ReplayOptions(timing="wall")
     with pytest.raises(KvsimError, match="--read-every"):
         ReplayOptions(read_every=0)
-    with pytest.raises(KvsimError, match="--read-every"):
-        ReplayOptions(timing="measured", read_every=2)
+    assert ReplayOptions(timing="measured", read_every=2).read_every == 2  # steps between scaled from the last read
 
 
 def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):

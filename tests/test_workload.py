@@ -332,3 +332,21 @@ def test_unbounded_length_tails_stay_within_max_tokens(tmp_path):
     requests = generate_requests(load_workload(write(tmp_path, data)))
     assert len(requests) == 10
     assert all(r.num_prompt_tokens == MAX_TOKENS and r.max_tokens == MAX_TOKENS for r in requests)
+
+
+def test_an_unknown_top_level_key_is_named_before_what_it_hides(tmp_path):
+    # `kv_budgett:` was reported as "give exactly one of kv_budget and gpu_memory_utilization".
+    text = (REPO / "workloads" / "poisson.yaml").read_text().replace("kv_budget: 4GiB", "kv_budgett: 4GiB")
+    path = tmp_path / "typo.yaml"
+    path.write_text(text)
+    with pytest.raises(KvsimError, match=r"unknown field\(s\) kv_budgett \(did you mean kv_budget\?\)") as err:
+        load_workload(path)
+    assert str(err.value).startswith(f"{path}: unknown field")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_an_empty_workload_says_it_is_empty(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(KvsimError, match=r"empty\.yaml: the workload file is empty"):
+        load_workload(path)

@@ -20,6 +20,7 @@ from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_file
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class AllocatorBenchResult:
     block_size: int
     prefix_caching: bool
     seed: int
+    stream: str  # "random" (no two prompts share a block) or "shared-prefix" (SHARED_PREFIX_TOKENS from a few groups)
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache
     prefill_tokens: int
     decode_tokens: int
     blocks_allocated: int
@@ -48,19 +51,36 @@ class AllocatorBenchResult:
         return asdict(self)
 
 
-def make_trace(num_requests: int, seed: int) -> list[Sequence]:
-    """Requests with prompts U[64, 2048] and outputs U[16, 1024] tokens, random token ids (vocab 32k)."""
+STREAMS = ("random", "shared-prefix")
+SHARED_PREFIX_GROUPS, SHARED_PREFIX_TOKENS = 8, 512  # the shared-prefix stream: 8 system prompts of 512 tokens
+
+
+def make_trace(num_requests: int, seed: int, stream: str = "random") -> list[Sequence]:
+    """Requests with prompts U[64, 2048] and outputs U[16, 1024] tokens, random token ids (vocab 32k).
+
+    Random ids never repeat a block, so prefix caching only hashes and misses. The "shared-prefix" stream
+    starts every prompt with one of SHARED_PREFIX_GROUPS system prompts (its first SHARED_PREFIX_TOKENS
+    tokens, or the whole prompt if shorter), so admissions hit the cache as a chat service's do.
+    """
+    if stream not in STREAMS:
+        raise KvsimError(f"unknown stream {stream!r} (choose {', '.join(STREAMS)})", field="--stream")
     rng = np.random.default_rng(seed)
     prompts = rng.integers(64, 2048, size=num_requests, endpoint=True)
     outputs = rng.integers(16, 1024, size=num_requests, endpoint=True)
-    return [
-        Sequence(i, int(p), int(o), token_ids=rng.integers(0, 32000, size=int(p + o), dtype=np.int64))
-        for i, (p, o) in enumerate(zip(prompts, outputs))
-    ]
+    prefixes = rng.integers(0, 32000, size=(SHARED_PREFIX_GROUPS, SHARED_PREFIX_TOKENS), dtype=np.int64)
+    trace = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        ids = rng.integers(0, 32000, size=int(p + o), dtype=np.int64)  # (prompt + output,)
+        if stream == "shared-prefix":
+            n = min(int(p), SHARED_PREFIX_TOKENS)
+            ids[:n] = prefixes[i % SHARED_PREFIX_GROUPS, :n]
+        trace.append(Sequence(i, int(p), int(o), token_ids=ids))
+    return trace
 
 
 def run_allocator_bench(
-    *, num_requests: int = 2000, max_running: int = 256, block_size: int = 16, prefix_caching: bool = True, seed: int = 0
+    *, num_requests: int = 2000, max_running: int = 256, block_size: int = 16, prefix_caching: bool = True, seed: int = 0,
+    stream: str = "random",
 ) -> AllocatorBenchResult:
     """Drive a PagedAllocator through the trace; the budget holds `max_running` requests of the longest length."""
     if num_requests <= 0 or max_running <= 0 or block_size <= 0:
@@ -80,7 +100,7 @@ def run_allocator_bench(
         spent[kind][1] += c1 - c0
         return out
 
-    waiting = deque(make_trace(num_requests, seed))
+    waiting = deque(make_trace(num_requests, seed, stream))
     running: list[Sequence] = []
     prefill_tokens = decode_tokens = frees = preemptions = 0
     while waiting or running:
@@ -123,6 +143,8 @@ def run_allocator_bench(
         block_size=block_size,
         prefix_caching=prefix_caching,
         seed=seed,
+        stream=stream,
+        prefix_hit_tokens=getattr(alloc, "prefix_hit_tokens", 0),
         prefill_tokens=prefill_tokens,
         decode_tokens=decode_tokens,
         blocks_allocated=alloc.pool.num_blocks_allocated,
@@ -138,45 +160,58 @@ def run_allocator_bench(
     )
 
 
-def write_csv(result: AllocatorBenchResult, path: Path) -> None:
-    """One header row and one result row."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result.as_dict()))
+def write_csv(results: list[AllocatorBenchResult], path: Path) -> None:
+    """One header row and a row per result."""
+    with output_file(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0].as_dict()))
         writer.writeheader()
-        writer.writerow(result.as_dict())
+        for result in results:
+            writer.writerow(result.as_dict())
 
 
 def show_allocator_bench(
     *, num_requests: int, max_running: int, block_size: int, prefix_caching: bool, seed: int, as_json: bool, out: Path | None
-) -> AllocatorBenchResult:
-    """Run the benchmark, print it (a rich table or one JSON object) and write `out` as CSV if given."""
+) -> list[AllocatorBenchResult]:
+    """Run the benchmark, print it (a rich table or a JSON list) and write `out` as CSV if given.
+
+    With prefix caching both streams run: random prompts (every block hashed, none hit: the caching cost
+    alone) and shared prefixes (admissions that hit: the cached path).
+    """
     import json
 
-    result = run_allocator_bench(
-        num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching, seed=seed
-    )
+    if out is not None:  # checked before the run, not after it
+        output_file(out)
+    streams = STREAMS if prefix_caching else STREAMS[:1]
+    results = [
+        run_allocator_bench(num_requests=num_requests, max_running=max_running, block_size=block_size,
+                            prefix_caching=prefix_caching, seed=seed, stream=stream)
+        for stream in streams
+    ]  # fmt: skip
     if out is not None:
-        write_csv(result, out)
+        write_csv(results, out)
     if as_json:
-        print(json.dumps(result.as_dict()))
-        return result
+        print(json.dumps([r.as_dict() for r in results]))
+        return results
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"paged allocator, block size {block_size}, prefix caching {'on' if prefix_caching else 'off'}")
-    table.add_column("measure")
-    table.add_column("wall clock", justify="right")
-    table.add_column("thread CPU", justify="right")
-    table.add_row("requests / max running", f"{num_requests} / {max_running}", "")
-    table.add_row("prefill tokens / decode tokens", f"{result.prefill_tokens:,} / {result.decode_tokens:,}", "")
-    table.add_row("us per decode token (append_decode)", f"{result.decode_us_per_token:.3f}", f"{result.decode_cpu_us_per_token:.3f}")
-    table.add_row("us per prefill token (allocate)", f"{result.prefill_us_per_token:.3f}", f"{result.prefill_cpu_us_per_token:.3f}")
-    table.add_row("us per request freed (free)", f"{result.free_us_per_request:.2f}", "")
-    table.add_row(
-        "us per decode token (all calls)", f"{result.total_us_per_decode_token:.3f}", f"{result.total_cpu_us_per_decode_token:.3f}"
-    )
-    table.add_row("blocks allocated / s", f"{result.blocks_per_s:,.0f}", "")
-    table.add_row("preemptions", str(result.preemptions), "")
+    table = Table(title=f"paged allocator, block size {block_size}, prefix caching {'on' if prefix_caching else 'off'}: "
+                        "µs as wall clock / thread CPU")  # fmt: skip
+    table.add_column("measure", no_wrap=True)
+    for r in results:
+        table.add_column(f"{r.stream} stream", justify="right", no_wrap=True)
+
+    def row(label: str, cell) -> None:
+        table.add_row(label, *(cell(r) for r in results))
+
+    row("requests / max running", lambda r: f"{r.num_requests} / {r.max_running}")
+    row("prefill / decode tokens", lambda r: f"{r.prefill_tokens:,} / {r.decode_tokens:,}")
+    row("prompt tokens hit in the cache", lambda r: f"{r.prefix_hit_tokens:,} ({r.prefix_hit_tokens / max(r.prefill_tokens, 1):.0%})")
+    row("µs / decode token (append_decode)", lambda r: f"{r.decode_us_per_token:.3f} / {r.decode_cpu_us_per_token:.3f}")
+    row("µs / prefill token (allocate)", lambda r: f"{r.prefill_us_per_token:.3f} / {r.prefill_cpu_us_per_token:.3f}")
+    row("µs / decode token (all calls)", lambda r: f"{r.total_us_per_decode_token:.3f} / {r.total_cpu_us_per_decode_token:.3f}")
+    row("µs / request freed (free)", lambda r: f"{r.free_us_per_request:.2f}")
+    row("blocks allocated / s", lambda r: f"{r.blocks_per_s:,.0f}")
+    row("preemptions", lambda r: str(r.preemptions))
     Console().print(table)
-    return result
+    return results

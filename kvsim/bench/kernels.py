@@ -17,6 +17,7 @@ from kvsim.bench.kernel_timing import measure
 from kvsim.engine import kernels
 from kvsim.engine.device import TORCH_DTYPES, device_name, device_slug, resolve_device
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir, output_file
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 # GPU sizes reach KV reads of GiBs (>> L2); CPU sizes keep the whole run to seconds.
@@ -202,9 +203,7 @@ def bench_kernels(model: str = "llama-3.1-8b", *, block_sizes: tuple[int, ...] |
         l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else None,
         l2_flushed=dev.type == "cuda", flex_compiled=compiled,
     )  # fmt: skip
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels-{device_slug(dev)}.csv"
+    path = output_file(output_dir(out_dir) / f"kernels-{device_slug(dev)}.csv")
     rows = []
     threads = torch.get_num_threads()
     if dev.type == "cpu":  # one thread: on a busy machine every multi-threaded op waits for a time slice

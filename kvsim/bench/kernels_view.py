@@ -23,6 +23,18 @@ def parse_sizes(text: str | None, field: str) -> tuple[int, ...] | None:
     return sizes
 
 
+CPU_NOTES = (
+    "sdpa vs gather: `sdpa` is torch SDPA over the contiguous cache with enable_gqa=True; `gather` copies the "
+    "blocks out and runs SDPA with each KV head's query heads folded into rows and a padding mask "
+    "(kvsim.engine.kernels.decode_attention). On a CPU these take different SDPA code paths, so their ratio "
+    "measures those paths (either may win by several times), not the gather's cost.",
+    "* eager FlexAttention over the paged pool evaluates its mask over every block of the pool for every "
+    "sequence (only a compiled kernel skips blocks outside a block table), so `flex paged` grows with the "
+    "pool, i.e. with the batch, and `paged/contig` here is not the cost of paging. Compile it (--compile-flex) "
+    "or read the GPU run for that.",
+)
+
+
 def render_table(frame, console) -> None:
     """Two rich tables, a row per (batch, context, block size): writes as % of the copy roofline, and
     decode times with the paging cost (paged / contiguous FlexAttention) and the best % of the read roofline."""
@@ -39,11 +51,13 @@ def render_table(frame, console) -> None:
         return fmt(value, "{:.3g}" if value is not None and value < 1000 else "{:.0f}")
 
     title = f"{frame['model'].iat[0]} on {frame['device'].iat[0]}"
+    on_cpu = frame["device"].iat[0].startswith("cpu")
+    star = "*" if on_cpu and not frame["flex_compiled"].iat[0] else ""  # eager paged FlexAttention: see the notes
     writes = Table(title=f"K/V write, % of copy bandwidth: {title}")
     decode = Table(title=f"Decode attention, us per step: {title}")
     for table, cols in ((writes, ("batch", "context", "block", "copy GB/s", *WRITE_KERNELS)),
-                        (decode, ("batch", "context", "block", "sdpa", "gather", "flex paged", "flex contig",
-                                  "paged/contig", "best % read"))):  # fmt: skip
+                        (decode, ("batch", "context", "block", "sdpa", "gather", f"flex paged{star}", "flex contig",
+                                  f"paged/contig{star}", "best % read"))):  # fmt: skip
         for col in cols:
             table.add_column(col, justify="right")
     for (batch, ctx), group in frame.groupby(["batch_size", "context_len"], sort=False):
@@ -61,8 +75,10 @@ def render_table(frame, console) -> None:
             )  # fmt: skip
     console.print(writes)
     console.print(decode)
-    if frame["device"].iat[0].startswith("cpu"):
+    if on_cpu:
         console.print("[yellow]CPU run: one thread, eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
+        for note in CPU_NOTES if star else CPU_NOTES[:1]:
+            console.print(note, markup=False, highlight=False)
 
 
 def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,

@@ -106,6 +106,11 @@ class KVAllocator(ABC):
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Slots of token positions [start, end) of `seq`, int64, shape (end - start,)."""
 
+    def decode_slot_mapping(self, seqs: list[Sequence], starts: np.ndarray, k: int) -> np.ndarray:
+        """Slots of positions [starts[n], starts[n] + k) of each of `seqs`, (k, N) int64: a decode run's
+        `slot_mapping` for the whole batch (allocators override it with array arithmetic)."""
+        return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, np.asarray(starts).tolist())], axis=1)
+
     @abstractmethod
     def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
         """The budget split into the five categories now; `waiting_head` decides external fragmentation."""

@@ -96,6 +96,9 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
         # 3-D views for indexed copies along dim 1 (see kernels' module docstring for why)
         self._slot_rows = self._flat_bits.view(2 * num_layers, -1, spec.num_kv_heads * spec.head_dim)  # [2L, S, H*D]
         self._block_rows = self._cache_bits.view(2 * num_layers, self.num_blocks, -1)  # [2L, num_blocks, bs*H*D]
+        # The same slot rows as 8-byte words where a row's bytes allow: CPU index copies move them ~2x faster
+        row_bytes = spec.num_kv_heads * spec.head_dim * self.kv_cache.element_size()
+        self._slot_words = self._slot_rows.view(torch.int64) if row_bytes % 8 == 0 else self._slot_rows  # [2L, S, W]
 
     @property
     def nbytes(self) -> int:

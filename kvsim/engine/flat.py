@@ -153,6 +153,13 @@ class FlatAllocator(KVAllocator):
         assert 0 <= start <= end <= reserved, (seq, start, end)
         return np.arange(base + start, base + end, dtype=np.int64)  # (end - start,)
 
+    def decode_slot_mapping(self, seqs: list[Sequence], starts: np.ndarray, k: int) -> np.ndarray:
+        """Slots of positions [starts[n], starts[n] + k) of each of `seqs`, as (k, N) (see PagedAllocator's)."""
+        live = [self._live[s.seq_id] for s in seqs]
+        assert all(c + k <= reserved for (_, reserved), c in zip(live, starts.tolist())), "decode run past the slab"
+        bases = np.fromiter((base for base, _ in live), dtype=np.int64, count=len(seqs))  # (N,)
+        return bases[None, :] + starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
+
     @property
     def num_live(self) -> int:
         """Requests holding a slab."""

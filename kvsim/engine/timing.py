@@ -56,6 +56,25 @@ class StepTimer:
             end = time.perf_counter_ns()
         self._records[-1].append((kind, start, end))
 
+    @contextmanager
+    def measure_steps(self, kind: str, num_steps: int) -> Iterator[None]:
+        """Time the block once as `kind` spread evenly over `num_steps` steps: the current one and the
+        `num_steps - 1` it opens (CPU only: a synchronous op's host time can be split after it ran).
+
+        For work that covers several steps in one op (a decode run's writes): each step gets the mean.
+        """
+        assert num_steps >= 1 and not self._cuda, (num_steps, self.device)
+        start = time.perf_counter_ns()
+        yield
+        record = (kind, 0, (time.perf_counter_ns() - start) / num_steps)
+        self._records[-1].append(record)
+        if num_steps > 1:
+            self.new_step()  # settles the steps closed so far
+            self._records[-1].append(record)
+            # The steps in between close at once: a CPU step is settled whenever asked (`_done` is true).
+            self._records[-1:-1] = [[record] for _ in range(num_steps - 2)]
+            self._totals[-1:-1] = [None] * (num_steps - 2)
+
     def new_step(self) -> None:
         """Close the current step and open the next one: the replay calls it as each scheduler step begins.
 

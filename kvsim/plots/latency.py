@@ -27,10 +27,10 @@ def ecdf(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values, fractions
 
 
-def _log_scale_if_wide(ax, values: list[np.ndarray]) -> None:
-    """Log x when the data span more than 10x, so the bulk and a long tail both stay readable."""
+def _log_scale_if_wide(ax, values: list[np.ndarray], *, always: bool = False) -> None:
+    """Log x when the data span more than 10x (or `always`), so the bulk and a long tail both stay readable."""
     positive = np.concatenate([v[v > 0] for v in values]) if values else np.array([])
-    if len(positive) and positive.max() / positive.min() > 10:
+    if len(positive) and (always or positive.max() / positive.min() > 10):
         ax.set_xscale("log")
         decades = np.log10(positive.max() / positive.min())
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades > 2.5 else (1.0, 2.0, 5.0)))
@@ -62,10 +62,14 @@ def latency(report: Report):
             drawn.append(x)
             p50, p99 = np.percentile(values[np.isfinite(values)], [50, 99])  # all of them, as summary.csv
             ax.plot(x, y, drawstyle="steps-post", color=colors[label], linewidth=1.5, gid=f"{column}:{label}",
+                    marker="o" if len(x) < 3 else None,  # one or two requests: a step line alone would not show
                     label=f"{label}: p50 {p50:.3g} {unit}, p99 {p99:.3g} {unit}")
-        _log_scale_if_wide(ax, drawn)
-        for q in (0.5, 0.99):
-            ax.axhline(q, color="#999999", linewidth=0.7, linestyle=":")
+        # TPOT is always on a log axis, so runs compare at a glance; TTFT only when it spans more than 10x.
+        _log_scale_if_wide(ax, drawn, always=column == "tpot_s")
+        for q, name in ((0.5, "p50"), (0.99, "p99")):
+            ax.axhline(q, color="#999999", linewidth=0.7, linestyle=":", gid=f"guide:{name}")
+            ax.text(1.0, q, f" {name}", transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=8,
+                    color="#777777")
         ax.set_ylim(0, 1.01)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of finished requests")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.ticker import FuncFormatter, NullLocator
 
+from kvsim.errors import KvsimError
 from kvsim.plots.style import allocator_colors, new_figure, titles
 from kvsim.units import format_bytes
 
@@ -54,6 +55,8 @@ def _tokens_tick(value: float, _pos) -> str:
 
 def bytes_per_sequence(models: list[str], *, kv_dtype: str = "bf16", tp: int = 1, max_context: int | None = None):
     """The chart: one colour per model, solid = capped (sliding layers keep their window), dashed = uncapped."""
+    if max_context is not None and max_context <= MIN_CONTEXT:  # 0 or less drew a chart of nothing
+        raise KvsimError(f"must be above the chart's left edge, {MIN_CONTEXT} tokens; got {max_context}", field="--max-context")
     curves = [size_curves(m, kv_dtype=kv_dtype, tp=tp, max_context=max_context) for m in models]
     colors = allocator_colors([c["model"] for c in curves])
     fig, axes = new_figure(9.0, 5.6)

@@ -31,9 +31,10 @@ CATEGORY_COLORS = {
     "free": "#d9d9d9",
 }
 
-# Allocators get colours by their position in the report, the same in every chart of that report.
-_ALLOCATOR_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                      "#bcbd22", "#17becf")
+# Allocators get colours by their position in the report, the same in every chart of that report. None is
+# a green, amber, red or purple: those mean byte categories (CATEGORY_COLORS) in the stacked charts.
+_ALLOCATOR_PALETTE = ("#1f77b4", "#17becf", "#8c564b", "#e377c2", "#222222", "#5d6d7e", "#393b79", "#7f7f7f",
+                      "#9c9ede", "#c49c94")
 
 RC = {
     "figure.dpi": 100,
@@ -56,12 +57,12 @@ matplotlib.rcParams.update(RC)  # only the plot command path imports this module
 
 def allocator_colors(labels: list[str]) -> dict[str, str]:
     """A colour per allocator label: by position for up to ten; beyond that (a block-size sweep) the paged
-    allocators take a dark-to-light viridis ramp in report order and the others stay in warm colours."""
+    allocators take a dark-to-light blue ramp in report order and the others browns, pinks and greys."""
     if len(labels) <= len(_ALLOCATOR_PALETTE):
         return {label: _ALLOCATOR_PALETTE[i] for i, label in enumerate(labels)}
     paged = [label for label in labels if label.startswith("paged")]
-    ramp = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(paged)))
-    warm = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+    ramp = matplotlib.colormaps["Blues"](np.linspace(1.0, 0.4, len(paged)))  # blues: no category's hue
+    warm = ("#8c564b", "#e377c2", "#222222", "#7f7f7f", "#5d6d7e", "#c49c94")  # no category's colour
     colors = {label: matplotlib.colors.to_hex(c) for label, c in zip(paged, ramp)}
     others = [label for label in labels if label not in colors]
     colors.update({label: warm[i % len(warm)] for i, label in enumerate(others)})

@@ -21,10 +21,28 @@ def preemptions_per_step(values: np.ndarray) -> np.ndarray:
     return values
 
 
+LINE_STYLES = ("-", "--", (0, (1, 1)), "-.")  # identical series stay visible: the one drawn later is dashed and thinner
+
+
+def bin_peaks(times: np.ndarray, values: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """The largest value in each of `num_bins` equal time bins (as `binned`'s bins; unchanged with fewer rows),
+    so a peak that a bin's mean hides is still drawn."""
+    if len(times) <= num_bins:
+        return times, values
+    edges = np.linspace(times[0], times[-1], num_bins + 1)
+    index = np.clip(np.searchsorted(edges, times, side="right") - 1, 0, num_bins - 1)
+    peaks = np.full(num_bins, -np.inf)
+    np.maximum.at(peaks, index, values)
+    keep = np.isfinite(peaks)
+    return ((edges[:-1] + edges[1:]) / 2)[keep], peaks[keep]
+
+
 def timeline(report: Report):
     """Three panels sharing the time axis: running requests, waiting requests, and a raster of preemptions.
 
-    Running and waiting are time-weighted means over at most MAX_POINTS bins (exact for shorter replays).
+    Running and waiting are time-weighted means over at most MAX_POINTS bins (exact for shorter replays);
+    a faint band reaches each bin's peak of running requests, so the legend's peak is seen. Allocators
+    whose series coincide stay visible: each is drawn in its own dash pattern and width.
     """
     steps = report.table("steps", ("allocator", "time_s", "num_running", "num_waiting"))
     labels = report.allocators
@@ -43,8 +61,12 @@ def timeline(report: Report):
         preempted = (preemptions_per_step(rows["num_preemptions"].to_numpy())
                      if "num_preemptions" in rows.columns else np.zeros(len(rows)))
         legend = f"{label} (peak {int(counts[:, 0].max())} running, {int(preempted.sum())} preemptions)"
-        running_ax.plot(bt, bv[:, 0], color=colors[label], linewidth=1.2, gid=f"running:{label}", label=legend)
-        waiting_ax.plot(bt, bv[:, 1], color=colors[label], linewidth=1.2, gid=f"waiting:{label}")
+        style = dict(color=colors[label], linestyle=LINE_STYLES[lane % len(LINE_STYLES)], linewidth=max(0.8, 1.6 - 0.25 * lane))
+        running_ax.plot(bt, bv[:, 0], gid=f"running:{label}", label=legend, **style)
+        pt, peaks = bin_peaks(t, counts[:, 0], MAX_POINTS)  # each bin's peak, faint behind its mean
+        running_ax.fill_between(pt, np.interp(pt, bt, bv[:, 0]), peaks, color=colors[label], alpha=0.15, linewidth=0,
+                                gid=f"running-peaks:{label}")
+        waiting_ax.plot(bt, bv[:, 1], gid=f"waiting:{label}", **style)
         marks = preempted > 0
         preempt_ax.plot(t[marks], np.full(marks.sum(), lane), linestyle="none", marker="|", markersize=9,
                         color=colors[label], gid=f"preemptions:{label}")

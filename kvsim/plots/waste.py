@@ -57,17 +57,28 @@ def binned(times: np.ndarray, values: np.ndarray, num_bins: int, weights: np.nda
     return centres[keep], sums[keep] / totals[keep, None]
 
 
+def grid_shape(num_panels: int) -> tuple[int, int]:
+    """(rows, columns) for the waste curves: 4 panels as 2x2, at most 3 columns, so at most one slot is empty
+    for 4-6 panels (and that slot holds the legend)."""
+    ncols = 2 if num_panels == 4 else min(num_panels, 3)
+    return math.ceil(num_panels / ncols), ncols
+
+
 def waste_curves(report: Report):
-    """Chart 1: the KV budget over simulated time as stacked areas, one panel per allocator, same scales."""
+    """Chart 1: the KV budget over simulated time as stacked areas, one panel per allocator.
+
+    Each panel has its own time axis, running to the end of that allocator's last step (one that runs long
+    would squeeze the others to slivers); the KV axis is shared, so heights compare across panels.
+    """
     steps = report.table("steps", ("allocator", "time_s", *_BYTE_COLUMNS))
     allocators = report.allocators
-    ncols = min(len(allocators), 3)
-    nrows = math.ceil(len(allocators) / ncols)
-    fig, axes = new_figure(4.2 * ncols, 3.0 * nrows + 0.6, nrows=nrows, ncols=ncols, sharex=True, sharey=True)
+    nrows, ncols = grid_shape(len(allocators))
+    fig, axes = new_figure(4.2 * ncols, 3.0 * nrows + 0.6, nrows=nrows, ncols=ncols, sharey=True)
     top = 0.0
     for ax, label in zip(axes.flat, allocators):
         rows = steps[steps["allocator"].astype(str) == label].sort_values("time_s")
         ax.set_title(label)
+        ax.set_xlabel("simulated time (s)")
         if rows.empty:  # it never ran a step
             ax.text(0.5, 0.5, "no steps: every request rejected", transform=ax.transAxes, ha="center", va="center",
                     color="#777777")
@@ -75,23 +86,28 @@ def waste_curves(report: Report):
         weights = rows["step_time_s"].to_numpy(float) if "step_time_s" in rows.columns else None
         t, v = binned(rows["time_s"].to_numpy(float), rows[list(_BYTE_COLUMNS)].to_numpy(float) / GIB, MAX_POINTS,
                       weights)
+        end = float(rows["time_s"].iat[-1] + (rows["step_time_s"].iat[-1] if weights is not None else 0.0))
+        if end > t[-1]:  # the last step's bytes hold until it ends, not only at its start
+            t, v = np.append(t, end), np.vstack([v, v[-1:]])
         ax.stackplot(t, v.T, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
-                     labels=[CATEGORY_LABELS[c] for c in CATEGORIES], linewidth=0)
+                     labels=[CATEGORY_LABELS[c] for c in CATEGORIES], linewidth=0, gid=f"stack:{label}")
+        ax.set_xlim(0, end or 1)
         top = max(top, float(v.sum(axis=1).max()) if len(v) else 0.0)
-    for ax in axes.flat[len(allocators):]:
-        ax.set_visible(False)
     for ax in axes[:, 0]:
         ax.set_ylabel("KV memory (GiB)")
-    for col in range(ncols):  # the lowest panel drawn in each column carries the time axis
-        lowest = axes[(len(allocators) - 1 - col) // ncols, col]
-        lowest.set_xlabel("simulated time (s)")
-        lowest.xaxis.set_tick_params(labelbottom=True)
     for ax in axes.flat:
         ax.set_ylim(0, top * 1.02 or 1)
-        ax.set_xlim(0, float(steps["time_s"].max()) or 1)
     handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat), key=lambda hl: len(hl[0]))
-    fig.legend(handles, labels, loc="outside lower center", ncols=len(CATEGORIES))
-    titles(fig, "Where the KV budget goes over time, per allocator", report.subtitle())
+    spare = list(axes.flat[len(allocators):])
+    for ax in spare:
+        ax.set_visible(False)
+    if spare:  # the empty grid slot holds the legend
+        spare[0].set_visible(True)
+        spare[0].axis("off")
+        spare[0].legend(handles, labels, loc="center", title="KV budget")
+    else:
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(CATEGORIES))
+    titles(fig, "Where the KV budget goes over time, per allocator (each panel on its own time axis)", report.subtitle())
     return fig
 
 
@@ -125,24 +141,57 @@ def figure2(report: Report):
             if bar.get_height() >= 6:
                 box = dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.75, linewidth=0) if name in paper else None
                 ax.text(bar.get_x() + bar.get_width() / 2, bar.get_y() + bar.get_height() / 2,
-                        f"{bar.get_height():.1f}", ha="center", va="center", fontsize=8, color="#111111", bbox=box)
+                        f"{bar.get_height():.1f}", ha="center", va="center", fontsize=8, color="#111111", bbox=box,
+                        gid=f"label:{name}:{category}")
+            elif bar.get_height() >= 0.05:  # a thin segment: its figure beside the bar, in the segment's colour
+                ax.text(bar.get_x() + bar.get_width() + 0.03, bar.get_y() + bar.get_height() / 2, f"{bar.get_height():.1f}",
+                        ha="left", va="center", fontsize=6.5, color=_darker(CATEGORY_COLORS[category]),
+                        gid=f"label:{name}:{category}")
+    saved = _sharing_saved(report)
+    for i, name in enumerate(names):
+        if saved.get(name, 0) >= 0.05:  # prefix sharing: bytes that would be duplicated without it
+            ax.text(x[i], 100.5, f"sharing saved\n{saved[name]:.1f}% of budget", ha="center", va="bottom", fontsize=7,
+                    color="#2e8b57", gid=f"saved:{name}")
     ticks = [f"{n}\n≈ {PAPER_ANALOGUES[n]}" if paper and n in PAPER_ANALOGUES and n in ours else n for n in names]
-    ax.set_xticks(x, ticks, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    crowded = len(names) > 4 or max(len(line) for t in ticks for line in t.split("\n")) * len(names) > 48
+    ax.set_xticks(x, ticks, rotation=25 if crowded else 0, ha="right" if crowded else "center",
+                  rotation_mode="anchor")
     ax.set_ylim(0, 100)
     ax.set_ylabel("time-averaged share of the KV budget (%)")
     ax.grid(axis="x", visible=False)
     if paper:
         ax.axvline((x[len(ours) - 1] + x[len(ours)]) / 2, color="#999999", linewidth=0.8, linestyle="--")
-        ax.text(x[len(ours):].mean(), 101, "PagedAttention paper, Fig. 2 (hatched)", ha="center", va="bottom",
-                fontsize=8.5, color="#555555")
-        ax.text(x[:len(ours)].mean(), 101, "this replay", ha="center", va="bottom", fontsize=8.5, color="#555555")
+        ax.text(x[len(ours):].mean(), 108, "PagedAttention paper, Fig. 2\n(its ShareGPT run, hatched)", ha="center",
+                va="bottom", fontsize=8.5, color="#555555", gid="paper-heading")
+        ax.text(x[:len(ours)].mean(), 108, "this replay", ha="center", va="bottom", fontsize=8.5, color="#555555")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside right center")
-    note = ("Paper bars: Kwon et al., SOSP 2023, Fig. 2; its last category is 'external frag. & others'; "
-            "parts it does not itemise are left blank." if paper else None)
+    note = None
+    if paper:
+        note = ("Paper bars: Kwon et al., SOSP 2023, Fig. 2, measured on ShareGPT; its last category is 'external "
+                "frag. & others'; parts it does not itemise are left blank.")
+        if "alpaca" in f"{report.workload or ''} {report.name}".lower():
+            note += " The paper gives no Alpaca bars: these are its ShareGPT ones."
     if note:
         fig.text(0.0, 0.0, note, fontsize=7.5, color="#555555", ha="left", va="top")
     titles(fig, "KV budget by category, time-averaged (the PagedAttention paper's Figure 2)", report.subtitle())
     return fig
+
+
+def _sharing_saved(report: Report) -> dict[str, float]:
+    """Time-averaged % of the budget that prefix sharing saved, per allocator (empty if the report has none)."""
+    summary = report.table("summary", ("allocator",))
+    if "shared_saved_pct" not in summary.columns:
+        return {}
+    return {str(r["allocator"]): float(r["shared_saved_pct"]) for _, r in summary.iterrows()
+            if r["shared_saved_pct"] == r["shared_saved_pct"]}  # fmt: skip
+
+
+def _darker(color: str) -> str:
+    """A darker shade of `color` for text on white (amber and grey are unreadable at full lightness)."""
+    import matplotlib.colors as mcolors
+
+    r, g, b = mcolors.to_rgb(color)
+    return mcolors.to_hex((r * 0.6, g * 0.6, b * 0.6))
 
 
 def _block_size_of(label: str) -> int | None:

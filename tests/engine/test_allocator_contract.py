@@ -198,3 +198,20 @@ def test_prefix_cache_hit_is_capped_and_in_whole_blocks(config):
             assert np.array_equal(shared, alloc.slot_mapping(first, 0, hit))
             assert alloc.breakdown().shared_saved_bytes >= hit * BPT
         alloc.free(second)
+
+
+@pytest.mark.parametrize("k", [1, 3, BLOCK_SIZE])
+def test_a_decode_runs_slots_in_one_call_are_each_requests_own(config, k):
+    # decode_slot_mapping (the replay's whole-batch form) against slot_mapping per request, across block edges.
+    alloc = build(config, 256 * BPT)
+    seqs = [make_seq(i, 3 + 2 * i, 12) for i in range(4)]
+    for s in seqs:
+        assert admit(alloc, s) == 0
+    for _ in range(5):
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        for s in seqs:  # room for the run's k tokens, as the scheduler makes before a run
+            assert alloc.append_slots(s, k)
+        expected = np.stack([alloc.slot_mapping(s, c, c + k) for s, c in zip(seqs, starts.tolist())], axis=1)
+        assert np.array_equal(alloc.decode_slot_mapping(seqs, starts, k), expected)
+        for s in seqs:
+            s.num_computed_tokens += 1  # the next run starts one token on: every offset in a block is covered

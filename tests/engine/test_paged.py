@@ -295,11 +295,31 @@ def test_bench_cli_json_and_csv(cli, tmp_path):
     out = tmp_path / "bench.csv"
     res = cli(["bench", "allocator", "--num-requests", "12", "--max-running", "4", "--seed", "1", "--json", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    data = json.loads(res.stdout)
-    assert data["num_requests"] == 12 and data["prefix_caching"] is True and data["decode_us_per_token"] > 0 < data["decode_cpu_us_per_token"]
-    assert out.read_text().splitlines()[0].startswith("num_requests,max_running")
+    random, shared = json.loads(res.stdout)  # prefix caching on: both streams
+    for data in (random, shared):
+        assert data["num_requests"] == 12 and data["prefix_caching"] is True and data["decode_us_per_token"] > 0 < data["decode_cpu_us_per_token"]
+    assert (random["stream"], shared["stream"]) == ("random", "shared-prefix")
+    assert random["prefix_hit_tokens"] == 0 < shared["prefix_hit_tokens"]  # only the shared stream times the cached path
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("num_requests,max_running") and len(lines) == 3
+    off = cli(["bench", "allocator", "--num-requests", "12", "--max-running", "4", "--no-prefix-caching", "--json"])
+    assert [d["stream"] for d in json.loads(off.stdout)] == ["random"]
     bad = cli(["bench", "allocator", "--num-requests", "0"])
     assert bad.exit_code == 2 and "must be positive" in bad.output
+
+
+def test_shared_prefix_stream_hits_the_cache_by_hand():
+    from kvsim.bench.allocator import SHARED_PREFIX_GROUPS, SHARED_PREFIX_TOKENS, make_trace, run_allocator_bench
+
+    trace = make_trace(40, 3, "shared-prefix")
+    assert all((s.token_ids[:64] == trace[i % SHARED_PREFIX_GROUPS].token_ids[:64]).all() for i, s in enumerate(trace))
+    # At most: every request after its group's first hits the group's full prefix blocks (a hit stops short of
+    # the prompt's last token, as vLLM never serves a whole prompt from the cache); fewer where the small pool
+    # evicted them. Random ids never hit.
+    result = run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3, stream="shared-prefix")
+    most = sum(min(SHARED_PREFIX_TOKENS, s.num_prompt_tokens - 1) // 16 * 16 for s in trace[SHARED_PREFIX_GROUPS:])
+    assert 0 < result.prefix_hit_tokens <= most and result.prefix_hit_tokens % 16 == 0
+    assert run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3).prefix_hit_tokens == 0
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -3,6 +3,7 @@ summed per kind, finished steps release their events, and reading all timings co
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import pytest
@@ -109,3 +110,16 @@ def test_disabled_timer_records_no_events(gpu):
     timer = StepTimer("cuda", enabled=False)
     run_steps(timer, 5)
     assert len(gpu.live) == 0 and timer.all_steps() == [{}] * 6 and gpu.device_syncs == 0
+
+
+def test_measure_steps_spreads_one_measurement_evenly_over_the_steps_it_opens():
+    timer = StepTimer("cpu")
+    with timer.measure("read"):
+        pass
+    with timer.measure_steps("write", 4):
+        time.sleep(0.004)
+    steps = timer.all_steps()
+    assert len(steps) == 4  # the current step and three new ones
+    writes = [s["write"] for s in steps]
+    assert len(set(writes)) == 1 and sum(writes) >= 4000  # µs: one 4 ms op, a quarter per step
+    assert "read" in steps[0] and all("read" not in s for s in steps[1:])
