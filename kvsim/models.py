@@ -148,6 +148,7 @@ class ModelSpec:
     source: str | None = None  # where the config came from (catalogue entry or file path)
     params_source: str | None = None  # where num_params came from
     checkpoint_bytes: int | None = None  # shipped weight bytes when they mix dtypes (gpt-oss MXFP4 experts)
+    vllm_unserved: str | None = None  # why vLLM serves no such model (RWKV); then kvsim's figures are its own
 
     def __post_init__(self) -> None:
         assert len(self.layers) > 0 and self.max_model_len > 0
