@@ -102,6 +102,9 @@ def vllm_layers(model: ModelSpec, spec: KVCacheSpec, tp: int = 1) -> tuple[VllmL
     it is not modelled, and no number is printed for it.
     """
     states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+    if states and any(layer.head_dim_v not in (0, layer.head_dim) for layer in model.layers):
+        # `_align_hybrid_block_size` sizes the attention page from head_size alone (K and V equal)
+        raise KvsimError(f"vLLM {VLLM_VERSION}'s hybrid block size with head_dim_v != head_dim is not modelled", field="layers")
     state_bytes = iter(_state_bytes_per_layer(states, spec.state_bytes_per_sequence, tp))
     out = []
     for layer in model.layers:

@@ -571,6 +571,15 @@ def test_mamba_without_attention_keeps_its_state_pages_unpadded(load):
     assert (aligned.block_size, aligned.blocks_per_request) == (16, 2)  # running + cached state
 
 
+def test_a_hybrid_with_a_different_v_head_size_is_refused(load):
+    # vLLM raises a hybrid's block size from head_size alone (its FullAttentionSpec with head_size_v = head_size)
+    model = load({**NEMOTRON_H_8B, "hybrid_override_pattern": "M*" * 26})
+    other_v = replace(model, layers=tuple(replace(layer, head_dim_v=64) if layer.kind == LayerKind.FULL else layer for layer in model.layers))
+    assert len(vllm_layers(model, kv_cache_spec(model))) == 52
+    with pytest.raises(KvsimError, match="head_dim_v"):
+        vllm_layers(other_v, kv_cache_spec(other_v))
+
+
 def test_rwkv_gets_no_vllm_figures(load):
     from kvsim.size_report import size_report
 
