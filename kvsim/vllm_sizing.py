@@ -312,9 +312,9 @@ def _layer_pages(layers, block_size: int, hybrid: HybridPages | None) -> list[tu
     return out
 
 
-# Layers of one "uniform type" need the same token slots a request (`UniformTypeKVCacheSpecs.is_uniform_type`):
-# MLA is a full attention spec; windows and chunks must be equal.
 def _uniform_type(layer: VllmLayer) -> tuple:
+    """Layers of one uniform type need the same token slots a request (`UniformTypeKVCacheSpecs.is_uniform_type`):
+    MLA is a full attention spec; windows and chunks must be equal."""
     return ("full",) if layer.kind in ("full", "mla") else (layer.kind, layer.window)
 
 
@@ -331,7 +331,7 @@ def _uniform_type_startup(
     if len(kinds) != 1 or layers[0].kind == "state" or len(set(layers)) == 1:
         return None  # mixed types, states, or all layers equal (the bucket path gives the same one group)
     first = layers[0]
-    blocks = _BLOCKS_PER_REQUEST["full" if first.kind == "mla" else first.kind](first, block_size, max_model_len, settings)
+    blocks = _BLOCKS_PER_REQUEST[first.kind](first, block_size, max_model_len, settings)
     bytes_per_block = sum(layer.bytes_per_token * block_size for layer in layers)
     # the group's spec as the scheduler sees it: the first layer's (`generate_scheduler_kv_cache_config`)
     group = VllmGroup(first.kind, len(layers), block_size, first.bytes_per_token * block_size, blocks)

@@ -31,7 +31,6 @@ class Case:
     context: int | None = None
     num_params: int | None = None  # a config.json path (`model`) states none: the weights to assume
 
-
     @property
     def label(self) -> str:
         s, default = self.settings, VllmSettings()
