@@ -73,7 +73,10 @@ def _family_configs() -> dict:
     """The config.json of each family test in tests/test_hf_families.py (public field names, published sizes)."""
     import test_hf_families as families  # tests/ is on sys.path (rootdir conftest, no package)
 
-    return {name: value for name, value in vars(families).items() if name.isupper() and isinstance(value, dict)}
+    configs = {name: value for name, value in vars(families).items() if name.isupper() and isinstance(value, dict)}
+    # GLM-5's IndexCache: 17 of 61 MLA layers build an indexer, one group of 61 + 17 layers
+    configs["GLM5_INDEX_CACHE"] = {**families.DEEPSEEK_V32, "model_type": "glm_moe_dsa", "index_topk_freq": 4, "index_skip_topk_offset": 3}
+    return configs
 
 
 @pytest.mark.parametrize("name", sorted(_family_configs()))
