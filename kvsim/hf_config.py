@@ -14,7 +14,7 @@ from typing import Any
 
 from kvsim.errors import KvsimError
 from kvsim.hf.context import max_model_len, weight_dtype
-from kvsim.hf.families import ATTENTION_FREE, family_of, read_layers
+from kvsim.hf.families import ATTENTION_FREE, VLLM_UNSERVED, family_of, read_layers
 from kvsim.hf.fields import Config, flatten
 from kvsim.hf.layout_keys import check_layout_keys, check_layout_keys_read
 from kvsim.hf.params import estimate_num_params
@@ -89,5 +89,6 @@ def model_spec_from_config(
         vocab_size=cfg.get("vocab_size", default=None),
         source=source,
         params_source=params_source,
+        vllm_unserved=VLLM_UNSERVED.get(family),
     )
 

@@ -21,8 +21,8 @@ class LayerKind(str, Enum):
     - MLA: multi-head latent attention (DeepSeek): one compressed latent of `kv_lora_rank +
       qk_rope_head_dim` elements per token, no separate K and V, the same on every TP rank;
     - CHUNKED: chunked local attention (Llama 4): attends within its `window`-token chunk only; same
-      per-token cost as FULL. vLLM 0.33 allocates it as FULL by default (it turns its hybrid KV cache manager
-      off for chunked local attention), so only kvsim's own "needed" figures cap it at the chunk;
+      per-token cost as FULL. vLLM 0.33 keeps it in its own ChunkedLocalAttentionSpec groups (the hybrid KV
+      cache manager stays on for it by default); kvsim's paged replay still allocates it as FULL;
     - LINEAR_STATE: linear attention / gated delta net / mamba / RWKV: a constant-size state per sequence;
     - NO_CACHE: a layer that keeps nothing: an MLP-only layer (Nemotron-H `-`/`E`), attention replaced by a
       no-op or a linear map (DeciLM), or one that reads an earlier layer's KV (Gemma-3n/Gemma 4 KV sharing).
@@ -148,6 +148,7 @@ class ModelSpec:
     source: str | None = None  # where the config came from (catalogue entry or file path)
     params_source: str | None = None  # where num_params came from
     checkpoint_bytes: int | None = None  # shipped weight bytes when they mix dtypes (gpt-oss MXFP4 experts)
+    vllm_unserved: str | None = None  # why vLLM serves no such model (RWKV); then kvsim's figures are its own
 
     def __post_init__(self) -> None:
         assert len(self.layers) > 0 and self.max_model_len > 0

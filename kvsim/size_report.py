@@ -125,9 +125,11 @@ class SizeReport:
         out.update(
             {
                 "vllm_version": VLLM_VERSION,
+                "vllm_unserved": self.model.vllm_unserved,
                 "vllm_max_num_batched_tokens": self.settings.max_num_batched_tokens,
                 "vllm_async_scheduling": self.settings.async_scheduling,
                 "vllm_max_in_flight_tokens": self.settings.max_in_flight_tokens,
+                "vllm_mamba_cache_mode": self.settings.mamba_cache_mode,
             }
         )
         if self.hybrid is not None:
@@ -139,7 +141,6 @@ class SizeReport:
                     "vllm_kernel_block_size": h.kernel_block_size,
                     "vllm_block_alignment": h.alignment,
                     "vllm_mamba_checkpoint_alignment": self.settings.mamba_checkpoint_alignment,
-                    "vllm_mamba_cache_mode": h.mamba_cache_mode,
                     "vllm_page_bytes": h.page_bytes,
                     "vllm_state_page_bytes": h.state_page_bytes,
                     "vllm_state_page_padded_bytes": h.page_bytes,
@@ -215,7 +216,7 @@ def size_report(
     if not 0 < utilization <= 1:  # checked even without a device, so a typo never passes silently
         raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=block_size, tp=tp)
-    layers = vllm_layers(model, spec, tp)
+    layers = () if model.vllm_unserved else vllm_layers(model, spec, tp)  # no vLLM figures where vLLM serves none
     n = positive_int(context_tokens, "--context") if context_tokens is not None else model.max_model_len
     report = SizeReport(
         model=model,

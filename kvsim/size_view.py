@@ -253,11 +253,13 @@ def _print_vllm_lines(console: Console, report) -> None:
     if report.spec.bytes_per_token == 0:  # attention-free (Mamba, RWKV): no per-token KV, a state per sequence
         console.print(
             f"no per-token KV cache (attention-free): the budget holds {cap.max_sequences_block_rounded:,.2f} sequences' "
-            "states, whatever their length",
+            "states, whatever their length"
+            + (f"; vLLM {VLLM_VERSION} does not serve it ({report.model.vllm_unserved})" if report.model.vllm_unserved else ""),
             highlight=False,
             soft_wrap=True,
         )
-        return
+        if cap.vllm is None:
+            return
     tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
     v = cap.vllm
     if v is None:
@@ -281,9 +283,12 @@ def _print_vllm_lines(console: Console, report) -> None:
         f"{len(gs)} {kind} group{'s' if len(gs) > 1 else ''} x {gs[0].blocks_per_request:,} block{'s' if gs[0].blocks_per_request > 1 else ''}"
         for kind, gs in kinds.items()
     )
+    pages = f"{v.group_size} layers x {v.page_bytes:,} B pages"
+    if v.bytes_per_block != v.group_size * v.page_bytes:  # one group of one type, pages of unequal sizes
+        pages = f"one page of each of {v.group_size} layers, unequal"
     console.print(
-        f"  vLLM pool: num_gpu_blocks {v.num_blocks:,} = KV budget // {v.bytes_per_block:,} B ({v.group_size} layers x "
-        f"{v.page_bytes:,} B pages); per request of {n:,} tokens: {per_kind} = {v.blocks_per_request:,} blocks",
+        f"  vLLM pool: num_gpu_blocks {v.num_blocks:,} = KV budget // {v.bytes_per_block:,} B ({pages}); "
+        f"per request of {n:,} tokens: {per_kind} = {v.blocks_per_request:,} blocks",
         style="dim",
         highlight=False,
         soft_wrap=True,

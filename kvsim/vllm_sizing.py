@@ -102,18 +102,32 @@ def vllm_layers(model: ModelSpec, spec: KVCacheSpec, tp: int = 1) -> tuple[VllmL
     it is not modelled, and no number is printed for it.
     """
     states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+    if states and any(layer.head_dim_v not in (0, layer.head_dim) for layer in model.layers):
+        # `_align_hybrid_block_size` sizes the attention page from head_size alone (K and V equal)
+        raise KvsimError(f"vLLM {VLLM_VERSION}'s hybrid block size with head_dim_v != head_dim is not modelled", field="layers")
     state_bytes = iter(_state_bytes_per_layer(states, spec.state_bytes_per_sequence, tp))
     out = []
     for layer in model.layers:
         kind = _VLLM_KIND.get(layer.kind.value, "?")
-        if kind == "?" or getattr(layer, "index_bytes", 0):
-            what = "indexer caches" if kind != "?" else f"{layer.kind.value!r} layers"
-            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {what} is not modelled", field="layers")
+        if kind == "?":
+            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {layer.kind.value!r} layers is not modelled", field="layers")
         if kind == "state":
             out.append(VllmLayer("state", state_bytes=next(state_bytes)))
         elif kind is not None:
             out.append(VllmLayer(kind, layer.elements_per_token(tp) * spec.dtype_bytes, window=layer.window))
+        if layer.index_bytes:
+            out.append(_indexer_layer(layer, spec))
     return tuple(out)
+
+
+def _indexer_layer(layer, spec: KVCacheSpec) -> VllmLayer:
+    """A sparse-attention indexer's key cache: its own layer in vLLM (`DeepseekV32IndexerCache`), an MLA spec of
+    `index_bytes` uint8 a token. A quantized KV cache beside it is stored as vLLM's fp8_ds_mla (656 B a token,
+    not the latent x 1 B kvsim sizes), so only a 2-byte KV dtype is followed."""
+    if layer.kind != LayerKind.MLA or spec.dtype_bytes != 2:
+        what = "an indexer beside a non-MLA layer" if layer.kind != LayerKind.MLA else f"sparse MLA with --kv-dtype {spec.dtype} (fp8_ds_mla)"
+        raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {what} is not modelled", field="layers")
+    return VllmLayer("mla", layer.index_bytes)
 
 
 def _state_bytes_per_layer(states: list, total: int, tp: int) -> list[int]:
@@ -269,13 +283,21 @@ class VllmStartup:
         return self.bytes_per_block * self.blocks_per_request <= self.budget_bytes - self.bytes_per_block
 
 
+def _unified_page(layer: VllmLayer, block_size: int, hybrid: HybridPages | None) -> int:
+    """One block of this layer before unifying: an attention page, a state page padded to the hybrid page, or
+    (attention-free models, where the platform aligns nothing) the state itself."""
+    if layer.kind != "state":
+        return layer.bytes_per_token * block_size
+    return hybrid.page_bytes if hybrid is not None else layer.state_bytes
+
+
 def _layer_pages(layers, block_size: int, hybrid: HybridPages | None) -> list[tuple[int, int]] | None:
     """(block_size, page bytes) per layer after `unify_kv_cache_spec_page_size`; None where vLLM cannot unify.
 
     A smaller attention page whose size divides the largest gets a proportionally larger block; a state page
     or a non-MLA attention page that does not divide it is padded; an MLA page that does not divide it fails.
     """
-    raw = [(block_size, layer.bytes_per_token * block_size if layer.kind != "state" else hybrid.page_bytes) for layer in layers]
+    raw = [(block_size, _unified_page(layer, block_size, hybrid)) for layer in layers]
     largest = max(page for _, page in raw)
     out = []
     for layer, (bs, page) in zip(layers, raw):
@@ -288,6 +310,40 @@ def _layer_pages(layers, block_size: int, hybrid: HybridPages | None) -> list[tu
         else:
             return None
     return out
+
+
+def _uniform_type(layer: VllmLayer) -> tuple:
+    """Layers of one uniform type need the same token slots a request (`UniformTypeKVCacheSpecs.is_uniform_type`):
+    MLA is a full attention spec; windows and chunks must be equal."""
+    return ("full",) if layer.kind in ("full", "mla") else (layer.kind, layer.window)
+
+
+def _uniform_type_startup(
+    layers: tuple[VllmLayer, ...], budget_bytes: int, max_model_len: int, block_size: int, settings: VllmSettings
+) -> VllmStartup | None:
+    """One group of every layer when all are one uniform type with unequal pages, or None.
+
+    `get_kv_cache_groups` checks this before unifying page sizes: full layers of different KV heads (DeciLM),
+    a sparse MLA layer beside its indexer's key cache (DeepSeek-V3.2), ... share one block table, and one
+    block id spans a page of every layer: bytes_per_block is the sum of their pages.
+    """
+    kinds = {_uniform_type(layer) for layer in layers}
+    if len(kinds) != 1 or layers[0].kind == "state" or len(set(layers)) == 1:
+        return None  # mixed types, states, or all layers equal (the bucket path gives the same one group)
+    first = layers[0]
+    blocks = _BLOCKS_PER_REQUEST[first.kind](first, block_size, max_model_len, settings)
+    bytes_per_block = sum(layer.bytes_per_token * block_size for layer in layers)
+    # the group's spec as the scheduler sees it: the first layer's (`generate_scheduler_kv_cache_config`)
+    group = VllmGroup(first.kind, len(layers), block_size, first.bytes_per_token * block_size, blocks)
+    return VllmStartup(
+        groups=(group,),
+        group_size=len(layers),
+        bytes_per_block=bytes_per_block,
+        num_blocks=budget_bytes // bytes_per_block,
+        budget_bytes=budget_bytes,
+        max_model_len=max_model_len,
+        settings=settings,
+    )
 
 
 def vllm_startup(
@@ -313,16 +369,20 @@ def vllm_startup(
         num_blocks  = budget // (12 x page)                     (`get_kv_cache_configs`)
         concurrency = num_blocks / (cdiv(len, block_size) + 3 x 1)   (a state group: 1 block a request)
         tokens      = int(concurrency x len)                    (`get_kv_cache_capacity`)
+
+    An attention-free model (Mamba, Mamba-2) has no attention backend, so the platform raises nothing
+    (`Platform.check_and_update_config` returns before `_align_hybrid_block_size`): each state page is the
+    state itself, unpadded, and its block size is `mamba_block_size` (max_model_len; align mode: block_size).
     """
     positive_int(max_model_len, "--context")
     positive_int(block_size, "--block-size")
     if not layers:
         return None
-    hybrid = None
-    if any(layer.kind == "state" for layer in layers):
-        hybrid = hybrid_pages(layers, block_size, settings)
-        if hybrid is None:
-            return None
+    uniform = _uniform_type_startup(layers, budget_bytes, max_model_len, block_size, settings)
+    if uniform is not None:
+        return uniform
+    hybrid = hybrid_pages(layers, block_size, settings)  # None for attention-only and attention-free models
+    if hybrid is not None:
         block_size = hybrid.block_size
     pages = _layer_pages(layers, block_size, hybrid)
     if pages is None:

@@ -7,6 +7,7 @@ the arithmetic in the comments is the figure vLLM would allocate (bf16 KV, tp=1 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from kvsim.errors import KvsimError
 from kvsim.hf_config import load_hf_config
 from kvsim.models import LayerKind
 from kvsim.sizing import block_rounded_bytes_per_sequence, bytes_per_sequence, kv_cache_spec
-from kvsim.vllm_sizing import vllm_startup
+from kvsim.vllm_sizing import VllmSettings, vllm_layers, vllm_startup
 
 
 @pytest.fixture
@@ -100,12 +101,19 @@ def test_llama4_rope_layers_use_chunked_local_attention(load):
     assert model.max_model_len == 10485760  # vLLM: llama3 rope is not rescaled
 
 
-def test_llama4_vllm_allocates_chunked_layers_as_full_by_default(load):
-    # vLLM 0.33 disables its hybrid KV cache manager for chunked local attention: one group of 48 full layers
-    spec = kv_cache_spec(load(LLAMA4_SCOUT))
-    startup = vllm_startup(spec, 48 * 4096 * 16 * 1000, max_model_len=131072)
-    assert (startup.num_groups, startup.group_size, startup.num_blocks) == (1, 48, 1000)
-    assert startup.tokens == 16000
+def test_llama4_vllm_keeps_chunked_layers_in_their_own_groups(load):
+    # vLLM 0.33 keeps its hybrid KV cache manager on for chunked local attention: 36 chunked + 12 full layers,
+    # groups of 12 (36 > 1.5 x 12): 3 ChunkedLocalAttentionSpec groups + 1 full group, 16-token pages of 4,096 B
+    model = load(LLAMA4_SCOUT)
+    spec = kv_cache_spec(model)
+    bytes_per_block = 12 * 16 * 4096  # a block id spans one layer of each group: 786,432 B
+    startup = vllm_startup(vllm_layers(model, spec), bytes_per_block * 25600, 131072, spec.block_size, VllmSettings())
+    assert [(g.kind, g.num_layers) for g in startup.groups] == [("chunked", 12)] * 3 + [("full", 12)]
+    assert (startup.group_size, startup.bytes_per_block, startup.num_blocks) == (12, bytes_per_block, 25600)
+    # a request of 131,072 tokens: a chunk plus 2 x 8,192 tokens in flight, cdiv(8192 + 16384, 16) = 1,536 blocks
+    # in each chunked group, cdiv(131072, 16) = 8,192 in the full one: 3 x 1,536 + 8,192 = 12,800 blocks
+    assert [g.blocks_per_request for g in startup.groups] == [1536] * 3 + [8192]
+    assert (startup.concurrency, startup.tokens) == (2.0, 262144)  # 25,600 / 12,800; 2 x 131,072
 
 
 def test_llama4_layer_types_chunked_attention(load):
@@ -510,14 +518,77 @@ def test_context_smallest_length_key_and_model_max_length(load):
 
 
 def test_nemotron_h_through_vllms_hybrid_arithmetic(load):
-    spec = kv_cache_spec(load(NEMOTRON_H_8B))
-    startup = vllm_startup(spec, 7 * 4 * 4259840 * 100, max_model_len=8192)
+    model = load(NEMOTRON_H_8B)
+    spec = kv_cache_spec(model)
+    layers = vllm_layers(model, spec)
+    assert len(layers) == 4 + 24  # the 24 MLP-only layers have no KV cache spec
+    startup = vllm_startup(layers, 4 * 4259840 * 700, 8192, spec.block_size, VllmSettings())
     # one attention layer's token: 2 x 8 x 128 x 2 = 4,096 B; one mamba layer's state: 30,720 x 2 + 1,048,576 x 4
     # = 4,255,744 B; block_size raised to 16 x cdiv(4,255,744, 16 x 4,096) = 1,040 tokens, page 4,259,840 B
     assert (startup.block_size, startup.page_bytes) == (1040, 4259840)
-    # 4 attention + 24 mamba layers: groups of 4, 1 full + 6 state groups
+    # 4 attention + 24 mamba layers: groups of 4, 1 full + 6 state groups; a block id spans 4 pages
     assert (startup.group_size, startup.num_groups, startup.num_blocks) == (4, 7, 700)
-    assert startup.tokens == 700 // 7 * 1040
+    # a request of 8,192 tokens: cdiv(8192, 1040) = 8 attention blocks + 1 state block in each of 6 groups
+    assert startup.blocks_per_request == 8 + 6
+    assert (startup.concurrency, startup.tokens) == (50.0, 50 * 8192)
+
+
+def test_decilm_full_layers_of_different_kv_heads_share_one_group(load):
+    # vLLM's uniform-type rule: full layers of 8 and 4 KV heads need the same token slots: one group, and a
+    # block id spans one page of each: 16 x (8 + 4) x 256 x 2 = 98,304 B (not two groups of unified pages)
+    model = load(NEMOTRON_SUPER_BLOCKS)
+    startup = vllm_startup(vllm_layers(model, kv_cache_spec(model)), 98304 * 1000, 4096)
+    assert (startup.num_groups, startup.group_size, startup.bytes_per_block, startup.num_blocks) == (1, 2, 98304, 1000)
+    assert startup.groups[0].page_bytes == 16 * 8 * 256 * 2  # the group's spec is its first layer's
+    assert (startup.blocks_per_request, startup.concurrency) == (256, 1000 / 256)
+
+
+def test_dsa_indexer_keys_are_their_own_layers_in_mla_s_group(load):
+    # DeepseekV32IndexerCache: an MLA spec of 132 uint8 a token beside each of the 61 MLA layers (576 x 2 B):
+    # one uniform-type group of 122 layers; a block id spans 16 x (61 x 1,152 + 61 x 132) B
+    model = load(DEEPSEEK_V32)
+    layers = vllm_layers(model, kv_cache_spec(model))
+    assert [layer.bytes_per_token for layer in layers[:4]] == [1152, 132, 1152, 132] and len(layers) == 122
+    startup = vllm_startup(layers, 16 * 61 * 1284 * 500, 4096)
+    assert (startup.num_groups, startup.group_size, startup.bytes_per_block, startup.num_blocks) == (1, 122, 16 * 61 * 1284, 500)
+    with pytest.raises(KvsimError, match="fp8_ds_mla"):  # vLLM stores a quantized sparse MLA cache as 656 B a token
+        vllm_layers(model, kv_cache_spec(model, kv_dtype="fp8"))
+
+
+def test_mamba_without_attention_keeps_its_state_pages_unpadded(load):
+    # no attention backend, so no block-size raise: each page is one layer's state, mamba_block_size max_model_len
+    cfg = {"model_type": "mamba", "num_hidden_layers": 64, "hidden_size": 2560, "intermediate_size": 5120,
+           "state_size": 16, "conv_kernel": 4, "expand": 2, "torch_dtype": "bfloat16"}  # fmt: skip
+    model = load(cfg)
+    spec = kv_cache_spec(model)
+    state = (5120 * 3 + 5120 * 16) * 2  # conv (intermediate x (conv_kernel - 1)) + ssm (intermediate x state_size), bf16
+    assert spec.state_bytes_per_sequence == 64 * state == 64 * 194560
+    startup = vllm_startup(vllm_layers(model, spec), 64 * state * 300, model.max_model_len, spec.block_size, VllmSettings())
+    assert (startup.num_groups, startup.page_bytes, startup.num_blocks, startup.blocks_per_request) == (1, state, 300, 1)
+    assert startup.block_size == model.max_model_len == 2048  # vLLM assumes 2048 without a length key
+    assert (startup.concurrency, startup.tokens) == (300.0, 300 * 2048)  # "GPU KV cache size: 614,400 tokens"
+    aligned = vllm_startup(vllm_layers(model, spec), 64 * state * 300, 2048, 16, VllmSettings(mamba_cache_mode="align"))
+    assert (aligned.block_size, aligned.blocks_per_request) == (16, 2)  # running + cached state
+
+
+def test_a_hybrid_with_a_different_v_head_size_is_refused(load):
+    # vLLM raises a hybrid's block size from head_size alone (its FullAttentionSpec with head_size_v = head_size)
+    model = load({**NEMOTRON_H_8B, "hybrid_override_pattern": "M*" * 26})
+    other_v = replace(model, layers=tuple(replace(layer, head_dim_v=64) if layer.kind == LayerKind.FULL else layer for layer in model.layers))
+    assert len(vllm_layers(model, kv_cache_spec(model))) == 52
+    with pytest.raises(KvsimError, match="head_dim_v"):
+        vllm_layers(other_v, kv_cache_spec(other_v))
+
+
+def test_rwkv_gets_no_vllm_figures(load):
+    from kvsim.size_report import size_report
+
+    model = load({"model_type": "rwkv", "num_hidden_layers": 12, "hidden_size": 768, "attention_hidden_size": 768,
+                  "intermediate_size": 3072, "context_length": 1024, "vocab_size": 50277})  # fmt: skip
+    assert model.vllm_unserved  # vLLM 0.33 has no RWKV architecture
+    report = size_report(replace(model, num_params=169_000_000), memory_bytes=10**10).as_json()
+    assert report["block_rounded_is_vllm_exact"] is False and "vllm_num_gpu_blocks" not in report
+    assert "RWKV" in report["vllm_unserved"]
 
 
 def test_no_parameter_estimate_for_families_with_their_own_reader(load):

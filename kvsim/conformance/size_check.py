@@ -8,12 +8,12 @@ Run: `python3 -m kvsim.conformance.size_check` (exit code 1 on any difference).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvsim.conformance.size_specs import spec_kind, vllm_config, vllm_modules, vllm_specs
 from kvsim.errors import KvsimError
 from kvsim.sizing import cdiv
-from kvsim.vllm_sizing import VllmSettings
+from kvsim.vllm_sizing import VLLM_VERSION, VllmSettings
 
 GPUS = ("h100-80gb", "h200")
 TPS = (1, 2, 8)
@@ -29,6 +29,7 @@ class Case:
     settings: VllmSettings = VllmSettings()
     kv_dtype: str = "bf16"
     context: int | None = None
+    num_params: int | None = None  # a config.json path (`model`) states none: the weights to assume
 
     @property
     def label(self) -> str:
@@ -68,6 +69,11 @@ def check(case: Case, report: dict | None = None) -> Result:
 
     result = Result(case)
     model = resolve_model(case.model)
+    if case.num_params is not None:
+        model = replace(model, num_params=case.num_params)
+    if model.vllm_unserved:
+        result.skipped = f"vLLM {VLLM_VERSION} does not serve it: {model.vllm_unserved}"
+        return result
     gpu = get_gpu(case.gpu)
     if report is None:
         try:
@@ -118,8 +124,11 @@ def check(case: Case, report: dict | None = None) -> Result:
     c["vllm_groups"] = (report["vllm_groups"], vllm_groups)
     c["vllm_blocks_per_request"] = (report["vllm_blocks_per_request"], sum(g["blocks_per_request"] for g in vllm_groups))
     mamba = [s for s in specs.values() if isinstance(s, v.kvi.MambaSpec)]
-    if mamba:
-        attention = next(s for s in specs.values() if not isinstance(s, v.kvi.MambaSpec))
+    attention = next((s for s in specs.values() if not isinstance(s, v.kvi.MambaSpec)), None)
+    if mamba and attention is None:  # attention-free: the state page unpadded, the block size as asked
+        c["vllm_state_page_bytes"] = (report["vllm_groups"][0]["page_bytes"], mamba[0].real_page_size_bytes)
+        c["vllm_state_page_unpadded"] = (True, mamba[0].page_size_bytes == mamba[0].real_page_size_bytes)
+    elif mamba:
         c["vllm_state_page_bytes"] = (report["vllm_state_page_bytes"], mamba[0].real_page_size_bytes)
         c["vllm_state_page_padded_bytes"] = (report["vllm_state_page_padded_bytes"], mamba[0].page_size_bytes)
         # the raise (Platform._align_hybrid_block_size): the attention page holds the state, and one alignment
@@ -150,7 +159,8 @@ def catalogue_cases() -> list[Case]:
 
 def settings_cases() -> list[Case]:
     """The vLLM settings and options beside the defaults: fp8 KV, a short context, a smaller batch budget,
-    prefix caching on a hybrid (mamba_cache_mode align), a larger kernel block, and a start vLLM refuses."""
+    prefix caching on a hybrid and on an attention-free model (mamba_cache_mode align), a larger kernel block,
+    chunked local attention and sparse MLA at a length that fits, and a start vLLM refuses."""
     return [
         Case("llama-3.1-8b", 1, "h100-80gb", kv_dtype="fp8"),
         Case("deepseek-v3", 8, "h200", kv_dtype="fp8"),
@@ -162,6 +172,9 @@ def settings_cases() -> list[Case]:
         Case("qwen3-next-80b-a3b", 8, "h200", VllmSettings(mamba_cache_mode="align", mamba_checkpoint_alignment=64), context=1000),
         Case("qwen3-next-80b-a3b", 4, "h200", VllmSettings(kernel_block_size=32), kv_dtype="fp8"),
         Case("qwen3-next-80b-a3b", 8, "h100-80gb", context=200),
+        Case("llama-4-scout", 8, "h100-80gb", context=131072),  # chunked local attention groups beside full ones
+        Case("mamba-codestral-7b", 2, "h100-80gb", VllmSettings(mamba_cache_mode="align")),  # attention-free, align
+        Case("deepseek-v3.2", 8, "h200", context=65536),  # sparse MLA and its indexer keys in one group
         Case("qwen3-235b-a22b", 8, "h100-80gb", context=500_000),  # one request does not fit: vLLM refuses
     ]
 

@@ -110,7 +110,15 @@ def vllm_specs(v, model: ModelSpec, report: dict) -> dict:
             else:
                 specs[name] = v.kvi.ChunkedLocalAttentionSpec(**attention, attention_chunk_size=layer.window)
         elif kind == "mla":
-            specs[name] = v.kvi.MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=layer.latent_dim, dtype=kv_dtype, cache_dtype_str="auto")
+            specs[name] = v.kvi.MLAAttentionSpec(
+                block_size=bs, num_kv_heads=1, head_size=layer.latent_dim, dtype=kv_dtype, cache_dtype_str="auto",
+                is_index_group_leader=bool(layer.index_bytes),
+            )
+            if layer.index_bytes:  # DeepseekV32IndexerCache.get_kv_cache_spec: its own layer, uint8 keys and scales
+                specs[f"model.layers.{i}.attn.indexer.k_cache"] = v.kvi.MLAAttentionSpec(
+                    block_size=bs, num_kv_heads=1, max_tp_shards=1, head_size=layer.index_bytes, dtype=torch.uint8,
+                    cache_role=v.kvi.SparseCacheRole.INDEXER,
+                )
         elif kind == "linear-state":
             shape, dtype = state_shape[layer]
             unpadded = shape[0] * dtype.itemsize

@@ -38,6 +38,9 @@ _REFUSED = {
 
 ATTENTION_FREE = frozenset({"mamba", "mamba2", "rwkv"})
 
+# Families kvsim sizes by their own layout although vLLM 0.33 does not serve them: no vLLM figures for them.
+VLLM_UNSERVED = {"rwkv": "no RWKV architecture in its model registry"}
+
 
 def family_of(cfg: Config) -> str:
     """The family reader for this config, by model_type; 'generic' for every family without its own reader."""
