@@ -92,7 +92,7 @@ def size(
     step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim[perfdb]).")] = False,
 ) -> None:
     """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
-    from kvsim.size_view import show_size
+    from kvsim.size.view import show_size
 
     show_size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
@@ -109,7 +109,7 @@ def models(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
     """List the model catalogue: layers by kind, KV heads, head_dim, KV bytes per token in bf16."""
-    from kvsim.size_view import show_models
+    from kvsim.size.view import show_models
 
     show_models(as_json=json_out)
 
@@ -180,7 +180,7 @@ def replay(
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
 
-    from kvsim.replay_view import run_replay_cli
+    from kvsim.replay.view import run_replay_cli
 
     run_replay_cli(
         Path(workload), out=Path(out) if out else None, device=device, tensors=not no_tensors, seed=seed, limit=limit,
@@ -226,7 +226,7 @@ def profile(
     out: Annotated[Optional[str], typer.Option("--out", help="Output directory (default: reports/profile/<device>/).")] = None,
 ) -> None:
     """PyTorch's CUDA caching allocator under the workload: torch.empty per request vs one paged pool (needs CUDA)."""
-    from kvsim.profile import show_profile
+    from kvsim.profile.run import show_profile
 
     show_profile(
         workload, reserve=reserve, block_size=block_size, settings=tuple(s.strip() for s in settings.split(",") if s.strip()),
@@ -246,7 +246,7 @@ def cache_curve(
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
 ) -> None:
     """Prefix-cache hit rate of an LRU cache of blocks at every capacity, exact, in one pass over the requests."""
-    from kvsim.cache_curve_view import show_cache_curve
+    from kvsim.cache_curve.view import show_cache_curve
 
     show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out)
 

@@ -31,10 +31,10 @@ def main() -> int:
         print(f"no trace at {args.trace}", file=sys.stderr)
         return 2
 
-    from kvsim.cache_curve_view import cache_curve_of
-    from kvsim.prefix_blocks import prompt_block_units
-    from kvsim.requests import trace_requests
-    from kvsim.traces import read_trace
+    from kvsim.cache_curve.view import cache_curve_of
+    from kvsim.cache_curve.blocks import prompt_block_units
+    from kvsim.workload.requests import trace_requests
+    from kvsim.workload.traces import read_trace
 
     for block_size in (int(b) for b in args.block_sizes.split(",")):
         best_read = best_curve = float("inf")

@@ -23,12 +23,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
-    from kvsim import kernel_clock
-    from kvsim.catalogue import resolve_model
-    from kvsim.hardware import get_gpu
-    from kvsim.replay import run_replay
-    from kvsim.replay_options import ReplayOptions
-    from kvsim.workload import load_workload
+    from kvsim.clock import kernels_db as kernel_clock
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.workload.spec import load_workload
 
     if not kernel_clock.available():
         print("aiconfigurator-core is not installed: pip install 'kvsim[perfdb]'", file=sys.stderr)

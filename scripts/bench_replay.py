@@ -51,10 +51,10 @@ def main() -> int:
         return 2
 
     t_import = time.perf_counter()
-    from kvsim.replay import run_replay
-    from kvsim.replay_options import ReplayOptions
-    from kvsim.reports import summary_records, write_reports
-    from kvsim.workload import load_workload
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.replay.reports import summary_records, write_reports
+    from kvsim.workload.spec import load_workload
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

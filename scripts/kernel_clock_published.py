@@ -42,9 +42,9 @@ scheduler: {{max_num_seqs: 256, max_num_batched_tokens: 8192, preemption: recomp
 def main() -> int:
     import numpy as np
 
-    from kvsim.replay import run_replay
-    from kvsim.replay_options import ReplayOptions
-    from kvsim.workload import load_workload
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.workload.spec import load_workload
 
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:

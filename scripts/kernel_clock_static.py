@@ -51,13 +51,13 @@ def main() -> int:
 
     import numpy as np
 
-    from kvsim.catalogue import resolve_model
-    from kvsim.hardware import get_gpu
-    from kvsim.kernel_clock import kernel_clock
-    from kvsim.replay import run_replay
-    from kvsim.replay_options import ReplayOptions
-    from kvsim.sizing import kv_cache_spec
-    from kvsim.workload import load_workload
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.clock.kernels_db import kernel_clock
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.size.sizing import kv_cache_spec
+    from kvsim.workload.spec import load_workload
 
     logging.disable(logging.WARNING)
 

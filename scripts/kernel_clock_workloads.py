@@ -27,11 +27,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvsim.errors import KvsimError
-    from kvsim.kernel_clock import SYSTEMS
-    from kvsim.replay import run_replay
-    from kvsim.replay_options import ReplayOptions
-    from kvsim.reports import summary_records
-    from kvsim.workload import load_workload
+    from kvsim.clock.kernels_db import SYSTEMS
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.replay.reports import summary_records
+    from kvsim.workload.spec import load_workload
 
     logging.disable(logging.WARNING)
     print("| workload | model | GPU | allocator | TTFT p50 s (kernels-db / roofline) | TPOT p50 ms | output tok/s |")

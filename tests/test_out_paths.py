@@ -67,9 +67,9 @@ def test_output_dir_check_without_creating(tmp_path):
 
 
 def test_replay_out_under_a_file_fails_before_the_replay(cli, tmp_path, monkeypatch):
-    import kvsim.replay
+    import kvsim.replay.run
 
-    monkeypatch.setattr(kvsim.replay, "run_replay", lambda *a, **kw: pytest.fail("replayed before checking --out"))
+    monkeypatch.setattr(kvsim.replay.run, "run_replay", lambda *a, **kw: pytest.fail("replayed before checking --out"))
     a_file = tmp_path / "a.csv"
     a_file.write_text("x")
     from tests.conftest import REPO

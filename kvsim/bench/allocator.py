@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError

@@ -38,8 +38,8 @@ class KernelShape:
 
 def model_shape(model: str, kv_dtype: str = "bf16") -> KernelShape:
     """The first attention layer of `model` (catalogue name, HF id or config.json). MLA reads one latent head."""
-    from kvsim.catalogue import resolve_model
-    from kvsim.sizing import kv_cache_spec
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.size.sizing import kv_cache_spec
 
     if kv_dtype not in BENCH_DTYPES:
         raise KvsimError(f"the kernel benchmark runs {', '.join(BENCH_DTYPES)}, got {kv_dtype!r}", field="--kv-dtype")

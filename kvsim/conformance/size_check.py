@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from kvsim.conformance.size_specs import spec_kind, vllm_config, vllm_modules, vllm_specs
 from kvsim.errors import KvsimError
-from kvsim.sizing import cdiv
-from kvsim.vllm_sizing import VLLM_VERSION, VllmSettings
+from kvsim.size.sizing import cdiv
+from kvsim.size.vllm import VLLM_VERSION, VllmSettings
 
 GPUS = ("h100-80gb", "h200")
 TPS = (1, 2, 8)
@@ -63,9 +63,9 @@ class Result:
 
 def check(case: Case, report: dict | None = None) -> Result:
     """kvsim size --json for `case` (or the `report` it printed) against vLLM's functions on the same specs and budget."""
-    from kvsim.catalogue import resolve_model
-    from kvsim.hardware import get_gpu
-    from kvsim.size_report import size_report
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.size.report import size_report
 
     result = Result(case)
     model = resolve_model(case.model)
@@ -146,7 +146,7 @@ def check(case: Case, report: dict | None = None) -> Result:
 
 def catalogue_cases() -> list[Case]:
     """Every catalogue model at tp 1, 2, 8 on an H100 and an H200, async and sync scheduling."""
-    from kvsim.catalogue import model_names
+    from kvsim.models.catalogue import model_names
 
     return [
         Case(name, tp, gpu, VllmSettings(async_scheduling=sched))

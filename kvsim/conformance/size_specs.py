@@ -10,8 +10,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from kvsim.errors import KvsimError
-from kvsim.models import LayerKind, ModelSpec
-from kvsim.vllm_sizing import VllmSettings
+from kvsim.models.spec import LayerKind, ModelSpec
+from kvsim.size.vllm import VllmSettings
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn", "int8": "int8"}
 _STATE_DTYPES = {2: "bfloat16", 4: "float32"}  # by bytes per element

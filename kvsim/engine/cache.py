@@ -14,7 +14,7 @@ from kvsim.engine.cache_swap import CacheSwaps
 from kvsim.engine.cache_write import CacheWrites
 from kvsim.engine.device import TORCH_DTYPES, free_memory_bytes, resolve_device
 from kvsim.engine.integrity import IntegrityPatterns
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.timing import StepTimer
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 
 Reserve = Literal["max", "pow2", "oracle"]
 Placement = Literal["first-fit", "best-fit", "buddy"]

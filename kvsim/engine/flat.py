@@ -14,7 +14,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.arena import PLACEMENTS, Arena
 from kvsim.engine.factory import Placement, Reserve
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.sequence import Sequence
 
 RESERVES: tuple[str, ...] = ("max", "pow2", "oracle")

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvsim.engine.allocator import KVAllocator
 from kvsim.engine.block_pool import Block, BlockPool
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged_breakdown import PagedBreakdown
 from kvsim.engine.paged_fork import ForkCopyOnWrite
 from kvsim.engine.paged_layout import Lane, PagedRequest, page_layout

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from kvsim.engine.block_pool import Block
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.sequence import Sequence
 
 MAX_PAGES_PER_BLOCK = 64  # beyond this a gcd page is too small to be worth it: pad instead

@@ -1,7 +1,7 @@
 """`kvsim plot`: matplotlib charts (headless) written next to the reports they draw.
 
 A replay report gets charts 1-5, a kernel-bench directory chart 6; a chart whose data a report lacks is
-skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.sizing`.
+skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.size.sizing`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _tokens_tick(value: float, _pos) -> str:
 
 
 def cache_curve_chart(curve, ctx):
-    """The chart of a `CacheCurve` (kvsim.cache_curve) for a `CurveContext` (kvsim.cache_curve_view)."""
+    """The chart of a `CacheCurve` (kvsim.cache_curve.curve) for a `CurveContext` (kvsim.cache_curve.view)."""
     bs = curve.block_size
     top_blocks = max(int(curve.knots()[-1]), 1)
     if ctx.budget_tokens:

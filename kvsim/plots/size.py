@@ -1,4 +1,4 @@
-"""Chart 7: KV bytes per sequence against context length for one or more models, from `kvsim.sizing`.
+"""Chart 7: KV bytes per sequence against context length for one or more models, from `kvsim.size.sizing`.
 
 Log-log axes make each kind of layer show as what it is: full attention a straight line of slope 1, a
 sliding window a bend where the window fills (the capped line flattens), a linear/mamba state a floor at
@@ -27,8 +27,8 @@ def context_points(max_context: int, knees: list[int]) -> np.ndarray:
 
 def size_curves(model_name: str, *, kv_dtype: str = "bf16", tp: int = 1, max_context: int | None = None) -> dict:
     """{'model', 'tokens', 'capped', 'uncapped', 'windows', 'state_bytes'}: what the chart draws for one model."""
-    from kvsim.catalogue import resolve_model
-    from kvsim.sizing import bytes_per_sequence, kv_cache_spec
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.size.sizing import bytes_per_sequence, kv_cache_spec
 
     model = resolve_model(model_name)
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, tp=tp)

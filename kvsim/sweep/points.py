@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.errors import KvsimError
-from kvsim.replay_options import ReplayOptions
+from kvsim.replay.options import ReplayOptions
 from kvsim.sweep.spec import Search, SweepSpec
 
 # Setting one of these drops the other: a workload gives exactly one (kv_budget or gpu_memory_utilization).
@@ -96,9 +96,9 @@ def expand_points(spec: SweepSpec) -> list[tuple[tuple[tuple[str, Any], ...], di
 def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
     """Expand and validate every point (one error naming the axis and value of the first bad one), then
     split each into one task per allocator."""
-    from kvsim.catalogue import resolve_model
-    from kvsim.hardware import get_gpu
-    from kvsim.workload import workload_from_mapping
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.workload.spec import workload_from_mapping
 
     tasks = []
     for point, (values, mapping) in enumerate(expand_points(spec)):

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvsim.errors import KvsimError
-from kvsim.yaml_fields import Fields
+from kvsim.workload.yaml_fields import Fields
 
 COMBINES = ("grid", "zip")
 DEFAULT_METRICS = ("throughput_tokens_per_s", "ttft_p99_s", "preemptions_per_request")

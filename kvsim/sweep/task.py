@@ -47,9 +47,9 @@ def _head(task: Task) -> dict:
 
 def replay_metrics(mapping: dict, path: str, task: Task) -> dict:
     """Replay one workload mapping of one allocator; its summary metrics (as `kvsim replay` writes them)."""
-    from kvsim.replay import run_replay
-    from kvsim.reports import summary_records
-    from kvsim.workload import workload_from_mapping
+    from kvsim.replay.run import run_replay
+    from kvsim.replay.reports import summary_records
+    from kvsim.workload.spec import workload_from_mapping
 
     workload = workload_from_mapping(mapping, path, sha256=task.key)
     result = run_replay(workload, task.options, workers=1)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvsim.errors import KvsimError
-from kvsim.replay_options import ReplayOptions
+from kvsim.replay.options import ReplayOptions
 from kvsim.sweep.points import make_tasks
 from kvsim.sweep.results import Results
 from kvsim.sweep.spec import load_sweep

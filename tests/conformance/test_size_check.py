@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsim import vllm_sizing
-from kvsim.catalogue import model_names
+from kvsim.size import vllm as vllm_sizing
+from kvsim.models.catalogue import model_names
 from kvsim.conformance.size_check import Case, catalogue_cases, check, settings_cases
 
 pytestmark = pytest.mark.conformance
@@ -56,7 +56,7 @@ def test_the_json_kvsim_size_prints_is_what_is_compared(vllm_loaded, cli):
     """The command line's --json, parsed, goes through the same comparison (a sliding model and a hybrid)."""
     import json
 
-    from kvsim.vllm_sizing import VllmSettings
+    from kvsim.size.vllm import VllmSettings
 
     for case, args in (
         (Case("gemma-3-27b", 2, "h200"), []),
@@ -70,8 +70,15 @@ def test_the_json_kvsim_size_prints_is_what_is_compared(vllm_loaded, cli):
 
 
 def _family_configs() -> dict:
-    """The config.json of each family test in tests/test_hf_families.py (public field names, published sizes)."""
-    import test_hf_families as families  # tests/ is on sys.path (rootdir conftest, no package)
+    """The config.json of each family test in tests/models/test_hf_families.py (public field names, published sizes)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    path = REPO / "tests" / "models" / "test_hf_families.py"
+    spec = importlib.util.spec_from_file_location("hf_family_configs", path)
+    families = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(families)
 
     configs = {name: value for name, value in vars(families).items() if name.isupper() and isinstance(value, dict)}
     # GLM-5's IndexCache: 17 of 61 MLA layers build an indexer, one group of 61 + 17 layers

@@ -10,7 +10,7 @@ import pytest
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.sequence import Sequence
 
 BLOCK_SIZE = 4

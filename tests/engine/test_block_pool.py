@@ -181,7 +181,7 @@ def test_a_hash_is_registered_once():
 
 SCENARIO = """
 import json, numpy as np
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)

@@ -15,7 +15,7 @@ import torch
 from kvsim.engine import cache as cache_mod
 from kvsim.engine import kernels
 from kvsim.engine.cache import KVCache
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.timing import StepTimer
 from kvsim.errors import KvsimError
 
@@ -343,7 +343,7 @@ def test_copy_blocks_reads_every_source_before_writing():
 _CACHE_TRITON_WRITES_ON_CPU = """
 import numpy as np, torch
 from kvsim.engine.cache import KVCache
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 
 spec = KVCacheSpec.uniform(num_layers=6, num_kv_heads=2, head_dim=8, block_size=4, dtype="bf16", dtype_bytes=2)
 caches = {}

@@ -12,7 +12,7 @@ import pytest
 
 from kvsim.engine.allocator import KVAllocator
 from kvsim.engine.flat import FlatAllocator
-from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.engine.flat import FlatAllocator
-from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.engine.sequence import Sequence
 
 # 2 (K,V) * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes per token

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvsim.engine.cache import KVCache
 from kvsim.engine.flat import FlatAllocator
-from kvsim.engine.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.engine.paged import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError

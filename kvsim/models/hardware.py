@@ -1,0 +1,78 @@
+"""A small GPU catalogue (kvsim/models/data/hardware.yaml): memory, bandwidth and bf16 FLOP/s, each sourced."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+from kvsim.errors import KvsimError
+from kvsim.units import parse_bytes
+
+HARDWARE_FILE = "kvsim/models/data/hardware.yaml"
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: `memory_bytes` of device memory, HBM bandwidth (bytes/s), dense bf16 FLOP/s."""
+
+    name: str
+    memory_bytes: int
+    hbm_bandwidth_bytes_per_s: float
+    bf16_flops_per_s: float
+    source: str
+    key: str = ""  # catalogue short name, e.g. "h100-80gb"
+
+
+@functools.lru_cache(maxsize=1)
+def _raw() -> dict[str, dict]:
+    import yaml
+
+    text = resources.files("kvsim.models").joinpath("data/hardware.yaml").read_text()
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=1)
+def _catalogue() -> dict[str, GPUSpec]:
+    gpus = {}
+    for key, entry in _raw().items():
+        source = f"{HARDWARE_FILE} [{key}]"
+        gpus[key] = GPUSpec(
+            name=entry["name"],
+            memory_bytes=parse_bytes(entry["memory"], field="memory", source=source),
+            hbm_bandwidth_bytes_per_s=float(entry["hbm_bandwidth_bytes_per_s"]),
+            bf16_flops_per_s=float(entry["bf16_flops_per_s"]),
+            source=entry["source"],
+            key=key,
+        )
+    return gpus
+
+
+@functools.lru_cache(maxsize=1)
+def _aliases() -> dict[str, str]:
+    table = {}
+    for key, entry in _raw().items():
+        table[key] = key
+        for alias in entry.get("aliases", []):
+            table[str(alias).lower()] = key
+    return table
+
+
+def gpu_names() -> list[str]:
+    """Every catalogue GPU key, in catalogue order."""
+    return list(_catalogue())
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """The GPU called `name` (`h100-80gb`, `H200`, `a100-40gb`...; case-insensitive, '_' or ' ' as '-')."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    aliases = _aliases()
+    variants = [k for k in gpu_names() if k.startswith(key + "-")]
+    if key not in _catalogue() and len(variants) > 1:  # `a100`: the 40 GB or the 80 GB card?
+        raise KvsimError(f"ambiguous GPU {name!r}: say which of {', '.join(variants)}", field="--gpu")
+    if key in aliases:
+        return _catalogue()[aliases[key]]
+    close = difflib.get_close_matches(key, list(aliases), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise KvsimError(f"unknown GPU {name!r}{hint} (known: {', '.join(gpu_names())})", field="--gpu")

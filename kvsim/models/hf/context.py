@@ -1,0 +1,79 @@
+"""The default context (max_model_len) vLLM derives from a config, and the weight dtype a config implies."""
+
+from __future__ import annotations
+
+from kvsim.models.hf.fields import Config
+
+_TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+# vLLM's keys for a model's length (ModelArchConfigConvertor.derive_max_model_len_and_key): the smallest
+# present wins, model_max_length overrides; none present means 2048.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+_DEFAULT_MAX_LEN = 2048
+# RoPE types whose max_position_embeddings already states the scaled length (no factor applied).
+_PRESCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _rope_parameters(cfg: Config) -> list[dict]:
+    """rope_scaling (transformers v4) or rope_parameters (v5, possibly one dict per layer type)."""
+    rope = cfg.get("rope_scaling", "rope_parameters", default=None)
+    if not isinstance(rope, dict):
+        return []
+    if all(isinstance(v, dict) for v in rope.values()) and rope:
+        return list(rope.values())
+    return [rope]
+
+
+def max_model_len(cfg: Config, *, assume_default: bool = False) -> int:
+    """The context vLLM 0.33 serves by default (vllm/config/model.py _get_and_verify_max_len).
+
+    The smallest of the length keys (model_max_length overriding); when none is present vLLM assumes 2048 with
+    a warning, which kvsim does only where `assume_default` (attention-free models, whose configs state no
+    length) and otherwise refuses, naming max_position_embeddings. Then times the RoPE
+    `factor` unless the type states the scaled length already (llama3, yarn, longrope, su) or the model is
+    gemma-3; longrope then serves original_max_position_embeddings (Phi-3.5-mini, Phi-4-mini: 4,096).
+    """
+    lengths = [cfg.get_int(key) for key in _MAX_LEN_KEYS if cfg.get(key, default=None) is not None]
+    if not lengths and not assume_default:
+        cfg.get_int(*_MAX_LEN_KEYS)  # raises: missing field max_position_embeddings / ...
+    derived = min(lengths) if lengths else _DEFAULT_MAX_LEN
+    if cfg.get("model_max_length", default=None) is not None:
+        derived = cfg.get_int("model_max_length")
+    ropes = [{**r, "rope_type": str(r.get("rope_type") or r.get("type") or "default").lower()} for r in _rope_parameters(cfg)]
+    model_type = str(cfg.get("model_type", default="")).lower()
+    if ropes and "gemma3" not in model_type:
+        factor = 1.0
+        for rope in ropes:
+            if rope["rope_type"] not in _PRESCALED and rope["rope_type"] != "default":
+                factor = rope.get("factor") or factor
+        derived = int(derived * factor)
+    if any(rope["rope_type"] == "longrope" for rope in ropes):
+        return int(cfg.get("original_max_position_embeddings", default=derived))
+    return int(derived)
+
+
+def weight_dtype(cfg: Config) -> str:
+    """The checkpoint's weight dtype: its quantization_config when quantized, else torch_dtype.
+
+    fp8 checkpoints (DeepSeek-V3, "-FP8" repos) keep torch_dtype bfloat16 beside quant_method fp8; AWQ/GPTQ
+    state `bits`; compressed-tensors its weights' num_bits. MXFP4 (gpt-oss experts) counts as 4-bit.
+    """
+    quant = cfg.get("quantization_config", default=None)
+    if isinstance(quant, dict):
+        method = str(quant.get("quant_method", "")).lower()
+        bits = quant.get("bits") or quant.get("w_bit") or quant.get("weight_bits")
+        floats = False
+        for group in (quant.get("config_groups") or {}).values():  # compressed-tensors
+            if isinstance(group, dict) and isinstance(group.get("weights"), dict):
+                bits = bits or group["weights"].get("num_bits")
+                floats = group["weights"].get("type") == "float"
+        if method in ("fp8", "fbgemm_fp8"):
+            return "fp8"
+        if method == "mxfp4" or bits == 4:
+            return "int4"
+        if bits == 8:
+            return "fp8" if floats else "int8"
+    dtype = str(cfg.get("torch_dtype", "dtype", default="bfloat16")).lower()
+    return _TORCH_DTYPES.get(dtype, "bf16")

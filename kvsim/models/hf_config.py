@@ -1,0 +1,94 @@
+"""Hugging Face config.json -> ModelSpec, offline: which kind each layer is and what it stores.
+
+The family reader (kvsim.models.hf.families) decides each layer's kind and shape by vLLM 0.33's rule for that family;
+a layout key the reader does not read is refused first (kvsim.models.hf.layout_keys). A field it needs and cannot find
+raises KvsimError naming field and file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvsim.errors import KvsimError
+from kvsim.models.hf.context import max_model_len, weight_dtype
+from kvsim.models.hf.families import ATTENTION_FREE, VLLM_UNSERVED, family_of, read_layers
+from kvsim.models.hf.fields import Config, flatten
+from kvsim.models.hf.layout_keys import check_layout_keys, check_layout_keys_read
+from kvsim.models.hf.params import estimate_num_params
+from kvsim.models.spec import ModelSpec
+
+__all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
+
+
+def config_name(path: Path, data: dict) -> str:
+    """A model's name from its config file: the file's own name (`qwen25-7b.json` -> qwen25-7b), or for a
+    Hugging Face `config.json` the config's `_name_or_path` (its last part) or else the folder holding it.
+
+    Never the folder of a file with a name of its own: workloads resolve paths to absolute ones, and every
+    report would be named after wherever the file happens to live.
+    """
+    if path.stem.lower() != "config":
+        return path.stem
+    hub = data.get("_name_or_path")
+    if isinstance(hub, str) and hub.strip().strip("/"):
+        return hub.strip().strip("/").split("/")[-1]
+    return path.resolve().parent.name or path.stem
+
+
+def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
+    """Read a Hugging Face config.json at `path` into a ModelSpec (parameter count estimated from it)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise KvsimError(f"cannot read config: {exc.strerror or exc}", source=source) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    if not isinstance(data, dict):
+        raise KvsimError("expected a JSON object at the top level", source=source)
+    spec = model_spec_from_config(data, source=source, name=name or config_name(Path(path), data))
+    estimate = estimate_num_params(data, spec)
+    if estimate is None:
+        return spec
+    return replace(spec, num_params=estimate, params_source="estimated from config.json tensor shapes")
+
+
+def model_spec_from_config(
+    data: dict[str, Any],
+    *,
+    source: str,
+    name: str,
+    hf_id: str | None = None,
+    num_params: int | None = None,
+    params_source: str | None = None,
+) -> ModelSpec:
+    """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors."""
+    data = flatten(data)
+    cfg = Config(data, source)
+    family = family_of(cfg)
+    check_layout_keys(cfg, family)  # before any figure: a layout key this family's reader ignores is an error
+    num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
+    hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
+    num_heads = 0 if family in ATTENTION_FREE else cfg.get_int("num_attention_heads", "n_head", "num_heads")
+    layers = read_layers(cfg, family, hidden_size, num_heads, num_layers)
+    check_layout_keys_read(cfg, family)
+    return ModelSpec(
+        name=name,
+        hf_id=hf_id,
+        layers=tuple(layers),
+        max_model_len=max_model_len(cfg, assume_default=family in ATTENTION_FREE),
+        num_params=num_params,
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        weight_dtype=weight_dtype(cfg),
+        vocab_size=cfg.get("vocab_size", default=None),
+        source=source,
+        params_source=params_source,
+        vllm_unserved=VLLM_UNSERVED.get(family),
+    )
+

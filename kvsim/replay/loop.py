@@ -1,0 +1,217 @@
+"""One allocator config's replay: the step loop that drives scheduler, allocator and model runner over a
+simulated clock (the roofline, or this run's measured kernel times), recording every scheduled row."""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import numpy as np
+
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.errors import KvsimError
+from kvsim.replay.options import ProgressFn, ReplayContext, ReplayOptions
+from kvsim.replay.records import AllocatorRun, fill_kernel_columns, step_columns
+from kvsim.clock.roofline import Roofline
+from kvsim.replay.runner import ModelRunner
+from kvsim.replay.scheduler import Scheduler
+from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+
+PROGRESS_EVERY = 512  # rows between progress callbacks
+
+
+def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None) -> AllocatorRun:
+    """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it.
+
+    A fresh allocator over the same KV budget, a `Scheduler`, optionally real cache tensors (`KVCache`: every
+    step writes, reads are sampled every `read_every` decode steps), and a loop that jumps the clock over idle
+    gaps and advances it by each step's time (the roofline, or this run's measured kernel times). Records are
+    compact arrays, one row per scheduled row.
+    """
+    from kvsim.workload.requests import make_token_ids
+
+    spec = ctx.spec(config.block_size)
+    allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
+    cache = None
+    if options.tensors:
+        from kvsim.engine.cache import KVCache
+
+        try:
+            cache = KVCache(
+                spec,
+                allocator.num_slots,
+                device=options.device,
+                num_layers=options.num_layers,
+                integrity=options.integrity,
+                num_q_heads=ctx.model.num_attention_heads,
+                seed=ctx.seed,
+            )
+        except KvsimError as exc:  # the cache names its argument num_layers; the user typed --layers
+            if exc.field != "num_layers":
+                raise
+            raise KvsimError(str(exc).removeprefix("num_layers: "), field="--layers") from None
+    runner = None
+    if cache is not None:
+        runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured")
+    needs_ids = config.prefix_caching or options.integrity
+
+    def token_ids(seq: SchedSeq) -> np.ndarray:
+        ids = make_token_ids(requests[seq.index], ctx.seed)  # (num_final_tokens,)
+        if cache is not None:
+            cache.register(seq.seq_id, ids)
+        return ids
+
+    sc = ctx.scheduler_config
+    sched = Scheduler(
+        allocator,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_model_len=ctx.max_model_len,
+        preemption=sc.preemption,
+        swap_space_bytes=sc.swap_space_bytes,
+        cache=cache,
+        roofline=ctx.clock or ctx.roofline,
+        allow_runs=options.timing != "measured",
+        make_token_ids=token_ids if needs_ids else None,
+    )
+    n = len(requests)
+    admitted = np.full(n, np.nan)
+    first_token = np.full(n, np.nan)
+    finished_s = np.full(n, np.nan)
+    preemptions = np.zeros(n, dtype=np.int64)
+    cached_tokens = np.zeros(n, dtype=np.int64)
+    rejected: list[str | None] = [None] * n
+    rows = array("d")  # every step-record column, row after row (bytes are exact in a double up to 8 PiB)
+    timer_steps = array("q")  # per row: first and last timer step its kernels ran in
+    first_timer_step = 0
+    roofline = ctx.roofline
+    measured = options.timing == "measured"
+    scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
+    arrivals = [r.arrival_time for r in requests]
+    now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
+    pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
+    nan = math.nan
+    while True:
+        while i < n and arrivals[i] <= now:
+            r = requests[i]
+            seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
+            reason = sched.add_request(seq)
+            if reason is not None:
+                rejected[i] = reason
+                done += 1
+            i += 1
+        if not sched.has_work:
+            if i >= n:
+                break
+            now = arrivals[i]  # the clock jumps over the idle gap
+            continue
+        if cache is not None:
+            cache.timer.new_step()
+            first_timer_step = cache.timer.num_steps - 1
+        out, rejects = sched.schedule(arrivals[i] - now if i < n else math.inf)
+        for seq, reason in rejects:
+            rejected[seq.index] = reason
+            done += 1
+        for seq in out.admitted:
+            if admitted[seq.index] != admitted[seq.index]:  # NaN: first admission
+                admitted[seq.index] = now
+        pending_preemptions += len(out.preempted)
+        pending_swap_bytes += out.swap_bytes
+        if not out.prefills and not out.decodes:
+            # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
+            empty_rounds += 1
+            assert empty_rounds < 3, "the scheduler made no progress"
+            continue
+        empty_rounds = 0
+        if runner is not None:
+            runner.execute(out)
+        if out.run_time_s is not None:
+            dt = out.run_time_s + pending_swap_bytes / roofline.host_bandwidth_bytes_per_s
+        else:
+            dt = _step_time(roofline, out, pending_swap_bytes) if ctx.clock is None else ctx.clock.output_time(out, pending_swap_bytes)
+        pending_swap_bytes = 0
+        kernels = (nan, nan, nan)
+        if cache is not None:
+            if measured:
+                # The clock needs this step's own kernel time before the next step is scheduled: on CUDA this
+                # waits for the step's last event, the one host sync per step that measured timing costs by
+                # design. The roofline clock never waits; its kernel columns are resolved after the loop.
+                times = {**runner.estimate, **cache.timer.step_times()}  # reads scaled from the last sample, if none
+                dt = sum(times.values()) * 1e-6 * scale
+                kernels = (times.get("write", nan), times.get("read", nan), times.get("attention", nan))
+            else:
+                timer_steps.append(first_timer_step)
+                timer_steps.append(cache.timer.num_steps - 1)
+        b = out.breakdown
+        rows.extend(
+            (
+                step,
+                out.num_steps,
+                now,
+                dt,
+                len(sched.running),
+                len(sched.waiting) + len(sched.swapped),
+                out.num_prefill_tokens,
+                out.num_decode_tokens,
+                b.token_states_bytes,
+                b.reservation_bytes,
+                b.internal_fragmentation_bytes,
+                b.external_fragmentation_bytes,
+                b.free_bytes,
+                b.shared_saved_bytes,
+                pending_preemptions,
+                *kernels,
+            )
+        )
+        pending_preemptions = 0
+        step += out.num_steps
+        for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
+            if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
+                first_token[seq.index] = now + dt
+        for seq in sched.postprocess(out):
+            finished_s[seq.index] = now + dt
+            preemptions[seq.index] = seq.num_preemptions
+            cached_tokens[seq.index] = seq.num_cached_tokens
+            done += 1
+            if cache is not None:
+                cache.forget(seq.seq_id)
+        now += dt
+        num_rows += 1
+        if progress is not None and num_rows % PROGRESS_EVERY == 0:
+            progress(config.label, done, n)
+    if progress is not None:
+        progress(config.label, done, n)
+
+    steps = step_columns(rows, num_rows)
+    if cache is not None and not measured and len(timer_steps):
+        all_times = cache.timer.all_steps()  # one host sync, after the loop
+        fill_kernel_columns(steps, all_times, timer_steps)
+    return AllocatorRun(
+        config=config,
+        label=config.label,
+        budget_bytes=ctx.budget_bytes,
+        steps=steps,
+        admitted_s=admitted,
+        first_token_s=first_token,
+        finished_s=finished_s,
+        num_preemptions=preemptions,
+        num_cached_tokens=cached_tokens,
+        rejected_reason=rejected,
+        prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
+        prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
+        num_read_samples=runner.num_read_samples if runner is not None else 0,
+    )
+
+
+def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:
+    """Roofline seconds of one step: its tokens, the context they attend to, and the KV it reads."""
+    attended = 0
+    read = 0
+    for _, start, num in out.prefills:  # a causal chunk: its token j attends to start + j + 1 positions
+        attended += num * start + num * (num + 1) // 2
+        read += start + num
+    ctx = sum(seq.num_computed_tokens for seq in out.decodes) + len(out.decodes)  # each decode token's context
+    attended += ctx
+    read += ctx
+    tokens = out.num_prefill_tokens + len(out.decodes)
+    return roofline.step_time(tokens, attended, read, swap_bytes)

@@ -1,0 +1,91 @@
+"""How a replay runs: the user's options (`ReplayOptions`, the CLI's flags) and what every allocator of one
+replay shares (`ReplayContext`: the model, KV budget, time model)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.errors import KvsimError
+from kvsim.clock.roofline import Roofline
+
+TIMINGS = ("roofline", "measured", "kernels-db", "auto")  # auto: kernels-db where it applies, else roofline
+# Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
+# request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
+# of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors under 8 s
+# (scripts/bench_main_job.py).
+CUDA_READ_EVERY = 1
+CPU_READ_EVERY = 8000
+# Measured timing on a CPU reads every CPU_MEASURED_READ_EVERY-th decode step; the steps between are timed
+# with the last read's µs per context token (a read every step made 20 requests take minutes).
+CPU_MEASURED_READ_EVERY = 100
+# Host memory a replay may give each CPU cache pool before it refuses (--max-host-memory changes it): a
+# hybrid model's paged pool holds every layer group's pages, and workloads/sliding-window.yaml's is 11.7 GB.
+CPU_POOL_CAP_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to run a replay (the CLI's flags). `num_layers` layers are materialised when `tensors` is on.
+
+    `read_every`: read + attend on every N-th decode step (per allocator); every step writes. None picks
+    the device's default (CUDA_READ_EVERY, CPU_READ_EVERY, CPU_MEASURED_READ_EVERY); measured timing gives a
+    step without a read the last read's time per context token.
+    `max_host_bytes`: the largest CPU cache pool a replay allocates; a bigger one is refused before any runs.
+    """
+
+    device: str = "auto"
+    tensors: bool = True
+    timing: str = "roofline"
+    num_layers: int = 1
+    integrity: bool = False
+    read_every: int | None = None
+    max_host_bytes: int = CPU_POOL_CAP_BYTES
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):  # a typo is caught even with --no-tensors
+            raise KvsimError(f"unknown device {self.device!r} (choose cpu, cuda, cuda:N or auto)", field="--device")
+        if self.timing not in TIMINGS:
+            raise KvsimError(f"unknown timing {self.timing!r} (choose roofline, measured, kernels-db or auto)", field="--timing")
+        if self.timing == "measured" and not self.tensors:
+            raise KvsimError("measured timing needs the cache tensors (drop --no-tensors)", field="--timing")
+        if self.integrity and not self.tensors:
+            raise KvsimError("integrity checks need the cache tensors (drop --no-tensors)", field="--integrity")
+        if self.num_layers < 1:
+            raise KvsimError(f"must be >= 1, got {self.num_layers}", field="--layers")
+        if self.read_every is not None and self.read_every < 1:
+            raise KvsimError(f"must be >= 1, got {self.read_every}", field="--read-every")
+        if self.max_host_bytes < 1:
+            raise KvsimError(f"must be > 0, got {self.max_host_bytes}", field="--max-host-memory")
+
+    def ignored_without_tensors(self) -> list[str]:
+        """The flags set here that `--no-tensors` makes meaningless (they shape only the cache tensors)."""
+        if self.tensors:
+            return []
+        flags = [("--device", self.device != "auto"), ("--layers", self.num_layers != 1), ("--read-every", self.read_every is not None),
+                 ("--max-host-memory", self.max_host_bytes != CPU_POOL_CAP_BYTES)]  # fmt: skip
+        return [flag for flag, given in flags if given]
+
+
+@dataclass(frozen=True)
+class ReplayContext:
+    """What every allocator of a replay shares: the model's cache spec factory, budget, time model."""
+
+    model: object  # kvsim.models.ModelSpec
+    kv_dtype: str
+    budget_bytes: int
+    max_model_len: int
+    roofline: Roofline
+    scheduler_config: object  # kvsim.workload.SchedulerConfig
+    seed: int
+    clock: object | None = None  # kvsim.kernel_clock.KernelClock for --timing kernels-db; None: the roofline
+
+    def spec(self, block_size: int) -> KVCacheSpec:
+        from kvsim.size.sizing import kv_cache_spec
+
+        return kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+
+
+ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)

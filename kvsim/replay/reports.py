@@ -1,0 +1,233 @@
+"""A replay's reports (pandas): steps.parquet, requests.csv, summary.csv/.json and meta.json under one folder.
+
+summary.csv holds only simulated quantities (rounded to 6 significant digits), so the same workload and seed
+give a byte-identical file on any host; measured kernel times go to summary.json and steps.parquet only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir
+from kvsim.replay.records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
+
+CATEGORIES = (
+    "token_states",
+    "reservation",
+    "internal_fragmentation",
+    "external_fragmentation",
+    "free",
+)
+SUMMARY_FLOAT_FORMAT = "%.6g"
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where `write_reports` put each file."""
+
+    out_dir: Path
+    steps: Path
+    steps_csv: Path | None
+    requests: Path
+    summary_csv: Path
+    summary_json: Path
+    meta: Path
+
+
+def steps_frame(result: ReplayResult) -> pd.DataFrame:
+    """One row per scheduled row per allocator (a row covers `num_steps` identical decode steps)."""
+    frames = []
+    for run in result.runs:
+        frame = pd.DataFrame({name: run.steps[name] for name, _ in STEP_COLUMNS})
+        frame.insert(0, "allocator", run.label)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def requests_frame(result: ReplayResult) -> pd.DataFrame:
+    """One row per request per allocator: its timeline, preemptions, prefix hit and TTFT/TPOT."""
+    frames = []
+    n = len(result.arrival_s)
+    for run in result.runs:
+        ttft, tpot = _latencies(result, run)
+        frames.append(
+            pd.DataFrame(
+                {
+                    "allocator": [run.label] * n,
+                    "request_id": np.arange(n, dtype=np.int64),
+                    "arrival_s": result.arrival_s,
+                    "admitted_s": run.admitted_s,
+                    "first_token_s": run.first_token_s,
+                    "finished_s": run.finished_s,
+                    "num_prompt_tokens": result.num_prompt_tokens,
+                    "max_tokens": result.max_tokens,
+                    "num_preemptions": run.num_preemptions,
+                    "num_cached_tokens": run.num_cached_tokens,
+                    "ttft_s": ttft,
+                    "tpot_s": tpot,
+                    "rejected_reason": run.rejected_reason,
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True)
+
+
+def _latencies(result: ReplayResult, run: AllocatorRun) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT = first token - arrival; TPOT = (finished - first token) / max_tokens (the decode steps)."""
+    ttft = run.first_token_s - result.arrival_s
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = np.where(result.max_tokens > 0, (run.finished_s - run.first_token_s) / result.max_tokens, np.nan)
+    return ttft, tpot
+
+
+def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]:
+    """One dict per allocator: the figures of summary.csv, plus kernel-time medians/p90 when `kernels`."""
+    workload = result.workload
+    records = []
+    for run in result.runs:
+        st = run.steps
+        dt = st["step_time_s"]
+        total_time = float(dt.sum())
+        budget = run.budget_bytes
+        finished = ~np.isnan(run.finished_s)
+        end = float(np.nanmax(run.finished_s)) if finished.any() else 0.0
+        ttft, tpot = _latencies(result, run)
+        rec: dict = {
+            "allocator": run.label,
+            "model": result.model_name,
+            "workload": workload.name,
+            "budget_bytes": budget,
+            "num_requests": len(result.arrival_s),
+            "finished": int(finished.sum()),
+            "rejected": sum(reason is not None for reason in run.rejected_reason),
+            "sim_time_s": end,
+            "num_steps": int(st["num_steps"].sum()),
+        }
+        for cat in CATEGORIES + ("shared_saved",):
+            col = st[f"{cat}_bytes"].astype(np.float64)
+            rec[f"{cat}_pct"] = 100.0 * float((col * dt).sum()) / total_time / budget if total_time else math.nan
+        running = st["num_running"].astype(np.float64)
+        rec["mean_running"] = float((running * dt).sum()) / total_time if total_time else math.nan
+        rec["peak_running"] = int(running.max()) if len(running) else 0
+        output_tokens = int(result.max_tokens[finished].sum())
+        computed = int(st["num_prefill_tokens"].sum() + st["num_decode_tokens"].sum())
+        rec["throughput_tokens_per_s"] = output_tokens / end if end else math.nan
+        rec["computed_tokens_per_s"] = computed / end if end else math.nan
+        rec["preemptions"] = int(st["num_preemptions"].sum())
+        rec["ttft_p50_s"], rec["ttft_p99_s"] = _percentiles(ttft[finished], (50, 99))
+        rec["tpot_p50_s"], rec["tpot_p99_s"] = _percentiles(tpot[finished], (50, 99))
+        rec["prefix_hit_rate"] = run.prefix_hit_tokens / run.prefix_query_tokens if run.prefix_query_tokens else math.nan
+        if kernels:  # kernel columns are per step (a run's row: the mean of its steps), weighted by steps
+            rec["num_read_samples"] = run.num_read_samples  # decode steps whose read + attention were timed
+            for name in KERNEL_COLUMNS:
+                kind = name[: -len("_us")]
+                per_step = np.repeat(st[name], st["num_steps"])
+                rec[f"{kind}_us_p50"], rec[f"{kind}_us_p90"] = _percentiles(per_step, (50, 90))
+        records.append(rec)
+    return records
+
+
+def _percentiles(values: np.ndarray, qs: tuple[int, ...]) -> tuple[float, ...]:
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return tuple(math.nan for _ in qs)
+    return tuple(float(v) for v in np.percentile(values, qs))
+
+
+def summary_frame(result: ReplayResult) -> pd.DataFrame:
+    """summary.csv: simulated figures only (no wall-clock value), one row per allocator."""
+    return pd.DataFrame(summary_records(result, kernels=False))
+
+
+def meta(result: ReplayResult, *, command: str | None = None) -> dict:
+    """meta.json: versions, device, seed and the workload's hash: what it takes to reproduce the run."""
+    workload = result.workload
+    opts = result.options
+    return {
+        "kvsim_version": _version("kvsim"),
+        "torch_version": _version("torch"),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": result.device,
+        "tensors": opts.tensors,
+        "materialised_layers": opts.num_layers if opts.tensors else 0,
+        "integrity": opts.integrity,
+        "timing": opts.timing,
+        "clock": result.clock,
+        "seed": workload.seed,
+        "workload": workload.name,
+        "workload_path": str(workload.path),
+        "workload_sha256": workload.sha256,
+        "model": result.model_name,
+        "hardware": result.hardware_name,
+        "budget_bytes": result.budget_bytes,
+        "num_requests": len(result.arrival_s),
+        "allocators": [run.label for run in result.runs],
+        "command": command if command is not None else " ".join(sys.argv),
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = False, command: str | None = None) -> ReportPaths:
+    """Write every report of `result` under `out_dir` (created if needed) and return their paths."""
+    out = output_dir(out_dir)
+    paths = ReportPaths(
+        out_dir=out,
+        steps=out / "steps.parquet",
+        steps_csv=out / "steps.csv" if csv else None,
+        requests=out / "requests.csv",
+        summary_csv=out / "summary.csv",
+        summary_json=out / "summary.json",
+        meta=out / "meta.json",
+    )
+    try:
+        steps = steps_frame(result)
+        steps.to_parquet(paths.steps, index=False)
+        if paths.steps_csv is not None:
+            _write_csv(steps, paths.steps_csv)
+        _write_csv(requests_frame(result), paths.requests)
+        summary_frame(result).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
+        paths.summary_json.write_text(json.dumps(jsonable(summary_records(result)), indent=2) + "\n")
+        paths.meta.write_text(json.dumps(meta(result, command=command), indent=2) + "\n")
+    except OSError as exc:  # e.g. a directory where a report file goes, a full disk
+        name = exc.filename or out
+        raise KvsimError(f"cannot write {name}: {exc.strerror or exc}", field="--out") from None
+    return paths
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    """A large frame as CSV through Arrow's C++ writer (10x pandas' speed; floats in shortest round-trip form)."""
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    pa_csv.write_csv(table, path, write_options=pa_csv.WriteOptions(quoting_style="needed"))
+
+
+def jsonable(value):
+    """NaN -> None (JSON has no NaN), numpy scalars -> Python numbers."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return None if math.isnan(value) else float(value)
+    return value

@@ -1,0 +1,175 @@
+"""The replay: one request stream through every allocator of a workload, on a simulated clock. `run_replay`
+resolves the workload (model, hardware, KV budget, device, requests) into a `ReplayContext` and replays each
+allocator config (`replay_loop`) here or in worker processes (`replay_workers`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+from kvsim.replay.loop import replay_allocator
+from kvsim.replay.options import CPU_MEASURED_READ_EVERY, CPU_READ_EVERY, CUDA_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
+from kvsim.replay.records import ReplayResult
+from kvsim.clock.roofline import Roofline
+
+
+def run_replay(
+    workload, options: ReplayOptions = ReplayOptions(), *, progress: ProgressFn | None = None, workers: int | None = None
+) -> ReplayResult:
+    """Replay `workload`'s request stream through each of its allocator configs; see the module docstring.
+
+    `workers` > 1 runs allocator configs in parallel processes (default: one per CPU, except with CUDA
+    tensors or measured timing, whose kernel times must not share the machine: 1); the result's simulated
+    figures are the same either way.
+    """
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.workload.requests import generate_requests
+    from kvsim.size.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+
+    source = str(workload.path)
+    with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
+        model = resolve_model(workload.model)
+        weights = weight_bytes(model)
+    with _workload_field(source, "hardware"):
+        gpu = get_gpu(workload.hardware)
+    if workload.kv_budget_bytes is not None:
+        budget = workload.kv_budget_bytes
+    else:
+        utilization = workload.gpu_memory_utilization
+        usable = int(gpu.memory_bytes * utilization)
+        if usable <= weights:
+            raise KvsimError(
+                f"{gpu.name}: {gpu.memory_bytes:,} B x {utilization:g} = {usable:,} B leaves no room for KV cache "
+                f"after {model.name}'s weights ({weights:,} B); raise it, or give kv_budget instead",
+                source=source,
+                field="gpu_memory_utilization",
+            )
+        budget = kv_budget_bytes(gpu.memory_bytes, utilization=utilization, weight_bytes=weights)
+    bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
+    for config in workload.allocators:  # a budget below one block would build an allocator with no slots
+        unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
+        if budget < unit_bytes:
+            raise KvsimError(
+                f"a KV budget of {budget:,} B holds not one {config.label} block ({unit_bytes:,} B of {model.name} KV)",
+                source=source,
+                field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
+            )
+    roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
+    clock, clock_note = _kernel_clock(model, gpu, options.timing, source, workload.kv_dtype)
+    requests = generate_requests(workload)
+    if not requests:
+        raise KvsimError("the workload has no requests", source=source, field="requests")
+    device, note = "none", None
+    num_attention_layers = len(model.attention_layers)
+    if options.tensors and options.num_layers > num_attention_layers:  # more would be timed as more than the model
+        raise KvsimError(f"{model.name} has {num_attention_layers} attention layers; materialise at most that many, "
+                         f"got {options.num_layers}", field="--layers")
+    if options.tensors:
+        from kvsim.engine.device import resolve_device
+
+        try:
+            resolved = resolve_device(options.device)
+        except KvsimError as exc:  # the engine names its argument `device`; the user typed --device
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), field="--device") from None
+        device = str(resolved)
+        read_every = options.read_every
+        if read_every is None:
+            if resolved.type == "cuda":
+                read_every = CUDA_READ_EVERY
+            else:
+                read_every = CPU_MEASURED_READ_EVERY if options.timing == "measured" else CPU_READ_EVERY
+        if options.device == "auto" and resolved.type == "cpu":
+            note = f"no CUDA device: cache tensors on the CPU, reads sampled every {read_every} decode steps"
+            # CPU tensors are the default since every step's write is one cheap scatter and the reads, which
+            # move 100+ MiB each on a CPU, are sampled: workloads/poisson.yaml takes seconds instead of hours.
+        if options.timing == "measured" and read_every > 1:
+            sampled = (f"measured timing: reads timed every {read_every} decode steps, the steps between "
+                       "at the last read's µs per context token")  # fmt: skip
+            note = f"{note}; {sampled}" if note else sampled
+        options = replace(options, device=device, read_every=read_every)
+    note = "; ".join(n for n in (note, clock_note) if n) or None
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
+    if device == "cpu":
+        _check_host_memory(workload.allocators, ctx, options)
+    result = ReplayResult(
+        workload=workload,
+        model_name=model.name,
+        hardware_name=gpu.name,
+        budget_bytes=budget,
+        device=device,
+        options=options,
+        note=note,
+        arrival_s=np.array([r.arrival_time for r in requests], dtype=np.float64),
+        num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
+        max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
+        clock=clock.label if clock is not None else ("roofline (kernels-db does not apply)" if clock_note else "roofline"),
+    )
+    configs = list(workload.allocators)
+    if workers is None:
+        alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
+        workers = 1 if alone else min(len(configs), os.cpu_count() or 1)
+    if workers > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        from kvsim.replay.workers import replay_in_processes
+
+        result.runs = replay_in_processes(configs, requests, ctx, options, progress, workers)
+    else:
+        result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
+    return result
+
+
+def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str):
+    """(the kernels-db clock or None, a note for the header): `kernels-db` fails with a one-line error naming
+    what the database lacks; `auto` falls back to the roofline and says why."""
+    if timing not in ("kernels-db", "auto"):
+        return None, None
+    from kvsim.clock.kernels_db import kernel_clock
+
+    try:
+        return kernel_clock(model, gpu, kv_dtype=kv_dtype), None
+    except KvsimError as exc:
+        if timing == "auto":
+            return None, f"roofline clock: the kernels-db clock does not apply ({exc})"
+        if exc.field in ("model", "hardware", "kv_dtype"):
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
+        raise
+
+
+def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:
+    """Refuse, before anything runs, a CPU cache pool over `options.max_host_bytes` (--max-host-memory)."""
+    from kvsim.engine.factory import make_allocator
+    from kvsim.units import format_bytes
+
+    for config in configs:
+        spec = ctx.spec(config.block_size)
+        num_slots = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len).num_slots
+        nbytes = 2 * options.num_layers * num_slots * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        if nbytes > options.max_host_bytes:
+            raise KvsimError(
+                f"{config.label}'s CPU cache pool needs {format_bytes(nbytes)} of host memory ({num_slots:,} slots x "
+                f"{options.num_layers} layer(s)), over the {format_bytes(options.max_host_bytes)} allowed; replay with "
+                f"--no-tensors, or allow it with --max-host-memory {-(-nbytes // 2**30)}GiB",
+                field="--max-host-memory",
+            )
+
+
+@contextmanager
+def _workload_field(source: str, field: str):
+    """Re-raise a KvsimError from a lookup (model, GPU) as one naming the workload file and `field`.
+
+    A config.json's own errors keep its path in the message: `w.yaml: model: cfg/config.json: invalid JSON`.
+    """
+    try:
+        yield
+    except KvsimError as exc:
+        message = str(exc)
+        if exc.field and exc.field.startswith("--"):  # a flag's name means nothing in a workload file
+            prefix = ": ".join(p for p in (exc.source, exc.field) if p) + ": "
+            inner = message[len(prefix):] if message.startswith(prefix) else message
+            message = f"{exc.source}: {inner}" if exc.source else inner
+        raise KvsimError(message, source=source, field=field) from None

@@ -1,0 +1,130 @@
+"""The model runner: moves each scheduled row's real K/V through the cache tensors (writes every step,
+sampled reads + decode attention), and checks integrity when it is on."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+
+
+class ModelRunner:
+    """Moves the real K/V of each scheduled row through the cache tensors (nano-vllm's model runner, minus
+    the model): every step one scatter of its new tokens; every `read_every`-th decode step a batched read of
+    every decoding request's whole context and decode attention over it (the sampled measurement).
+
+    A row that covers a run of k decode steps is executed as its k steps (one timer step each), so kernel
+    times are always per step, whatever the bookkeeping did in one go. With integrity on, each request's
+    whole KV is also checked in the pool when it finishes, right after a swap-in, and after an admission that
+    reuses blocks others wrote (prefix hit, copy on write): a token's KV is written once and must survive
+    until its request finishes, so a block owned twice or overwritten cannot go unseen.
+    """
+
+    def __init__(self, cache, allocator, *, read_every: int = 1, estimate_reads: bool = False):
+        assert read_every >= 1
+        self.cache = cache
+        self.allocator = allocator
+        self.read_every = read_every
+        # Measured timing with sampled reads: a step that does not read gets the last sample's read and
+        # attention µs per context token times its own context tokens (`estimate`, reset every row).
+        self.estimate_reads = estimate_reads
+        self.estimate: dict[str, float] = {}
+        self._us_per_token: dict[str, float] = {}
+        self.paged = hasattr(allocator, "block_table")
+        self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
+        self.num_decode_steps = 0  # decode steps executed so far: the read sampling counter
+        self.num_read_samples = 0  # steps that read and attended
+
+    def execute(self, out: SchedulerOutput) -> None:
+        cache, alloc = self.cache, self.allocator
+        if self.pop_cow is not None:
+            pairs = self.pop_cow()
+            if pairs:
+                cache.copy_blocks(pairs)
+        decodes, k = out.decodes, out.num_steps
+        self.estimate = {}
+        starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
+        decode_ids = np.array([seq.seq_id for seq in decodes], dtype=np.int64)  # (num_decodes,)
+        run_slots = None  # (k, num_decodes): slot of each decoding request's token in each step of the row
+        if decodes:
+            run_slots = alloc.decode_slot_mapping(decodes, starts, k)
+        # Step 0: the prefill chunks and the first decode token of each request, one scatter.
+        slots = [alloc.slot_mapping(seq, s, s + m) for seq, s, m in out.prefills]
+        ids = [np.full(m, seq.seq_id, dtype=np.int64) for seq, _, m in out.prefills]
+        positions = [np.arange(s, s + m, dtype=np.int64) for _, s, m in out.prefills]
+        if decodes:
+            slots.append(run_slots[0])
+            ids.append(decode_ids)
+            positions.append(starts)
+        if slots:
+            cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions))  # (N,) each
+        if decodes:
+            self._decode_steps(decodes, run_slots, starts, decode_ids)
+        if cache.integrity:
+            self._verify_row(out)
+
+    def _decode_steps(self, decodes, run_slots: np.ndarray, starts: np.ndarray, decode_ids: np.ndarray) -> None:
+        """Steps 1..k-1 of a decode run (one scatter each), with a read + attention at the sampled steps."""
+        cache, k, every = self.cache, len(run_slots), self.read_every
+        first = (-self.num_decode_steps) % every  # the row's first step whose global decode index is sampled
+        self.num_decode_steps += k
+        tables, complete = None, True
+        if self.estimate_reads and first >= k and self._us_per_token:  # no read in this row: scale the last one
+            tokens = int(starts.sum()) + k * len(starts)
+            self.estimate = {kind: us * tokens for kind, us in self._us_per_token.items()}
+        if self.paged and first < k:
+            raw = [self.allocator.block_table(seq) for seq in decodes]
+            complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
+            tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in raw]
+        done = 1  # steps written so far (step 0 by `execute`)
+        for j in [*range(first, k, every), None]:  # the sampled steps, then the row's end
+            last = k - 1 if j is None else j
+            if done <= last:  # write steps done..last, each in its own timer step
+                cache.timer.new_step()
+                positions = starts[None, :] + np.arange(done, last + 1)[:, None]  # (steps, num_decodes)
+                cache.write_steps(run_slots[done : last + 1], decode_ids, positions)
+                done = last + 1
+            if j is None:
+                break
+            lens = (starts + j + 1).tolist()
+            if self.paged:
+                read = cache.read_paged(tables, lens, decode_ids.tolist() if complete else None)
+            else:
+                read = cache.read_flat([self.allocator.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
+            cache.decode_attention(read)
+            self.num_read_samples += 1
+            if self.estimate_reads:
+                times, tokens = cache.timer.step_times(), sum(lens)
+                self._us_per_token = {kind: times[kind] / tokens for kind in ("read", "attention") if kind in times}
+
+    def _verify_row(self, out: SchedulerOutput) -> None:
+        """Integrity: the whole KV of requests that finish in this row, were swapped in, or were admitted onto
+        blocks they did not write (prefix hits, copy on write), checked in the pool after the row's writes."""
+        admitted = {seq.seq_id for seq in out.admitted}
+        for seq, start, num in out.prefills:
+            if start + num >= seq.final_tokens:
+                self._verify(seq, seq.final_tokens)
+            elif start and seq.seq_id in admitted:
+                self._verify(seq, start)
+        for seq in out.swapped_in:
+            self._verify(seq, seq.num_computed_tokens)
+        k = out.num_steps
+        for seq in out.decodes:
+            if seq.num_computed_tokens + k >= seq.final_tokens:
+                self._verify(seq, seq.final_tokens)
+
+    def _verify(self, seq: SchedSeq, end: int) -> None:
+        """Check positions [0, end) of `seq` in the pool (from its first held block: sliding lanes free old ones)."""
+        begin = 0
+        if self.paged:
+            table = self.allocator.block_table(seq)
+            bs = self.allocator.block_size
+            held = next((j for j, b in enumerate(table) if b is not None), len(table))
+            begin = min(held * bs, end)
+            window = self.allocator.lanes[0].window
+            if window is not None:
+                # Positions before the window's first block are never read again; a swap-out dropped them, and
+                # the swap-in gives them fresh (unwritten) blocks, so only the window is checked.
+                begin = max(begin, min(end, max(0, end - window) // bs * bs))
+        slots = self.allocator.slot_mapping(seq, begin, end)  # (end - begin,)
+        self.cache.verify(seq.seq_id, slots, np.arange(begin, end, dtype=np.int64))

@@ -1,0 +1,304 @@
+"""Continuous batching over one allocator (vLLM-like): admission, chunked prefill, decode, preemption.
+
+One `Scheduler` per allocator config. Each `schedule()` builds one step's batch and makes room for it through
+the allocator's capacity protocol; `postprocess()` advances the computed tokens and frees finished requests.
+Data flows one way: replay -> scheduler -> allocator (-> cache for swaps) -> back to replay's records.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvsim.engine.allocator import KVAllocator
+from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+
+# Longest run of identical decode steps one `schedule()` may cover (one row of the step records).
+MAX_DECODE_RUN = 256
+
+
+class Scheduler:
+    """FCFS continuous batching of `SchedSeq`s over `allocator`, one step (or one decode run) at a time.
+
+    - Running requests first: one decode token each (the allocator's batched `append_decode`), then the next
+      prefill chunk of those still prefilling, all within `max_num_batched_tokens`.
+    - A running request that cannot grow preempts the most recently admitted one (possibly itself):
+      `recompute` frees it and puts it back at the head of the waiting queue; `swap` copies its KV to the
+      CPU pool (through `cache` when tensors are materialised) and resumes it when it fits again.
+    - Then swapped requests, then waiting ones, are admitted in order while the allocator accepts and
+      `max_num_seqs` allows; admission stops at the first that does not fit (FCFS).
+    - A request that can never fit is rejected at arrival with a reason, never waited on.
+    - When a step is pure decode and nothing could be admitted, `schedule` covers a run of identical decode
+      steps at once (up to the next finish or arrival), which is what makes long traces cheap.
+    """
+
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        preemption: str = "recompute",
+        swap_space_bytes: int = 0,
+        cache=None,
+        roofline=None,
+        allow_runs: bool = True,
+        make_token_ids=None,
+    ):
+        assert preemption in ("recompute", "swap"), preemption
+        assert max_num_seqs > 0 and max_num_batched_tokens > 0
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption = preemption
+        self.swap_space_bytes = swap_space_bytes
+        self.swap_used_bytes = 0
+        self.cache = cache
+        self.roofline = roofline
+        self.allow_runs = allow_runs and roofline is not None
+        self.make_token_ids = make_token_ids  # SchedSeq -> (num_final_tokens,) ids, made at admission
+        self.bytes_per_token = allocator.spec.bytes_per_token
+        self.block_size = allocator.spec.block_size
+        self.waiting: deque[SchedSeq] = deque()
+        self.swapped: deque[SchedSeq] = deque()
+        self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
+        self._is_flat = hasattr(allocator, "slab")
+        self._free_blocks = getattr(type(allocator), "num_free_blocks", None) is not None
+        # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
+        lanes = getattr(allocator, "lanes", None)
+        self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
+
+    # --- queues -------------------------------------------------------------------------------------
+
+    def add_request(self, seq: SchedSeq) -> str | None:
+        """Queue `seq` (FCFS); returns why it is rejected instead, if it can never run."""
+        if seq.num_final_tokens > self.max_model_len:
+            return f"prompt + output = {seq.num_final_tokens} tokens > max_model_len {self.max_model_len}"
+        if not self.allocator.can_ever_fit(seq):
+            alloc = self.allocator
+            needs = f"needs {seq.num_final_tokens} tokens of KV"
+            if hasattr(alloc, "slab_size"):  # flat: the reserve policy decides the slab, not the request
+                needs = f"its slab of {alloc.slab_size(seq):,} token slots ({alloc.reserve} reservation)"
+            watermark = getattr(alloc, "watermark_blocks", 0)
+            why = f" (admission keeps {watermark:,} of its {alloc.num_blocks:,} blocks free: the watermark)" if watermark else ""
+            return f"{needs}, more than the allocator can ever hold{why}"
+        self.waiting.append(seq)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    # --- one step -----------------------------------------------------------------------------------
+
+    def schedule(self, time_to_next_arrival: float = float("inf")) -> tuple[SchedulerOutput, list[tuple[SchedSeq, str]]]:
+        """Build the next row and make room for it; returns it and the requests rejected while building it."""
+        out = SchedulerOutput()
+        rejected: list[tuple[SchedSeq, str]] = []
+        budget = self.max_num_batched_tokens
+        alloc = self.allocator
+        running = self.running
+
+        # 1. Decode: one token for every running request past its prefill.
+        decodes = [seq for seq in running if seq.num_computed_tokens >= seq.prefill_target]
+        prefilling = [seq for seq in running if seq.num_computed_tokens < seq.prefill_target]
+        if len(decodes) > budget:  # more decoders than the token budget: the oldest go first
+            decodes = decodes[:budget]
+        failed = alloc.append_decode(decodes) if decodes else []
+        gone: set[int] = set()  # preempted in this step
+        for seq in failed:
+            if seq.seq_id in gone:
+                continue
+            while True:
+                victim = running[-1]
+                self._preempt(victim, out)
+                gone.add(victim.seq_id)
+                if victim is seq or alloc.append_slots(seq, 1):
+                    break
+        if gone:
+            decodes = [seq for seq in decodes if seq.seq_id not in gone]
+        budget -= len(decodes)
+
+        # 2. Prefill chunks of running requests still prefilling, in admission order.
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.seq_id in gone:
+                continue
+            n = min(seq.prefill_target - seq.num_computed_tokens, budget)
+            while not alloc.append_slots(seq, n):
+                victim = running[-1]
+                self._preempt(victim, out)
+                gone.add(victim.seq_id)
+                if victim is seq:
+                    n = 0
+                    break
+            if n:
+                out.prefills.append((seq, seq.num_computed_tokens, n))
+                budget -= n
+        if gone:
+            kept = [seq for seq in decodes if seq.seq_id not in gone]
+            budget += len(decodes) - len(kept)
+            decodes = kept
+
+        # 3. Resume swapped requests, then admit waiting ones, FCFS, while they fit.
+        if not out.preempted:
+            while self.swapped and len(running) < self.max_num_seqs:
+                seq = self.swapped[0]
+                if not self._swap_in(seq, out):
+                    if not running:  # its KV fit before but not alone now (admission watermark): recompute
+                        self.swapped.popleft()
+                        self._drop_swap(seq)
+                        self.waiting.appendleft(seq)
+                        continue
+                    break
+                self.swapped.popleft()
+            while not self.swapped and self.waiting and len(running) < self.max_num_seqs and budget > 0:
+                seq = self.waiting[0]
+                if seq.token_ids is None and self.make_token_ids is not None:
+                    seq.token_ids = self.make_token_ids(seq)
+                n = min(seq.prefill_target, budget)
+                hit = alloc.allocate(seq, n, num_tokens=seq.prefill_target)
+                if hit is None:
+                    if not running and not self.swapped:  # fits nowhere, even alone: reject, don't hang
+                        self.waiting.popleft()
+                        rejected.append((seq, "does not fit in the KV budget even when running alone"))
+                        continue
+                    break
+                self.waiting.popleft()
+                seq.num_computed_tokens = hit
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = hit
+                n = min(n, seq.prefill_target - hit)
+                assert n > 0, (seq, hit)
+                running.append(seq)
+                out.admitted.append(seq)
+                out.prefills.append((seq, hit, n))
+                budget -= n
+
+        out.decodes = decodes
+        waiting_head = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
+        if decodes and not out.prefills and not out.preempted and not out.swapped_in and self.allow_runs:
+            self._extend_decode_run(out, time_to_next_arrival, waiting_head)
+        if out.breakdown is None:
+            out.breakdown = alloc.breakdown(waiting_head)
+        return out, rejected
+
+    def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
+        """Advance computed tokens by what `out` computed; free and return the requests that finished."""
+        finished: list[SchedSeq] = []
+        for seq, _, n in out.prefills:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens >= seq.final_tokens:
+                finished.append(seq)
+        k = out.num_steps
+        for seq in out.decodes:
+            seq.num_computed_tokens += k
+            if seq.num_computed_tokens >= seq.final_tokens:
+                finished.append(seq)
+        if finished:
+            done = {seq.seq_id for seq in finished}
+            self.running = [seq for seq in self.running if seq.seq_id not in done]
+            for seq in finished:
+                self.allocator.free(seq)
+                seq.token_ids = None  # host memory follows live requests, not tokens replayed
+        return finished
+
+    # --- decode runs --------------------------------------------------------------------------------
+
+    def _extend_decode_run(self, out: SchedulerOutput, time_to_next_arrival: float, waiting_head) -> None:
+        """Cover k identical decode steps in this row when nothing can change before the k-th.
+
+        Nothing is admitted during the run: either nothing waits and the next arrival is after the run's last
+        step starts, or the queue head just failed to fit and memory only shrinks while requests grow.
+        Requests finish no earlier than the run's end. A paged allocator must have the free blocks for every
+        request's growth up front, so no decode step inside the run could fail (no preemption is skipped).
+        """
+        decodes = out.decodes
+        n = len(decodes)
+        k = min(MAX_DECODE_RUN, min([seq.final_tokens - seq.num_computed_tokens for seq in decodes]))
+        if not self._is_flat:
+            if not self._free_blocks:
+                return
+            # Each request grows by <= ceil((k - 1) / block_size) blocks during the run.
+            per_seq = self.allocator.num_free_blocks // n // self._pages_per_block
+            k = min(k, per_seq * self.block_size + 1)
+        if k < 2:
+            return
+        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
+        if waiting_head is None:
+            k, run_time = self.roofline.decode_steps_before(n, ctx_sum, k, time_to_next_arrival)
+            if k < 2:
+                return
+        else:
+            run_time = self.roofline.decode_run(n, ctx_sum, k)
+        out.num_steps = k
+        out.run_time_s = run_time
+        # Room for the middle step, the memory breakdown there, then room for the whole run.
+        mid = (k - 1) // 2
+        alloc = self.allocator
+        for seq in decodes:
+            ok = alloc.append_slots(seq, mid + 1)
+            assert ok, seq
+            seq.num_computed_tokens += mid
+        out.breakdown = alloc.breakdown(waiting_head)
+        for seq in decodes:
+            ok = alloc.append_slots(seq, k - mid)
+            assert ok, seq
+            seq.num_computed_tokens -= mid
+
+    # --- preemption ---------------------------------------------------------------------------------
+
+    def _preempt(self, seq: SchedSeq, out: SchedulerOutput) -> None:
+        """Take `seq` (the running tail) off the GPU: to the CPU pool (swap) or back to waiting (recompute)."""
+        assert self.running[-1] is seq
+        self.running.pop()
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
+        computed = seq.num_computed_tokens
+        swap_bytes = computed * self.bytes_per_token
+        if self.preemption == "swap" and computed and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes:
+            if self.cache is not None:
+                slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
+                seq.swap_handle = self.cache.swap_out(slots)
+            self.swap_used_bytes += swap_bytes
+            seq.swap_tokens = computed
+            out.swap_bytes += swap_bytes
+            self.allocator.free(seq)
+            self.swapped.appendleft(seq)  # victims go out newest first, so the oldest ends up at the head
+            return
+        self.allocator.free(seq)
+        seq.prefill_target = max(seq.prefill_target, computed)  # recompute prompt + output so far
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
+    def _drop_swap(self, seq: SchedSeq) -> None:
+        """Turn a swapped request into one to recompute: its CPU copy is dropped."""
+        self.swap_used_bytes -= seq.swap_tokens * self.bytes_per_token
+        seq.prefill_target = max(seq.prefill_target, seq.swap_tokens)
+        seq.swap_tokens = 0
+        seq.swap_handle = None
+        seq.num_computed_tokens = 0
+
+    def _swap_in(self, seq: SchedSeq, out: SchedulerOutput) -> bool:
+        """Bring a swapped request back if room for its KV fits now; its KV returns from the CPU pool."""
+        computed = seq.swap_tokens
+        seq.num_computed_tokens = 0
+        hit = self.allocator.allocate(seq, computed, num_tokens=computed)
+        if hit is None:
+            seq.num_computed_tokens = computed
+            return False
+        seq.num_computed_tokens = computed
+        if self.cache is not None and seq.swap_handle is not None:
+            slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
+            self.cache.swap_in(seq.swap_handle, slots)
+            seq.swap_handle = None
+        swap_bytes = computed * self.bytes_per_token
+        self.swap_used_bytes -= swap_bytes
+        seq.swap_tokens = 0
+        out.swap_bytes += swap_bytes
+        out.swapped_in.append(seq)
+        self.running.append(seq)
+        return True

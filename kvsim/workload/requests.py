@@ -1,0 +1,213 @@
+"""The request stream of a workload: its spec (synthetic or a trace), the requests it generates, and token ids.
+
+Token ids are made lazily, one request at a time (`make_token_ids`), so a replay holds ids only for the
+requests that are live, never for the whole stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsim.workload.distributions import ArrivalProcess, LengthDistribution
+from kvsim.workload.trace_mooncake import MOONCAKE_BLOCK_TOKENS
+from kvsim.workload.traces import Trace, read_trace
+
+if TYPE_CHECKING:
+    from kvsim.workload.spec import Workload
+
+# Synthetic ids are uniform in [0, VOCAB_SIZE): wide enough that two unrelated requests agreeing on even one
+# token at the same position is a one-in-two-billion event, so prefix caching finds only the sharing the
+# workload asked for, even at block_size 1.
+VOCAB_SIZE = 2**31
+# Independent random streams of one workload seed (numpy SeedSequence entropy [seed, stream]).
+_ARRIVAL, _PROMPT, _OUTPUT, _PREFIX = range(4)
+# Token-id streams (hash keys): a shared-prefix group's ids, a request's own ids, a trace block's (hash id's) ids.
+_GROUP_IDS, _REQUEST_IDS, _TRACE_BLOCK_IDS = 1, 2, 3
+_GOLDEN, _C1, _C2, _MASK64 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 2**64 - 1
+_U64 = {k: np.uint64(v) for k, v in {"golden": _GOLDEN, "c1": _C1, "c2": _C2, 27: 27, 30: 30, 31: 31, 33: 33}.items()}
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A `fraction` of requests start with one of `groups` shared prefixes (system prompts) of `tokens` tokens.
+
+    The prefix is part of the prompt: a request whose prompt is shorter than `tokens` shares only its prompt.
+    """
+
+    groups: int
+    tokens: int
+    fraction: float
+
+
+@dataclass(frozen=True)
+class SyntheticRequests:
+    """Requests drawn from distributions: `count` of them, or all arriving within `duration_s` seconds."""
+
+    arrival: ArrivalProcess
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    count: int | None = None
+    duration_s: float | None = None
+    shared_prefix: SharedPrefix | None = None
+    limit: int | None = None  # at most this many (the first by arrival)
+
+    def __post_init__(self) -> None:
+        assert (self.count is None) != (self.duration_s is None)
+
+
+@dataclass(frozen=True)
+class TraceRequests:
+    """Requests replayed from a trace file (Vidur CSV, Azure CSV, BurstGPT CSV, JSONL, Mooncake JSONL; see kvsim.workload.traces).
+
+    Arrival times are multiplied by `time_scale` (0.5 replays the trace twice as fast); `model` and
+    `log_type` keep only the BurstGPT rows of that Model and Log Type.
+    """
+
+    path: Path
+    time_scale: float = 1.0
+    limit: int | None = None  # at most this many (the first by arrival)
+    model: str | None = None
+    log_type: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of the stream, before the replay admits it.
+
+    `max_tokens` is how many output tokens it will produce (the simulator knows the future). Requests of one
+    `prefix_group` share their first `num_prefix_tokens` token ids (0 when `prefix_group` is None). A Mooncake
+    request's `hash_ids` name its 512-token prompt blocks (chained), and its prompt's token ids follow from them.
+    """
+
+    request_id: int  # 0 .. n-1 in arrival order
+    arrival_time: float  # seconds from the first request
+    num_prompt_tokens: int
+    max_tokens: int
+    prefix_group: int | None = None
+    num_prefix_tokens: int = 0
+    hash_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.num_prompt_tokens >= 1 and self.max_tokens >= 0 and self.arrival_time >= 0
+        assert 0 <= self.num_prefix_tokens <= self.num_prompt_tokens
+        assert (self.prefix_group is None) == (self.num_prefix_tokens == 0)
+        if self.hash_ids is not None:
+            assert self.prefix_group is None and len(self.hash_ids) == -(-self.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
+
+    @property
+    def num_final_tokens(self) -> int:
+        """Prompt + output: the KV this request holds when it finishes."""
+        return self.num_prompt_tokens + self.max_tokens
+
+
+def generate_requests(workload: Workload) -> list[RequestSpec]:
+    """The workload's requests, sorted by arrival; the same workload (and seed) gives the same list.
+
+    Synthetic lengths, arrivals and prefix groups each come from their own stream of the workload seed, so
+    changing, say, the arrival rate leaves every request's lengths as they were.
+    """
+    spec = workload.requests
+    if isinstance(spec, TraceRequests):
+        return trace_requests(read_trace(spec.path, time_scale=spec.time_scale, limit=spec.limit, model=spec.model, log_type=spec.log_type))
+    else:
+        rng = [np.random.default_rng([workload.seed, stream]) for stream in range(4)]
+        arrival = spec.arrival.times(rng[_ARRIVAL], count=spec.count, duration_s=spec.duration_s)
+        prompt = spec.prompt_tokens.sample(rng[_PROMPT], len(arrival))
+        output = spec.output_tokens.sample(rng[_OUTPUT], len(arrival))
+        group, prefix = _prefix_groups(spec.shared_prefix, prompt, rng[_PREFIX])
+        # The whole stream is drawn before `limit` cuts it, so a limited run is a prefix of the full one.
+        arrival, prompt, output, group, prefix = (x[: spec.limit] for x in (arrival, prompt, output, group, prefix))
+    return [
+        RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
+        for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
+    ]
+
+
+def trace_requests(trace: Trace) -> list[RequestSpec]:
+    """A trace's requests in arrival order (with their Mooncake hash ids, if any)."""
+    ids = trace.hash_ids
+    return [
+        RequestSpec(i, t, p, o, hash_ids=None if ids is None else ids[i])
+        for i, (t, p, o) in enumerate(zip(trace.arrival_time.tolist(), trace.num_prompt_tokens.tolist(), trace.num_output_tokens.tolist()))
+    ]
+
+
+def _prefix_groups(shared, prompt: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(group or -1, prefix tokens) per request, both (n,) int64: a `fraction` join a uniformly chosen group."""
+    n = len(prompt)
+    if shared is None or shared.fraction == 0:
+        return np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    joins = rng.random(n) < shared.fraction  # (n,) bool
+    group = np.where(joins, rng.integers(0, shared.groups, size=n), -1)
+    prefix = np.where(joins, np.minimum(prompt, shared.tokens), 0)
+    return group.astype(np.int64), prefix.astype(np.int64)
+
+
+def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
+    """Synthetic token ids for prompt and output, (num_final_tokens,) int64 in [0, VOCAB_SIZE).
+
+    Position p of a shared-prefix group's ids depends only on (seed, group, p), so every request of the
+    group agrees on its first `num_prefix_tokens` ids; every other id depends on (seed, request_id, p).
+    Ids are hashes, not draws from a stateful generator: cheap, vectorised and order-independent.
+
+        request 7, group 2:  [ g2[0] g2[1] ... g2[k-1] | r7[k] r7[k+1] ... r7[n-1] ]
+        request 9, group 2:  [ g2[0] g2[1] ... g2[k-1] | r9[k] ... ]      k = num_prefix_tokens
+
+    A Mooncake request's prompt token at position p is h[p % 512] of its hash id hash_ids[p // 512] (the
+    id's own stream, positions from 0 within the block); its output tokens are its own:
+
+        hash_ids [4, 9, 31], 1,100-token prompt:  [ h4[0] .. h4[511] | h9[0] .. h9[511] | h31[0] .. h31[75] | r[1100] .. ]
+
+    Ids are chained, so requests that share their first j ids share their first 512 j prompt token ids and no
+    more (the next id differs, and so do its tokens). A partial last block (76 tokens of id 31 here) is the
+    first tokens of that id's stream: a trace names a partial block by an id of its own, which always covers
+    the same tokens (kvsim.workload.trace_mooncake checks it), so requests ending in the same id share those tokens too.
+    At block size B, two requests share every full B-token block that lies inside their common prefix;
+    whole 512-token blocks are whole B-blocks when B divides 512 (every power of two up to 512), and any other
+    B shares floor(512 j / B) blocks, a straddling block only when both ids under it are shared.
+    """
+    k, n = request.num_prefix_tokens, request.num_final_tokens
+    ids = np.empty(n, dtype=np.int64)  # (n,)
+    if request.hash_ids is not None:
+        k = request.num_prompt_tokens
+        for j, h in enumerate(request.hash_ids):
+            lo = j * MOONCAKE_BLOCK_TOKENS
+            hi = min(lo + MOONCAKE_BLOCK_TOKENS, k)
+            ids[lo:hi] = _hash_ids(_salt(seed, _TRACE_BLOCK_IDS, h), 0, hi - lo)
+    elif k:
+        ids[:k] = _hash_ids(_salt(seed, _GROUP_IDS, request.prefix_group), 0, k)
+    ids[k:] = _hash_ids(_salt(seed, _REQUEST_IDS, request.request_id), k, n)
+    return ids
+
+
+def _salt(seed: int, stream: int, key: int) -> int:
+    """One 64-bit key per (seed, stream, key), chained so that (stream, key) = (1, 2) differs from (2, 1)."""
+    salt = seed & _MASK64
+    for part in (stream, key):
+        salt = _splitmix64(salt ^ _splitmix64(part))
+    return salt
+
+
+def _hash_ids(salt: int, start: int, stop: int) -> np.ndarray:
+    """Ids of positions [start, stop): the top 31 bits of splitmix64(salt + position * golden), (stop - start,) int64."""
+    x = np.arange(start, stop, dtype=np.uint64)  # (m,) positions; every op below wraps mod 2^64, in place
+    x *= _U64["golden"]
+    x += np.uint64(salt)
+    x ^= x >> _U64[30]
+    x *= _U64["c1"]
+    x ^= x >> _U64[27]
+    x *= _U64["c2"]
+    x ^= x >> _U64[31]
+    x >>= _U64[33]  # the top 31 bits: [0, 2^31) = [0, VOCAB_SIZE)
+    return x.view(np.int64)
+
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finaliser on a Python int (the same steps `_hash_ids` applies to arrays)."""
+    x = ((x ^ (x >> 30)) * _C1) & _MASK64
+    x = ((x ^ (x >> 27)) * _C2) & _MASK64
+    return x ^ (x >> 31)

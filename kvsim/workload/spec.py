@@ -1,0 +1,259 @@
+"""A replay workload: the YAML file read and validated once, into frozen dataclasses.
+
+Every error names the file and the field path (`workloads/x.yaml: requests.arrival.rate: must be > 0`);
+unknown keys are errors too, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from kvsim.workload.distributions import arrival_from_fields, length_from_fields
+from kvsim.engine.factory import AllocatorConfig
+from kvsim.errors import KvsimError
+from kvsim.workload.requests import SharedPrefix, SyntheticRequests, TraceRequests
+from kvsim.units import dtype_bytes
+from kvsim.workload.yaml_fields import Fields
+
+# The most requests one workload may generate: a stream is held in memory (a few hundred bytes per request),
+# so this caps it near a few GiB; the Azure conversation trace has 19,366.
+MAX_REQUESTS = 10_000_000
+
+__all__ = ["SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The continuous-batching scheduler's limits (vLLM's SchedulerConfig names).
+
+    `watermark` is the fraction of KV blocks kept free at admission; a paged allocator inherits it unless it
+    sets its own. `swap_space_bytes` is the CPU pool that `preemption: swap` moves KV to.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption: Literal["recompute", "swap"] = "recompute"
+    watermark: float = 0.01
+    swap_space_bytes: int = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One replay: a model and KV budget, a request stream, and the allocators that compete for it.
+
+    Exactly one of `kv_budget_bytes` and `gpu_memory_utilization` is set (the replay subtracts the weights
+    from the GPU's memory for the latter). `model` and `hardware` are names resolved by the replay, which
+    reports an unknown one; a config.json path in `model` is made absolute here (relative to the YAML file).
+    """
+
+    name: str
+    seed: int
+    model: str
+    kv_dtype: str
+    hardware: str
+    kv_budget_bytes: int | None
+    gpu_memory_utilization: float | None
+    max_model_len: int
+    requests: SyntheticRequests | TraceRequests
+    allocators: tuple[AllocatorConfig, ...]
+    scheduler: SchedulerConfig
+    path: Path
+    sha256: str  # of the YAML file's bytes
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
+        assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
+
+
+WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
+                   "max_model_len", "requests", "allocators", "scheduler")  # fmt: skip
+
+
+def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
+    """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
+    file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
+    path = Path(path)
+    source = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KvsimError(f"cannot read workload: {exc.strerror or exc}", source=source) from None
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    return workload_from_mapping(raw, path, sha256=hashlib.sha256(data).hexdigest(), trace=trace, seed=seed, limit=limit)
+
+
+def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | None = None, seed: int | None = None,
+                          limit: int | None = None) -> Workload:
+    """Validate an already parsed workload mapping as if read from `path` (errors name it; relative paths in
+    it are relative to its folder); `load_workload` for a file, a sweep for each of its points."""
+    path = Path(path)
+    source = str(path)
+    if raw is None:
+        raise KvsimError("the workload file is empty (see workloads/poisson.yaml for every field)", source=source)
+    f = Fields(raw, source=source)
+    f.only(WORKLOAD_FIELDS)
+    base_dir = path.parent
+
+    name = f.str("name", path.stem)
+    if "/" in name or "\\" in name or name in (".", ".."):
+        raise f.error("name", f"must be a plain folder name (no slashes), got {name!r}")
+    file_seed = f.int("seed", 0, min=0)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise KvsimError(f"must be a whole number >= 0, got {seed!r}", field="--seed")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise KvsimError(f"must be a whole number >= 1, got {limit!r}", field="--limit")
+    model = f.str("model")
+    if model.endswith(".json"):  # a config.json path, relative to the YAML file
+        model = str((base_dir / model).resolve())
+    kv_dtype = f.str("kv_dtype", "bf16").lower()
+    dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
+    hardware = f.str("hardware")
+    if f.has("kv_budget") == f.has("gpu_memory_utilization"):
+        raise f.error("kv_budget", "give exactly one of kv_budget (e.g. 4GiB) and gpu_memory_utilization (e.g. 0.9)")
+    kv_budget = f.bytes("kv_budget", None)
+    utilization = f.float("gpu_memory_utilization", None, min=0, max=1)
+    if utilization == 0:
+        raise f.error("gpu_memory_utilization", "must be > 0")
+    max_model_len = f.int("max_model_len", min=1)
+    scheduler = _scheduler(f.sub("scheduler", None))
+    requests = _requests(f.sub("requests"), base_dir, max_model_len, trace)
+    allocators = _allocators(f, scheduler)
+    workload = Workload(
+        name=name,
+        seed=file_seed if seed is None else seed,
+        model=model,
+        kv_dtype=kv_dtype,
+        hardware=hardware,
+        kv_budget_bytes=kv_budget,
+        gpu_memory_utilization=utilization,
+        max_model_len=max_model_len,
+        requests=requests,
+        allocators=allocators,
+        scheduler=scheduler,
+        path=path,
+        sha256=sha256,
+        description=f.str("description", ""),
+    )
+    f.done()
+    if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
+        workload = replace(workload, requests=TraceRequests(_trace_file(Path(trace), source=None, field="--trace")))
+    if limit is not None:
+        old = workload.requests.limit
+        workload = replace(workload, requests=replace(workload.requests, limit=limit if old is None else min(old, limit)))
+    return workload
+
+
+def _scheduler(f: Fields | None) -> SchedulerConfig:
+    if f is None:
+        return SchedulerConfig()
+    d = SchedulerConfig()
+    config = SchedulerConfig(
+        max_num_seqs=f.int("max_num_seqs", d.max_num_seqs, min=1),
+        max_num_batched_tokens=f.int("max_num_batched_tokens", d.max_num_batched_tokens, min=1),
+        preemption=f.choice("preemption", ("recompute", "swap"), d.preemption),
+        watermark=f.float("watermark", d.watermark, min=0, max=1, exclusive=False),
+        swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes, allow_zero=True),
+    )
+    if config.watermark >= 1:
+        raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")
+    f.done()
+    return config
+
+
+def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | None) -> SyntheticRequests | TraceRequests:
+    if "trace" in f.raw:
+        return _trace_requests(f, base_dir, cli_trace)
+    if f.has("count") == f.has("duration_s"):
+        raise f.error("count", "give exactly one of count (requests) and duration_s (seconds of arrivals)")
+    count = f.int("count", None, min=1, max=MAX_REQUESTS)
+    duration_s = f.float("duration_s", None, min=0, exclusive=True)
+    arrival = arrival_from_fields(f.sub("arrival"))
+    if duration_s is not None and duration_s * arrival.mean_rate + arrival.size > MAX_REQUESTS:
+        raise f.error("duration_s", f"{duration_s:g} s at {arrival.mean_rate:g} requests/s is more than "
+                                    f"{MAX_REQUESTS:,} requests (the most one workload may have)")
+    prompt = length_from_fields(f.sub("prompt_tokens"), base_dir=base_dir)
+    output = length_from_fields(f.sub("output_tokens"), base_dir=base_dir)
+    shared = None
+    sp = f.sub("shared_prefix", None)
+    if sp is not None:
+        shared = SharedPrefix(
+            groups=sp.int("groups", min=1, max=MAX_REQUESTS),
+            tokens=sp.int("tokens", min=1),
+            fraction=sp.float("fraction", min=0, max=1),
+        )
+        if shared.tokens >= max_model_len:
+            raise sp.error("tokens", f"must be < max_model_len ({max_model_len}), got {shared.tokens}")
+        sp.done()
+    limit = f.int("limit", None, min=1)
+    f.done()
+    return SyntheticRequests(arrival, prompt, output, count=count, duration_s=duration_s, shared_prefix=shared, limit=limit)
+
+
+def _trace_requests(f: Fields, base_dir: Path, cli_trace: str | None) -> TraceRequests:
+    """`trace: file.csv` with time_scale and limit beside it, or `trace: {path, time_scale, limit}`.
+
+    The path is relative to the YAML file; it may be null when the command line gives one (--trace, relative
+    to the working directory), which also overrides a path in the file.
+    """
+    t = f.sub("trace") if isinstance(f.raw.get("trace"), dict) else None
+    g = t if t is not None else f
+    path = g.str("path" if t is not None else "trace", None)
+    time_scale = g.float("time_scale", 1.0, min=0, exclusive=True)
+    limit = g.int("limit", None, min=1)
+    model = g.str("model", None)  # BurstGPT filters: its Model and Log Type columns
+    log_type = g.str("log_type", None)
+    if t is not None:
+        t.done()
+    f.done()
+    if cli_trace is not None:
+        return TraceRequests(_trace_file(Path(cli_trace), source=None, field="--trace"), time_scale, limit, model, log_type)
+    if path is None:
+        raise f.error("trace.path" if t is not None else "trace", "no trace file here: give one with --trace FILE")
+    field = g.path("path" if t is not None else "trace")
+    return TraceRequests(_trace_file(base_dir / path, source=f.source, field=field), time_scale, limit, model, log_type)
+
+
+def _trace_file(path: Path, *, source: str | None, field: str) -> Path:
+    if not path.is_file():
+        what = "is a directory, not a trace file" if path.is_dir() else "trace file not found"
+        raise KvsimError(f"{what}: {path}", source=source, field=field)
+    return path
+
+
+def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig, ...]:
+    configs = []
+    for a in f.subs("allocators"):
+        kind = a.choice("kind", ("flat", "paged"))
+        if kind == "flat":
+            config = AllocatorConfig(
+                "flat",
+                reserve=a.choice("reserve", ("max", "pow2", "oracle"), "max"),
+                placement=a.choice("placement", ("first-fit", "best-fit", "buddy"), "first-fit"),
+            )
+        else:
+            watermark = a.float("watermark", scheduler.watermark, min=0, max=1)
+            if watermark >= 1:
+                raise a.error("watermark", f"must be < 1 (a fraction of the blocks), got {watermark:g}")
+            config = AllocatorConfig(
+                "paged",
+                block_size=a.int("block_size", 16, min=1),
+                prefix_caching=a.bool("prefix_caching", False),
+                watermark=watermark,
+            )
+        a.done()
+        if any(c.label == config.label for c in configs):
+            raise KvsimError(f"duplicates an earlier allocator ({config.label})", source=a.source, field=a.prefix)
+        configs.append(config)
+    return tuple(configs)

@@ -1,0 +1,187 @@
+"""`kvsim replay` through the CLI: reports written, JSON summary, user errors as one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.replay.test_replay import write_tiny
+
+
+def test_replay_writes_reports_and_prints_a_table(cli, tmp_path):
+    path = write_tiny(tmp_path, count=6)
+    out = tmp_path / "reports"
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(out), "--csv"])
+    assert result.exit_code == 0, result.output
+    for name in ("steps.parquet", "steps.csv", "requests.csv", "summary.csv", "summary.json", "meta.json"):
+        assert (out / name).is_file(), name
+    assert "paged-16+prefix" in result.output and "flat-oracle" in result.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["command"].startswith("kvsim ") and meta["tensors"] is False
+
+
+def test_replay_json_summary_on_stdout(cli, tmp_path):
+    path = write_tiny(tmp_path, count=6)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--json", "--out", str(tmp_path / "o"), "--limit", "4"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert [r["allocator"] for r in records] == ["flat-oracle", "paged-16", "paged-16+prefix"]
+    assert all(r["num_requests"] == 4 and r["finished"] == 4 for r in records)
+
+
+def test_replay_with_tensors_on_cpu(cli, tmp_path):
+    path = write_tiny(tmp_path, count=4)
+    result = cli(["replay", str(path), "--device", "cpu", "--quiet", "--json", "--out", str(tmp_path / "o"), "--integrity"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert all(r["write_us_p50"] > 0 for r in records)
+    assert "integrity: passed: 3 allocator(s)" in result.stderr
+
+
+def test_bad_workload_exits_2_with_one_line(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(write_tiny(tmp_path).read_text().replace("max_num_seqs: 16", "max_num_seqs: -1"))
+    result = cli(["replay", str(bad), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvsim: error: ") and "scheduler.max_num_seqs" in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_workload_and_bad_flags_exit_2(cli, tmp_path):
+    missing = cli(["replay", str(tmp_path / "nope.yaml"), "--no-tensors"])
+    assert missing.exit_code == 2 and "nope.yaml" in missing.stderr
+    path = write_tiny(tmp_path)
+    measured = cli(["replay", str(path), "--no-tensors", "--timing", "measured", "--out", str(tmp_path / "o")])
+    assert measured.exit_code == 2 and "--timing" in measured.stderr
+    layers = cli(["replay", str(path), "--layers", "0", "--out", str(tmp_path / "o")])
+    assert layers.exit_code == 2 and "--layers" in layers.stderr
+
+
+def test_replay_help_does_not_import_torch_or_pandas():
+    import subprocess
+    import sys
+
+    code = "import sys; from kvsim.cli import app; assert 'torch' not in sys.modules and 'pandas' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trace_flag_replaces_the_workload_requests(cli, tmp_path):
+    path = write_tiny(tmp_path)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,40,10\n0.001,100,5\n0.5,30,3\n")
+    result = cli(["replay", str(path), "--trace", str(trace), "--no-tensors", "--quiet", "--json", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert all(r["num_requests"] == 3 and r["finished"] == 3 for r in records)
+    assert records[0]["throughput_tokens_per_s"] == pytest.approx(18 / records[0]["sim_time_s"])
+
+
+def test_cpu_tensors_keep_summary_csv_byte_identical_and_count_read_samples(cli, tmp_path):
+    """summary.csv holds simulated figures only: byte for byte the same with CPU tensors and without; the
+    timed kernels live in summary.json, which says how many decode steps read + attended."""
+    path = write_tiny(tmp_path, count=8)
+    on, off = tmp_path / "on", tmp_path / "off"
+    result = cli(["replay", str(path), "--device", "cpu", "--read-every", "5", "--quiet", "--out", str(on)])
+    assert result.exit_code == 0, result.output
+    assert cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(off)]).exit_code == 0
+    assert (on / "summary.csv").read_bytes() == (off / "summary.csv").read_bytes()
+    assert b"num_read_samples" not in (on / "summary.csv").read_bytes()
+    records = json.loads((on / "summary.json").read_text())
+    for r in records:
+        assert r["num_read_samples"] >= 2 and r["read_us_p50"] > 0 and r["write_us_p50"] > 0
+    assert all(r["num_read_samples"] == 0 for r in json.loads((off / "summary.json").read_text()))
+
+
+def test_read_every_must_be_positive_and_measured_names_the_device_it_measured(cli, tmp_path):
+    path = write_tiny(tmp_path, count=4)
+    zero = cli(["replay", str(path), "--device", "cpu", "--read-every", "0", "--out", str(tmp_path / "o")])
+    assert zero.exit_code == 2 and "--read-every" in zero.output
+    measured = cli(["replay", str(path), "--device", "cpu", "--timing", "measured", "--read-every", "3", "--out", str(tmp_path / "o")])
+    assert measured.exit_code == 0, measured.output
+    assert "timed as measured on cpu (" in measured.stdout and "(not NVIDIA" in measured.stdout
+
+
+@pytest.mark.parametrize("tensors", [["--no-tensors"], ["--device", "cpu"]])
+def test_budget_below_one_block_is_a_user_error(cli, tmp_path, tensors):
+    path = write_tiny(tmp_path)
+    tiny = tmp_path / "tiny-budget.yaml"
+    text = path.read_text()
+    budget_line = next(line for line in text.splitlines() if line.startswith("kv_budget:"))
+    tiny.write_text(text.replace(budget_line, "kv_budget: 1KiB"))
+    result = cli(["replay", str(tiny), *tensors, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tiny-budget.yaml: kv_budget:" in lines[0] and "holds not one" in lines[0]
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
+    """--out naming a file, or a report file's name taken by a directory, was a FileExistsError traceback."""
+    path = write_tiny(tmp_path, count=3)
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(blocker)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"kvsim: error: --out: {blocker} is a file, not a directory"]
+    out = tmp_path / "o"
+    (out / "summary.csv").mkdir(parents=True)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"kvsim: error: --out: cannot write {out / 'summary.csv'}: Is a directory"]
+
+
+def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
+    """With every request rejected the table showed only dashes (the rejected column had no room at 80 columns)."""
+    path = write_tiny(tmp_path, count=5, budget_tokens=16)  # one 16-token block; every request needs 24+
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if "rejected 5 of 5 requests" in line]
+    assert len(notes) == 3 and notes[0].startswith("flat-oracle: rejected 5 of 5 requests, e.g. request 0: its slab of ")
+    assert "rejected" not in cli(["replay", str(write_tiny(tmp_path, count=5)), "--no-tensors", "--out", str(tmp_path / "p")]).stdout
+
+
+def test_a_cpu_pool_over_the_host_memory_cap_is_refused_before_the_replay(cli, tmp_path, monkeypatch):
+    import kvsim.replay.run
+    import kvsim.replay.workers
+
+    for module in (kvsim.replay.run, kvsim.replay.workers):
+        monkeypatch.setattr(module, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
+    path = write_tiny(tmp_path, budget_tokens=1024)  # 1024 slots of BPT bytes (all layers); 1 materialised
+    result = cli(["replay", str(path), "--device", "cpu", "--max-host-memory", "1KiB", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvsim: error: --max-host-memory: flat-oracle's CPU cache pool needs ")
+    assert "--no-tensors" in line and "--max-host-memory 1GiB" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):
+    path = write_tiny(tmp_path, count=3)
+    result = cli(["replay", str(path), "--no-tensors", "--quiet", "--layers", "2", "--read-every", "5", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "note: --no-tensors: --layers, --read-every ignored" in result.stderr
+    plain = cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(tmp_path / "p")])
+    assert "ignored" not in plain.stderr
+
+
+def test_the_summary_table_cuts_no_cell_at_80_columns(cli, tmp_path):
+    # Piped output is 80 columns wide: long labels and every column must still show whole, never "…".
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("  - {kind: flat, reserve: oracle}", "  - {kind: flat, reserve: oracle, placement: best-fit}")
+    path.write_text(text)
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "…" not in out and "..." not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    records = json.loads((tmp_path / "o" / "summary.json").read_text())
+    from kvsim.replay.view import _COLUMNS
+
+    for r in records:
+        assert r["allocator"] in out
+        for _, cell, essential in _COLUMNS:
+            if essential:
+                assert f" {cell(r)}" in out, (r["allocator"], cell(r))
+    assert "resv: reserved for tokens a request will still" in out and "pre-empt: preemptions" in out

@@ -1,0 +1,363 @@
+"""Whole replays of tiny workloads: every request accounted for, preemption, determinism, tensors vs accounting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsim.replay.run import run_replay
+from kvsim.replay.options import ReplayOptions
+from kvsim.workload.spec import load_workload
+
+BYTE_COLUMNS = (
+    "token_states_bytes", "reservation_bytes", "internal_fragmentation_bytes",
+    "external_fragmentation_bytes", "free_bytes", "shared_saved_bytes",
+)
+
+# A 2-layer model with 2 KV heads of 16: 256 bytes of KV per token, so tensors stay tiny and fast on a CPU.
+TINY_MODEL = """\
+{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000,
+ "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+"""
+BPT = 256
+TINY = """\
+name: tiny
+seed: 3
+model: tiny-model.json
+kv_dtype: bf16
+hardware: h100-80gb
+kv_budget: {budget}
+max_model_len: 512
+requests:
+  count: {count}
+  arrival: {{process: poisson, rate: 1.0e+7}}   # a burst: everything queues at once
+  prompt_tokens: {{dist: uniform, min: 16, max: 160}}
+  output_tokens: {{dist: uniform, min: 8, max: 200}}
+  shared_prefix: {{groups: 2, tokens: 48, fraction: 0.5}}
+allocators:
+  - {{kind: flat, reserve: oracle}}
+  - {{kind: paged, block_size: 16}}
+  - {{kind: paged, block_size: 16, prefix_caching: true}}
+scheduler: {{max_num_seqs: 16, max_num_batched_tokens: 256, preemption: {preemption}, swap_space: 1GiB}}
+"""
+
+
+def write_tiny(
+    tmp_path: Path, *, budget_tokens: int = 1024, count: int = 24, preemption: str = "recompute", max_output: int = 200
+) -> Path:
+    (tmp_path / "tiny-model.json").write_text(TINY_MODEL)
+    path = tmp_path / "tiny.yaml"
+    text = TINY.format(budget=budget_tokens * BPT, count=count, preemption=preemption)
+    path.write_text(text.replace("max: 200}", f"max: {max_output}}}"))
+    return path
+
+
+def tiny_workload(tmp_path: Path, **kwargs):
+    return load_workload(write_tiny(tmp_path, **kwargs))
+
+
+def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path):
+    result = run_replay(tiny_workload(tmp_path), ReplayOptions(tensors=False), workers=1)
+    assert [run.label for run in result.runs] == ["flat-oracle", "paged-16", "paged-16+prefix"]
+    for run in result.runs:
+        assert not np.isnan(run.finished_s).any(), run.label
+        assert all(reason is None for reason in run.rejected_reason)
+        # Causality per request: arrival <= admission <= first token <= finish.
+        assert (result.arrival_s <= run.admitted_s).all()
+        assert (run.admitted_s < run.first_token_s).all() and (run.first_token_s <= run.finished_s).all()
+        st = run.steps
+        total = sum(st[c] for c in BYTE_COLUMNS[:5])
+        assert (total == result.budget_bytes).all()
+        # Rows tile the clock: each starts where the previous ended, and steps are numbered without gaps.
+        ends = st["time_s"] + st["step_time_s"]
+        assert (st["time_s"][1:] >= ends[:-1] - 1e-12).all()
+        assert (st["step"][1:] == st["step"][:-1] + st["num_steps"][:-1]).all()
+        # Every prompt token and every output token is computed (at least once).
+        assert st["num_prefill_tokens"].sum() >= result.num_prompt_tokens.sum()
+        assert st["num_decode_tokens"].sum() == result.max_tokens.sum()
+
+
+def test_paged_beats_flat_oracle_on_admission_under_a_tight_budget(tmp_path):
+    result = run_replay(tiny_workload(tmp_path, budget_tokens=440, count=32), ReplayOptions(tensors=False), workers=1)
+    flat, paged, prefix = result.runs
+    assert paged.steps["num_running"].max() >= flat.steps["num_running"].max()
+    assert flat.steps["num_preemptions"].sum() == 0  # a flat slab never grows
+    assert paged.steps["num_preemptions"].sum() > 0
+    assert prefix.prefix_hit_tokens > 0 and prefix.num_cached_tokens.sum() > 0
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_under_a_tight_budget_recovers(tmp_path, preemption):
+    result = run_replay(tiny_workload(tmp_path, budget_tokens=440, count=32, preemption=preemption), ReplayOptions(tensors=False), workers=1)
+    paged = result.runs[1]
+    assert paged.num_preemptions.sum() > 0
+    assert not np.isnan(paged.finished_s).any()
+    recomputed = paged.steps["num_prefill_tokens"].sum() - result.num_prompt_tokens.sum()
+    if preemption == "swap":
+        assert recomputed == 0
+    else:
+        assert recomputed > 0
+
+
+def test_a_request_longer_than_max_model_len_is_rejected_with_a_reason(tmp_path):
+    path = write_tiny(tmp_path, count=12)
+    path.write_text(path.read_text().replace("max: 200}", "max: 480}"))
+    result = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    too_long = result.num_prompt_tokens + result.max_tokens > 512
+    assert too_long.any()
+    for run in result.runs:
+        reasons = np.array([r is not None for r in run.rejected_reason])
+        assert (reasons == too_long).all()
+        assert all("max_model_len 512" in r for r in run.rejected_reason if r is not None)
+        assert np.isnan(run.finished_s[too_long]).all() and not np.isnan(run.finished_s[~too_long]).any()
+
+
+def test_parallel_workers_change_nothing(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=440)
+    one = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    two = run_replay(workload, ReplayOptions(tensors=False), workers=2)
+    for a, b in zip(one.runs, two.runs):
+        for name in a.steps:
+            np.testing.assert_array_equal(a.steps[name], b.steps[name])
+        np.testing.assert_array_equal(a.finished_s, b.finished_s)
+
+
+def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40)
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=1))
+    assert on.device == "cpu"
+    for a, b in zip(off.runs, on.runs):
+        for name in BYTE_COLUMNS + ("num_running", "num_steps", "num_prefill_tokens", "num_decode_tokens"):
+            np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
+        assert np.isnan(a.steps["write_us"]).all()
+        assert (b.steps["write_us"] > 0).all()  # every row writes new tokens
+        decoding = b.steps["num_decode_tokens"] > 0
+        assert (b.steps["read_us"][decoding] > 0).all() and np.isnan(b.steps["read_us"][~decoding]).all()
+    assert any((run.steps["num_steps"] > 1).any() for run in on.runs)  # runs were executed step by step too
+
+
+@pytest.mark.parametrize("read_every", [1, 10**6])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption, read_every):
+    """Every decode reads back, through block tables or slabs, exactly what its own tokens wrote; with reads
+    sampled (10**6: only the first decode step reads) the finish / swap-in / prefix-hit checks still pass."""
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption=preemption)
+    options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2, read_every=read_every)
+    result = run_replay(workload, options)
+    paged, prefix = result.runs[1], result.runs[2]
+    assert paged.num_preemptions.sum() > 0  # the checks did cover preemption ...
+    assert prefix.prefix_hit_tokens > 0  # ... and shared prefix blocks
+
+
+def test_measured_timing_drives_the_clock_with_kernel_times(tmp_path):
+    workload = tiny_workload(tmp_path, count=6, max_output=30)
+    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", timing="measured"))
+    for run in result.runs:
+        st = run.steps
+        assert (st["num_steps"] == 1).all()  # no decode runs: each step has its own kernel times
+        kernels = np.nan_to_num(st["write_us"]) + np.nan_to_num(st["read_us"]) + np.nan_to_num(st["attention_us"])
+        scale = 2 / 1  # the model's attention layers over the one materialised
+        assert st["step_time_s"] == pytest.approx(kernels * 1e-6 * scale, rel=1e-6, abs=1e-7)
+        assert run.num_read_samples < (st["num_decode_tokens"] > 0).sum()  # reads sampled on a CPU ...
+        decoding = st["num_decode_tokens"] > 0
+        assert np.isfinite(st["read_us"][decoding]).all()  # ... and every decode step still has a read time
+
+
+def test_measured_timing_scales_unsampled_reads_by_context_tokens(tmp_path):
+    # A step without a read is given the last sampled read's µs per context token times its own tokens.
+    from kvsim.replay.runner import ModelRunner
+
+    workload = tiny_workload(tmp_path, count=3, max_output=30)
+    result = run_replay(workload, ReplayOptions(tensors=True, device="cpu", timing="measured", read_every=7), workers=1)
+    assert "reads timed every 7 decode steps" in result.note
+    for run in result.runs:
+        st = run.steps
+        rows = np.flatnonzero(st["num_decode_tokens"] > 0)
+        assert 0 < run.num_read_samples < len(rows)
+        assert np.isfinite(st["read_us"][rows]).all() and (st["read_us"][rows] > 0).all()
+    assert ModelRunner.__init__.__kwdefaults__["estimate_reads"] is False  # roofline replays never estimate
+
+
+def test_options_that_need_tensors_say_so():
+    from kvsim.errors import KvsimError
+
+    with pytest.raises(KvsimError, match="--timing"):
+        ReplayOptions(tensors=False, timing="measured")
+    with pytest.raises(KvsimError, match="--integrity"):
+        ReplayOptions(tensors=False, integrity=True)
+    with pytest.raises(KvsimError, match="roofline, measured, kernels-db or auto"):
+        ReplayOptions(timing="wall")
+    with pytest.raises(KvsimError, match="--read-every"):
+        ReplayOptions(read_every=0)
+    assert ReplayOptions(timing="measured", read_every=2).read_every == 2  # steps between scaled from the last read
+
+
+def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):
+    """The check above can fail: swap KV back in reversed order and the next read of that request trips it."""
+    from kvsim.engine.cache import KVCache
+
+    original = KVCache.swap_in
+
+    def reversed_swap_in(self, handle, slots):
+        return original(self, handle, slots[::-1].copy())
+
+    monkeypatch.setattr(KVCache, "swap_in", reversed_swap_in)
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
+    with pytest.raises(AssertionError, match="integrity"):
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=1))
+    with pytest.raises(AssertionError, match=r"integrity: .*\(slot \d+\)"):  # no sampled read: the swap-in check
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=10**6))
+
+
+@pytest.mark.parametrize("fault", ["lost_write", "overwrite"])
+def test_integrity_without_reads_still_catches_lost_and_overwritten_kv(tmp_path, monkeypatch, fault):
+    """Reads sampled away entirely, integrity still sees a decode step whose write never happened, and KV
+    overwritten behind a request's back (here: the whole pool zeroed whenever a request finishes)."""
+    from kvsim.engine.cache import KVCache
+
+    if fault == "lost_write":
+        original = KVCache.write_steps
+
+        def write_steps(self, slots, seq_ids, positions):
+            return original(self, slots[:, 1:], seq_ids[1:], positions[:, 1:])  # one request's run is lost
+
+        monkeypatch.setattr(KVCache, "write_steps", write_steps)
+    else:
+        monkeypatch.setattr(KVCache, "forget", lambda self, seq_id: self.kv_cache.zero_())
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40)
+    with pytest.raises(AssertionError, match="integrity"):
+        run_replay(workload, ReplayOptions(tensors=True, device="cpu", integrity=True, read_every=10**6), workers=1)
+
+
+@pytest.mark.parametrize("every", [1, 3, 40])
+def test_reads_are_sampled_every_nth_decode_step_and_writes_every_step(tmp_path, every):
+    """Decode steps 0, N, 2N, ... of each allocator read and attend (ceil(decode steps / N) samples);
+    every row still writes; byte columns do not move."""
+    workload = tiny_workload(tmp_path, count=12, max_output=60)
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=every))
+    assert on.options.read_every == every
+    for a, b in zip(off.runs, on.runs):
+        st = b.steps
+        for name in BYTE_COLUMNS:
+            np.testing.assert_array_equal(a.steps[name], st[name], err_msg=f"{a.label} {name}")
+        decoding = st["num_decode_tokens"] > 0
+        decode_steps = int(st["num_steps"][decoding].sum())
+        assert b.num_read_samples == -(-decode_steps // every)
+        assert (st["write_us"] > 0).all()
+        # the rows holding a sampled step: decode step index d in [first, first + k) with d % every == 0
+        first = np.cumsum(np.where(decoding, st["num_steps"], 0)) - np.where(decoding, st["num_steps"], 0)
+        sampled = decoding & ((first + st["num_steps"] - 1) // every >= -(-first // every))
+        assert (st["read_us"][sampled] > 0).all() and np.isnan(st["read_us"][~sampled]).all()
+        assert (st["attention_us"][sampled] > 0).all() and np.isnan(st["attention_us"][~sampled]).all()
+
+
+def test_no_tensors_never_imports_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_tiny(tmp_path, count=4)
+    code = (
+        "import sys; from kvsim.replay.run import run_replay; from kvsim.replay.options import ReplayOptions; "
+        "from kvsim.workload.spec import load_workload; "
+        f"run_replay(load_workload({str(path)!r}), ReplayOptions(tensors=False)); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_device_without_cuda_is_cpu_tensors_with_sampled_reads(tmp_path):
+    from kvsim.replay.options import CPU_READ_EVERY
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("auto picks the GPU here")
+    result = run_replay(tiny_workload(tmp_path, count=4), ReplayOptions(device="auto"))
+    assert result.device == "cpu" and result.options.tensors and result.options.num_layers == 1
+    assert result.options.read_every == CPU_READ_EVERY and f"every {CPU_READ_EVERY} decode steps" in result.note
+    for run in result.runs:
+        assert (run.steps["write_us"] > 0).all()
+        assert run.num_read_samples == 1  # a tiny replay has fewer decode steps than CPU_READ_EVERY: step 0 only
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_accounting_and_keep_integrity(tmp_path):
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption="swap")
+    off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    on = run_replay(workload, ReplayOptions(tensors=True, device="cuda", integrity=True))
+    assert on.device.startswith("cuda")
+    for a, b in zip(off.runs, on.runs):
+        for name in BYTE_COLUMNS:
+            np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
+        assert (b.steps["write_us"] > 0).all()
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        # the catalogue's errors named --model / --gpu / --memory, flags a workload user never typed
+        ("model: tiny-model.json", "model: gpt-17", "tiny.yaml: model: unknown model 'gpt-17'"),
+        ("model: tiny-model.json", "model: nope/config.json", "tiny.yaml: model: {dir}/nope/config.json: cannot read config"),
+        ("hardware: h100-80gb", "hardware: tpu-v9", "tiny.yaml: hardware: unknown GPU 'tpu-v9' (known: h100-80gb"),
+        ("kv_budget: 262144", "gpu_memory_utilization: 0.0000001",
+         "tiny.yaml: gpu_memory_utilization: NVIDIA H100 80GB SXM: 85,899,345,920 B x 1e-07 = 8,589 B leaves no room"),
+    ],
+)
+def test_unknown_model_hardware_and_no_room_name_the_workload_field(tmp_path, old, new, message):
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False))
+    assert str(err.value).startswith(f"{path}: ") and message.format(dir=tmp_path) in str(err.value)
+    assert "--" not in str(err.value).split("(")[0]  # no flag name before any hint
+
+
+def test_a_mistyped_device_is_an_error_even_without_tensors():
+    from kvsim.errors import KvsimError
+
+    with pytest.raises(KvsimError, match=r"^--device: unknown device 'tpu' \(choose cpu, cuda, cuda:N or auto\)$"):
+        ReplayOptions(device="tpu", tensors=False)
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert ReplayOptions(device=device, tensors=False).device == device
+
+
+def test_layers_beyond_the_model_and_a_pool_too_big_for_memory_name_the_flag(tmp_path, monkeypatch):
+    """--layers 1000 on a 2-layer model tried to allocate 1000 layers (and would time them as the model's 2);
+    the free-memory refusal named `num_layers`, the cache's argument, not the flag."""
+    from kvsim.engine import cache
+    from kvsim.errors import KvsimError
+
+    workload = tiny_workload(tmp_path, count=2)
+    with pytest.raises(KvsimError, match=r"^--layers: \S+ has 2 attention layers; materialise at most that many, got 3$"):
+        run_replay(workload, ReplayOptions(device="cpu", num_layers=3), workers=1)
+    monkeypatch.setattr(cache, "free_memory_bytes", lambda device: 1000)
+    with pytest.raises(KvsimError, match=r"^--layers: the KV pool needs .* but cpu has 1000 B free"):
+        run_replay(workload, ReplayOptions(device="cpu", num_layers=2), workers=1)
+
+
+SLIDING_MODEL = TINY_MODEL.replace('"model_type": "llama"', '"model_type": "mistral"').replace(
+    '"torch_dtype"', '"sliding_window": 32, "torch_dtype"'
+)
+
+
+def test_integrity_holds_for_a_sliding_window_model_swapped_out_and_back(tmp_path):
+    """Every layer slides (Mistral-style): blocks behind the window are freed while decoding, a swap-out drops
+    them, and the swap-in's integrity check must cover the window only (it used to flag position 0)."""
+    (tmp_path / "tiny-model.json").write_text(SLIDING_MODEL)
+    text = TINY.format(budget=300 * BPT, count=10, preemption="swap").replace("max: 200}", "max: 160}")
+    text = text.replace("  - {kind: paged, block_size: 16, prefix_caching: true}\n", "")
+    text = text.replace("  shared_prefix: {groups: 2, tokens: 48, fraction: 0.5}\n", "")
+    path = tmp_path / "sliding.yaml"
+    path.write_text(text)
+    options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2, read_every=1)
+    result = run_replay(load_workload(path), options)
+    paged = result.runs[1]
+    assert paged.num_preemptions.sum() > 0  # swaps happened, after the window had freed blocks
+    assert all(reason is None for reason in paged.rejected_reason)

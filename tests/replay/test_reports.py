@@ -1,0 +1,116 @@
+"""Reports: hand-checked summary figures, file contents and columns, byte-identical summary.csv per seed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvsim.engine.factory import AllocatorConfig
+from kvsim.replay.run import run_replay
+from kvsim.replay.options import ReplayOptions
+from kvsim.replay.records import STEP_COLUMNS, AllocatorRun, ReplayResult
+from kvsim.replay.reports import requests_frame, summary_records, write_reports
+from kvsim.workload.spec import load_workload
+
+from tests.replay.test_replay import write_tiny
+
+
+def hand_result() -> ReplayResult:
+    """Two rows over a 100-byte budget (1 s then 3 s), three requests (one rejected)."""
+    steps = {name: np.zeros(2, dtype=np.int64 if code == "q" else np.float64) for name, code in STEP_COLUMNS}
+    steps.update(
+        step=np.array([0, 1]), num_steps=np.array([1, 4]), time_s=np.array([0.0, 1.0]), step_time_s=np.array([1.0, 3.0]),
+        num_running=np.array([1, 3]), num_prefill_tokens=np.array([30, 0]), num_decode_tokens=np.array([0, 12]),
+        token_states_bytes=np.array([10, 50]), reservation_bytes=np.array([20, 10]),
+        internal_fragmentation_bytes=np.array([0, 20]), external_fragmentation_bytes=np.array([0, 0]),
+        free_bytes=np.array([70, 20]), shared_saved_bytes=np.array([0, 8]), num_preemptions=np.array([0, 2]),
+        write_us=np.array([5.0, 100.0]), read_us=np.array([np.nan, 40.0]), attention_us=np.array([np.nan, np.nan]),
+    )
+    run = AllocatorRun(
+        config=AllocatorConfig("paged", block_size=16, prefix_caching=True), label="paged-16+prefix", budget_bytes=100,
+        steps=steps,
+        admitted_s=np.array([0.0, 0.5, np.nan]), first_token_s=np.array([1.0, 2.0, np.nan]),
+        finished_s=np.array([3.0, 4.0, np.nan]), num_preemptions=np.array([0, 2, 0]),
+        num_cached_tokens=np.array([0, 16, 0]), rejected_reason=[None, None, "too long"],
+        prefix_query_tokens=40, prefix_hit_tokens=10,
+    )
+    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32)
+    return ReplayResult(
+        workload=workload, model_name="m", hardware_name="g", budget_bytes=100, device="none",
+        options=ReplayOptions(tensors=False), arrival_s=np.array([0.0, 0.5, 0.7]),
+        num_prompt_tokens=np.array([10, 20, 900]), max_tokens=np.array([4, 8, 1]), runs=[run],
+    )
+
+
+def test_summary_figures_by_hand():
+    (rec,) = summary_records(hand_result())
+    # Time-weighted over 1 s and 3 s, as % of 100 bytes: (10*1 + 50*3) / 4 = 40.
+    assert rec["token_states_pct"] == pytest.approx(40.0)
+    assert rec["reservation_pct"] == pytest.approx((20 + 30) / 4)
+    assert rec["internal_fragmentation_pct"] == pytest.approx(60 / 4)
+    assert rec["free_pct"] == pytest.approx((70 + 60) / 4)
+    assert rec["shared_saved_pct"] == pytest.approx(24 / 4)
+    assert rec["mean_running"] == pytest.approx((1 + 9) / 4) and rec["peak_running"] == 3
+    assert rec["num_steps"] == 5 and rec["preemptions"] == 2
+    assert rec["finished"] == 2 and rec["rejected"] == 1 and rec["sim_time_s"] == 4.0
+    assert rec["throughput_tokens_per_s"] == pytest.approx((4 + 8) / 4.0)  # output tokens of finished requests
+    assert rec["computed_tokens_per_s"] == pytest.approx(42 / 4.0)
+    # TTFT 1.0 and 1.5; TPOT (3-1)/4 = 0.5 and (4-2)/8 = 0.25.
+    assert rec["ttft_p50_s"] == pytest.approx(1.25) and rec["ttft_p99_s"] == pytest.approx(1.0 + 0.5 * 0.99)
+    assert rec["tpot_p50_s"] == pytest.approx(0.375)
+    assert rec["prefix_hit_rate"] == pytest.approx(0.25)
+    # Kernel columns are per step; row 1 stands for 4 steps: writes [5, 100, 100, 100, 100], reads [40] x 4.
+    assert rec["write_us_p50"] == 100.0 and rec["write_us_p90"] == 100.0 and rec["read_us_p50"] == 40.0
+    assert math.isnan(rec["attention_us_p50"])
+
+
+def test_requests_frame_columns_and_latencies():
+    frame = requests_frame(hand_result())
+    assert list(frame.columns) == [
+        "allocator", "request_id", "arrival_s", "admitted_s", "first_token_s", "finished_s", "num_prompt_tokens",
+        "max_tokens", "num_preemptions", "num_cached_tokens", "ttft_s", "tpot_s", "rejected_reason",
+    ]
+    assert frame["ttft_s"].tolist()[:2] == [1.0, 1.5]
+    assert frame["tpot_s"].tolist()[:2] == [0.5, 0.25]
+    assert frame["rejected_reason"].isna().tolist() == [True, True, False]
+    assert frame["rejected_reason"].iloc[2] == "too long"
+
+
+def test_write_reports_files(tmp_path):
+    workload = load_workload(write_tiny(tmp_path, count=8))
+    result = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    paths = write_reports(result, tmp_path / "out", csv=True, command="kvsim replay tiny.yaml")
+    steps = pd.read_parquet(paths.steps)
+    assert list(steps.columns) == ["allocator"] + [name for name, _ in STEP_COLUMNS]
+    assert len(steps) == sum(len(run.steps["step"]) for run in result.runs)
+    assert steps["token_states_bytes"].dtype == np.int64
+    steps_csv = pd.read_csv(paths.steps_csv)
+    assert (steps_csv["free_bytes"].to_numpy() == steps["free_bytes"].to_numpy()).all()
+    requests = pd.read_csv(paths.requests)
+    assert len(requests) == 8 * len(result.runs)
+    summary = pd.read_csv(paths.summary_csv)
+    assert summary["allocator"].tolist() == ["flat-oracle", "paged-16", "paged-16+prefix"]
+    assert not any(c.endswith("_us_p50") for c in summary.columns)  # no wall-clock figure in summary.csv
+    records = json.loads(paths.summary_json.read_text())
+    assert [r["allocator"] for r in records] == summary["allocator"].tolist()
+    assert "write_us_p50" in records[0] and records[0]["write_us_p50"] is None  # accounting only: JSON null
+    meta = json.loads(paths.meta.read_text())
+    assert meta["workload_sha256"] == workload.sha256 and meta["seed"] == 3 and meta["device"] == "none"
+    assert meta["command"] == "kvsim replay tiny.yaml" and meta["kvsim_version"]
+
+
+def test_same_seed_gives_a_byte_identical_summary_csv(tmp_path):
+    path = write_tiny(tmp_path, budget_tokens=440, count=16)
+    outputs = []
+    for run_dir, workers in (("a", 1), ("b", 2)):
+        result = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=workers)
+        outputs.append(write_reports(result, tmp_path / run_dir).summary_csv.read_bytes())
+    assert outputs[0] == outputs[1]
+    other = run_replay(load_workload(path, seed=4), ReplayOptions(tensors=False), workers=1)
+    assert write_reports(other, tmp_path / "c").summary_csv.read_bytes() != outputs[0]
