@@ -74,6 +74,10 @@ class Scheduler:
         # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
         lanes = getattr(allocator, "lanes", None)
         self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
+        # A decode run grows its requests to its middle step first, which frees blocks that left a sliding
+        # window there; the run's first step must still own its block: middle step < the smallest window.
+        windows = [lane.window for lane in lanes or () if lane.window is not None]
+        self._max_run = min(MAX_DECODE_RUN, 2 * min(windows) - 1) if windows else MAX_DECODE_RUN
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -239,7 +243,7 @@ class Scheduler:
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
+        k = min(self._max_run, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
         if not self._is_flat:
             if not self._free_blocks:
                 return
