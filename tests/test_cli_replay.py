@@ -17,6 +17,7 @@ def test_replay_writes_reports_and_prints_a_table(cli, tmp_path):
     for name in ("steps.parquet", "steps.csv", "requests.csv", "summary.csv", "summary.json", "meta.json"):
         assert (out / name).is_file(), name
     assert "paged-16+prefix" in result.output and "flat-oracle" in result.output
+    assert "scheduler: vLLM v1 0.33.0" in " ".join(result.output.split())  # the header names what it follows
     meta = json.loads((out / "meta.json").read_text())
     assert meta["command"].startswith("kvsim ") and meta["tensors"] is False
 
