@@ -3,7 +3,7 @@
     python3 scripts/kernel_clock_workloads.py [--limit 300] [--workloads poisson,bursty,...]
 
 Each workload (accounting only, its first `--limit` requests) is replayed with its `hardware` replaced by each
-GPU of `kvsim.kernel_clock.SYSTEMS`, on the kernels-db clock and on the roofline. A Markdown table on stdout:
+GPU of `kvsim.clock.kernels_db.SYSTEMS`, on the kernels-db clock and on the roofline. A Markdown table on stdout:
 the paged-16 allocator's (or the first allocator's) p50 TTFT, p50 TPOT and output tokens/s on both clocks, or
 the one-line error that says what the database lacks. workloads/trace.yaml needs a trace file and is left out.
 """

@@ -1,5 +1,5 @@
 """Which full prompt blocks requests share, read from their structure (hash ids, prefix groups) rather than
-hashed from token ids: the same sharing that `kvsim.requests.make_token_ids` builds into the ids."""
+hashed from token ids: the same sharing that `kvsim.workload.requests.make_token_ids` builds into the ids."""
 
 from __future__ import annotations
 

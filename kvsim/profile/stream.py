@@ -59,7 +59,7 @@ class PagedPool:
 
     @property
     def in_use_bytes(self) -> int:
-        return (self.paged.num_blocks - self.paged.num_free_blocks) * self.block_bytes
+        return (self.paged.pool.num_usable_blocks - self.paged.num_free_blocks) * self.block_bytes
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         return self.paged.can_ever_fit(seq)
@@ -74,12 +74,26 @@ class PagedPool:
         return "ok"
 
     def decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        failed = self.paged.append_decode(seqs)
-        for seq in failed:
-            self.paged.free(seq)
-            seq.extra["recompute"] = seq.num_computed_tokens
-            seq.num_computed_tokens = 0
-        return failed
+        """One token each, in admission order; a request that cannot grow preempts the newest (possibly itself)
+        until it can (vLLM's running loop). Returns the preempted ones, in admission order."""
+        live, preempted, i = list(seqs), [], 0
+        while i < len(live):
+            seq = live[i]
+            if self.paged.append_slots(seq, 1):
+                i += 1
+                continue
+            while True:
+                victim = live.pop()
+                self.paged.free(victim)
+                victim.extra["recompute"] = victim.num_computed_tokens
+                victim.num_computed_tokens = 0
+                preempted.append(victim)
+                if victim is seq or self.paged.append_slots(seq, 1):
+                    break
+            if victim is seq:
+                break
+            i += 1
+        return preempted[::-1]
 
     def free(self, seq: Sequence) -> None:
         self.paged.free(seq)
@@ -87,7 +101,7 @@ class PagedPool:
 
 def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int, step_s: float, sample_every: int,
                   stats: Callable[[], dict] = dict) -> tuple[list[dict], dict]:  # fmt: skip
-    """Feed `requests` (kvsim.requests.RequestSpec, by arrival) to `backend`, one decode token per running request
+    """Feed `requests` (kvsim.workload.requests.RequestSpec, by arrival) to `backend`, one decode token per running request
     per step of `step_s` simulated seconds; FCFS admission up to `max_num_seqs`.
 
     After a refusal (OOM or no room) admission waits until something is freed: retrying an allocation that

@@ -69,6 +69,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         max_model_len=ctx.max_model_len,
         preemption=sc.preemption,
         swap_space_bytes=sc.swap_space_bytes,
+        reserve_full_isl=sc.scheduler_reserve_full_isl,
+        async_scheduling=sc.async_scheduling,
         cache=cache,
         roofline=ctx.clock or ctx.roofline,
         allow_runs=options.timing != "measured",
@@ -90,9 +92,22 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     arrivals = [r.arrival_time for r in requests]
     now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
     pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
+    in_flight_start = in_flight_end = 0.0  # async scheduling: when the row whose output is in flight ran
     nan = math.nan
+
+    def finish(seqs, t: float) -> None:
+        nonlocal done
+        for seq in seqs:
+            finished_s[seq.index] = t
+            preemptions[seq.index] = seq.num_preemptions
+            cached_tokens[seq.index] = seq.num_cached_tokens
+            done += 1
+            if cache is not None:
+                cache.forget(seq.seq_id)
     while True:
-        while i < n and arrivals[i] <= now:
+        # Async: the scheduler runs while the row in flight executes, having seen the rows before it only.
+        sched_now = in_flight_start if sched.has_in_flight else now
+        while i < n and arrivals[i] <= sched_now:
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             reason = sched.add_request(seq)
@@ -118,6 +133,10 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         pending_preemptions += len(out.preempted)
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
+            if sched.has_in_flight:  # async: nothing to overlap with the step in flight: its output comes back
+                finish(sched.flush(), in_flight_end)
+                empty_rounds = 0
+                continue
             # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
             empty_rounds += 1
             assert empty_rounds < 3, "the scheduler made no progress"
@@ -168,13 +187,9 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
             if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
                 first_token[seq.index] = now + dt
-        for seq in sched.postprocess(out):
-            finished_s[seq.index] = now + dt
-            preemptions[seq.index] = seq.num_preemptions
-            cached_tokens[seq.index] = seq.num_cached_tokens
-            done += 1
-            if cache is not None:
-                cache.forget(seq.seq_id)
+        # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
+        finish(sched.postprocess(out), in_flight_end if sc.async_scheduling else now + dt)
+        in_flight_start, in_flight_end = now, now + dt
         now += dt
         num_rows += 1
         if progress is not None and num_rows % PROGRESS_EVERY == 0:

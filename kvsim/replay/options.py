@@ -80,7 +80,7 @@ class ReplayContext:
     roofline: Roofline
     scheduler_config: object  # kvsim.workload.SchedulerConfig
     seed: int
-    clock: object | None = None  # kvsim.kernel_clock.KernelClock for --timing kernels-db; None: the roofline
+    clock: object | None = None  # kvsim.clock.kernels_db.KernelClock for --timing kernels-db; None: the roofline
 
     def spec(self, block_size: int) -> KVCacheSpec:
         from kvsim.size.sizing import kv_cache_spec

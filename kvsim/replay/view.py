@@ -16,6 +16,8 @@ from rich.text import Text
 
 from kvsim.out_paths import output_dir
 from kvsim.units import format_bytes, parse_bytes
+from kvsim.units import format_bytes
+from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
 
 class ReplayProgress:
@@ -207,7 +209,7 @@ def run_replay_cli(
     if not quiet:
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
-            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it), clock: {result.clock}"
+            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it), scheduler: {SCHEDULER_FOLLOWS}, clock: {result.clock}"
         )
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):

@@ -1,6 +1,6 @@
 """What an allocator needs to know of a model: per-token and per-sequence bytes by layer group, and tensor shape.
 
-Built from a model spec by `kvsim.sizing.kv_cache_spec(...)`; the engine never looks at model names.
+Built from a model spec by `kvsim.size.sizing.kv_cache_spec(...)`; the engine never looks at model names.
 """
 
 from __future__ import annotations

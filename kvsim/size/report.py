@@ -59,7 +59,7 @@ def capacity(
 ) -> Capacity:
     """Tokens and concurrent sequences of `context_tokens` that `budget_bytes` of KV memory holds.
 
-    The block-rounded pair is vLLM's own arithmetic (`kvsim.vllm_sizing.vllm_startup` over `layers`, vLLM's
+    The block-rounded pair is vLLM's own arithmetic (`kvsim.size.vllm.vllm_startup` over `layers`, vLLM's
     per-layer view of the model) where kvsim can reproduce it, else kvsim's whole-block estimate.
     """
     per_token = spec.bytes_per_token

@@ -2,7 +2,7 @@
 
 Every draw takes the caller's `np.random.Generator`, so one workload seed fixes the whole request stream.
 The `*_from_fields` functions read the YAML form (`{dist: lognormal, mean: 512, sigma: 0.8}`) through
-`kvsim.yaml_fields.Fields`, which names the file and field in every error.
+`kvsim.workload.yaml_fields.Fields`, which names the file and field in every error.
 """
 
 from __future__ import annotations
