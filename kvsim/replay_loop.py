@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from typing import Callable
 
 import numpy as np
 
@@ -18,15 +19,21 @@ from kvsim.scheduler import Scheduler
 from kvsim.scheduler_output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
+# (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
+StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
 
-def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None) -> AllocatorRun:
+def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None, observer: StepObserver | None = None) -> AllocatorRun:
     """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it.
 
     A fresh allocator over the same KV budget, a `Scheduler`, optionally real cache tensors (`KVCache`: every
     step writes, reads are sampled every `read_every` decode steps), and a loop that jumps the clock over idle
     gaps and advances it by each step's time (the roofline, or this run's measured kernel times). Records are
     compact arrays, one row per scheduled row.
+
+    `observer(step, now, dt, out, finished, sched, preemptions)`, when given, sees every row after its
+    postprocess (the conformance harness's view; `preemptions` includes those of rounds that computed
+    nothing before it); decode runs are then off, so every row is one step.
     """
     from kvsim.requests import make_token_ids
 
@@ -69,7 +76,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         swap_space_bytes=sc.swap_space_bytes,
         cache=cache,
         roofline=ctx.roofline,
-        allow_runs=options.timing == "roofline",
+        allow_runs=options.timing == "roofline" and observer is None,
         make_token_ids=token_ids if needs_ids else None,
     )
     n = len(requests)
@@ -161,12 +168,15 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
                 *kernels,
             )
         )
-        pending_preemptions = 0
+        row_preemptions, pending_preemptions = pending_preemptions, 0
         step += out.num_steps
         for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
             if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
                 first_token[seq.index] = now + dt
-        for seq in sched.postprocess(out):
+        finished = sched.postprocess(out)
+        if observer is not None:
+            observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
+        for seq in finished:
             finished_s[seq.index] = now + dt
             preemptions[seq.index] = seq.num_preemptions
             cached_tokens[seq.index] = seq.num_cached_tokens
