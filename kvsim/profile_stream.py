@@ -59,7 +59,7 @@ class PagedPool:
 
     @property
     def in_use_bytes(self) -> int:
-        return (self.paged.num_blocks - self.paged.num_free_blocks) * self.block_bytes
+        return (self.paged.pool.num_usable_blocks - self.paged.num_free_blocks) * self.block_bytes
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         return self.paged.can_ever_fit(seq)

@@ -74,6 +74,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         max_model_len=ctx.max_model_len,
         preemption=sc.preemption,
         swap_space_bytes=sc.swap_space_bytes,
+        reserve_full_isl=sc.scheduler_reserve_full_isl,
         cache=cache,
         roofline=ctx.roofline,
         allow_runs=options.timing == "roofline" and observer is None,

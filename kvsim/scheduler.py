@@ -17,18 +17,22 @@ MAX_DECODE_RUN = 256
 
 
 class Scheduler:
-    """FCFS continuous batching of `SchedSeq`s over `allocator`, one step (or one decode run) at a time.
+    """FCFS continuous batching of `SchedSeq`s over `allocator`, one step (or one decode run) at a time, with
+    vLLM v1's semantics (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`; see docs/scheduler.md).
 
-    - Running requests first: one decode token each (the allocator's batched `append_decode`), then the next
-      prefill chunk of those still prefilling, all within `max_num_batched_tokens`.
-    - A running request that cannot grow preempts the most recently admitted one (possibly itself):
-      `recompute` frees it and puts it back at the head of the waiting queue; `swap` copies its KV to the
-      CPU pool (through `cache` when tensors are materialised) and resumes it when it fits again.
-    - Then swapped requests, then waiting ones, are admitted in order while the allocator accepts and
-      `max_num_seqs` allows; admission stops at the first that does not fit (FCFS).
+    - Running requests in order, each given the tokens it lacks (one for a decode, the rest of its prefill)
+      within `max_num_batched_tokens`. When one cannot grow, the newest running request is preempted (possibly
+      itself) and the same request retried, only while it still cannot grow; preempting itself ends the loop.
+      `recompute` frees a victim and puts it back at the head of the waiting queue with nothing computed;
+      `swap` (beyond vLLM v1) copies its KV to the CPU pool and resumes it when it fits again.
+    - If nobody was preempted: swapped requests, then waiting ones, are admitted in order while
+      `max_num_seqs` and the token budget allow and the allocator accepts all their tokens (vLLM's
+      `scheduler_reserve_full_isl`) plus the watermark while something runs; the first refusal stops it.
+    - A step that completes a request's prefill samples its next token; a request finishes once it has
+      `max_tokens` output tokens (vLLM's `check_stop`; `max_tokens` is capped at max_model_len - prompt).
     - A request that can never fit is rejected at arrival with a reason, never waited on.
-    - When a step is pure decode and nothing could be admitted, `schedule` covers a run of identical decode
-      steps at once (up to the next finish or arrival), which is what makes long traces cheap.
+    - When a step is pure decode of every running request and nothing could be admitted, `schedule` covers a
+      run of identical decode steps at once (up to the next finish or arrival): what makes long traces cheap.
     """
 
     def __init__(
@@ -40,6 +44,7 @@ class Scheduler:
         max_model_len: int,
         preemption: str = "recompute",
         swap_space_bytes: int = 0,
+        reserve_full_isl: bool = True,
         cache=None,
         roofline=None,
         allow_runs: bool = True,
@@ -53,6 +58,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption = preemption
         self.swap_space_bytes = swap_space_bytes
+        self.reserve_full_isl = reserve_full_isl
         self.swap_used_bytes = 0
         self.cache = cache
         self.roofline = roofline
@@ -68,21 +74,30 @@ class Scheduler:
         # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
         lanes = getattr(allocator, "lanes", None)
         self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
+        # A decode run grows its requests to its middle step first, which frees blocks that left a sliding
+        # window there; the run's first step must still own its block: middle step < the smallest window.
+        windows = [lane.window for lane in lanes or () if lane.window is not None]
+        self._max_run = min(MAX_DECODE_RUN, 2 * min(windows) - 1) if windows else MAX_DECODE_RUN
 
     # --- queues -------------------------------------------------------------------------------------
 
     def add_request(self, seq: SchedSeq) -> str | None:
-        """Queue `seq` (FCFS); returns why it is rejected instead, if it can never run."""
-        if seq.num_final_tokens > self.max_model_len:
-            return f"prompt + output = {seq.num_final_tokens} tokens > max_model_len {self.max_model_len}"
+        """Queue `seq` (FCFS); returns why it is rejected instead, if it can never run.
+
+        As vLLM: a prompt of max_model_len tokens or more is refused (no room for one output token), and
+        `max_tokens` is capped so prompt + output stays within max_model_len (the request then finishes
+        length-capped).
+        """
+        if seq.num_prompt_tokens >= self.max_model_len:
+            return (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for an output token within "
+                    f"max_model_len {self.max_model_len}")
+        seq.set_max_tokens(min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens))
         if not self.allocator.can_ever_fit(seq):
             alloc = self.allocator
             needs = f"needs {seq.num_final_tokens} tokens of KV"
             if hasattr(alloc, "slab_size"):  # flat: the reserve policy decides the slab, not the request
                 needs = f"its slab of {alloc.slab_size(seq):,} token slots ({alloc.reserve} reservation)"
-            watermark = getattr(alloc, "watermark_blocks", 0)
-            why = f" (admission keeps {watermark:,} of its {alloc.num_blocks:,} blocks free: the watermark)" if watermark else ""
-            return f"{needs}, more than the allocator can ever hold{why}"
+            return f"{needs}, more than the allocator can ever hold"
         self.waiting.append(seq)
         return None
 
@@ -99,55 +114,54 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         alloc = self.allocator
         running = self.running
+        decodes = out.decodes
 
-        # 1. Decode: one token for every running request past its prefill.
-        decodes = [seq for seq in running if seq.num_computed_tokens >= seq.prefill_target]
-        prefilling = [seq for seq in running if seq.num_computed_tokens < seq.prefill_target]
-        if len(decodes) > budget:  # more decoders than the token budget: the oldest go first
-            decodes = decodes[:budget]
-        failed = alloc.append_decode(decodes) if decodes else []
-        gone: set[int] = set()  # preempted in this step
-        for seq in failed:
-            if seq.seq_id in gone:
-                continue
+        # 1. Running requests, in order (vLLM's running loop).
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            if seq.num_computed_tokens >= seq.prefill_target:  # decoding: a run of decodes grows in one call
+                j = i + 1
+                end = min(len(running), i + budget)
+                while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
+                    j += 1
+                batch = running[i:j]
+                grown = alloc.append_decode_in_order(batch)
+                decodes += batch[:grown] if grown < len(batch) else batch
+                budget -= grown
+                i += grown
+                if grown == len(batch):
+                    continue
+                seq, n = running[i], 1
+            else:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                assert n > 0, seq
+                if alloc.append_slots(seq, n):
+                    out.prefills.append((seq, seq.num_computed_tokens, n))
+                    budget -= n
+                    i += 1
+                    continue
+            # `seq` cannot grow: preempt the newest running request until it can, or it was itself preempted.
             while True:
                 victim = running[-1]
                 self._preempt(victim, out)
-                gone.add(victim.seq_id)
-                if victim is seq or alloc.append_slots(seq, 1):
+                if victim is seq or alloc.append_slots(seq, n):
                     break
-        if gone:
-            decodes = [seq for seq in decodes if seq.seq_id not in gone]
-        budget -= len(decodes)
-
-        # 2. Prefill chunks of running requests still prefilling, in admission order.
-        for seq in prefilling:
-            if budget <= 0:
+            if victim is seq:
                 break
-            if seq.seq_id in gone:
-                continue
-            n = min(seq.prefill_target - seq.num_computed_tokens, budget)
-            while not alloc.append_slots(seq, n):
-                victim = running[-1]
-                self._preempt(victim, out)
-                gone.add(victim.seq_id)
-                if victim is seq:
-                    n = 0
-                    break
-            if n:
+            if n == 1 and seq.num_computed_tokens >= seq.prefill_target:
+                decodes.append(seq)
+            else:
                 out.prefills.append((seq, seq.num_computed_tokens, n))
-                budget -= n
-        if gone:
-            kept = [seq for seq in decodes if seq.seq_id not in gone]
-            budget += len(decodes) - len(kept)
-            decodes = kept
+            budget -= n
+            i += 1
 
-        # 3. Resume swapped requests, then admit waiting ones, FCFS, while they fit.
+        # 2. If nobody was preempted: resume swapped requests, then admit waiting ones, FCFS, while they fit.
         if not out.preempted:
             while self.swapped and len(running) < self.max_num_seqs:
                 seq = self.swapped[0]
                 if not self._swap_in(seq, out):
-                    if not running:  # its KV fit before but not alone now (admission watermark): recompute
+                    if not running:  # its KV fit before but not alone now: recompute
                         self.swapped.popleft()
                         self._drop_swap(seq)
                         self.waiting.appendleft(seq)
@@ -158,8 +172,14 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.token_ids is None and self.make_token_ids is not None:
                     seq.token_ids = self.make_token_ids(seq)
-                n = min(seq.prefill_target, budget)
-                hit = alloc.allocate(seq, n, num_tokens=seq.prefill_target)
+                num_tokens = seq.num_tokens
+                hit = alloc.allocate(
+                    seq,
+                    budget,
+                    num_tokens=num_tokens,
+                    full_sequence_must_fit=self.reserve_full_isl,
+                    apply_watermark=bool(running),
+                )
                 if hit is None:
                     if not running and not self.swapped:  # fits nowhere, even alone: reject, don't hang
                         self.waiting.popleft()
@@ -168,34 +188,39 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 seq.num_computed_tokens = hit
+                seq.prefill_target = num_tokens
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = hit
-                n = min(n, seq.prefill_target - hit)
+                n = min(budget, num_tokens - hit)
                 assert n > 0, (seq, hit)
                 running.append(seq)
                 out.admitted.append(seq)
                 out.prefills.append((seq, hit, n))
                 budget -= n
 
-        out.decodes = decodes
         waiting_head = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
-        if decodes and not out.prefills and not out.preempted and not out.swapped_in and self.allow_runs:
+        if (decodes and len(decodes) == len(running) and not out.prefills and not out.preempted
+                and not out.swapped_in and self.allow_runs):
             self._extend_decode_run(out, time_to_next_arrival, waiting_head)
         if out.breakdown is None:
             out.breakdown = alloc.breakdown(waiting_head)
         return out, rejected
 
     def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
-        """Advance computed tokens by what `out` computed; free and return the requests that finished."""
+        """Advance computed tokens by what `out` computed, sample where a request computed all its tokens
+        (vLLM's `update_from_output`), and free and return the requests that finished (`check_stop`)."""
         finished: list[SchedSeq] = []
         for seq, _, n in out.prefills:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= seq.final_tokens:
-                finished.append(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:  # prefill complete: it samples a token
+                seq.num_output_tokens += 1
+                if seq.num_output_tokens >= seq.max_tokens:
+                    finished.append(seq)
         k = out.num_steps
         for seq in out.decodes:
             seq.num_computed_tokens += k
-            if seq.num_computed_tokens >= seq.final_tokens:
+            seq.num_output_tokens += k
+            if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         if finished:
             done = {seq.seq_id for seq in finished}
@@ -210,14 +235,15 @@ class Scheduler:
     def _extend_decode_run(self, out: SchedulerOutput, time_to_next_arrival: float, waiting_head) -> None:
         """Cover k identical decode steps in this row when nothing can change before the k-th.
 
-        Nothing is admitted during the run: either nothing waits and the next arrival is after the run's last
-        step starts, or the queue head just failed to fit and memory only shrinks while requests grow.
+        Every running request decodes in every step of the run and nothing is admitted during it: either
+        nothing waits and the next arrival is after the run's last step starts, or the queue head just failed
+        to fit (or found no budget or seat) and memory only shrinks while requests grow.
         Requests finish no earlier than the run's end. A paged allocator must have the free blocks for every
         request's growth up front, so no decode step inside the run could fail (no preemption is skipped).
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min([seq.final_tokens - seq.num_computed_tokens for seq in decodes]))
+        k = min(self._max_run, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
         if not self._is_flat:
             if not self._free_blocks:
                 return
@@ -270,14 +296,12 @@ class Scheduler:
             self.swapped.appendleft(seq)  # victims go out newest first, so the oldest ends up at the head
             return
         self.allocator.free(seq)
-        seq.prefill_target = max(seq.prefill_target, computed)  # recompute prompt + output so far
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = 0  # vLLM recomputes prompt + output so far when it is admitted again
         self.waiting.appendleft(seq)
 
     def _drop_swap(self, seq: SchedSeq) -> None:
         """Turn a swapped request into one to recompute: its CPU copy is dropped."""
         self.swap_used_bytes -= seq.swap_tokens * self.bytes_per_token
-        seq.prefill_target = max(seq.prefill_target, seq.swap_tokens)
         seq.swap_tokens = 0
         seq.swap_handle = None
         seq.num_computed_tokens = 0
@@ -286,7 +310,7 @@ class Scheduler:
         """Bring a swapped request back if room for its KV fits now; its KV returns from the CPU pool."""
         computed = seq.swap_tokens
         seq.num_computed_tokens = 0
-        hit = self.allocator.allocate(seq, computed, num_tokens=computed)
+        hit = self.allocator.allocate(seq, computed, num_tokens=computed, apply_watermark=bool(self.running))
         if hit is None:
             seq.num_computed_tokens = computed
             return False

@@ -11,14 +11,22 @@ from kvsim.engine.sequence import Sequence
 
 @dataclass(eq=False, repr=False)
 class SchedSeq(Sequence):
-    """A `Sequence` plus the scheduler's bookkeeping.
+    """A `Sequence` plus the scheduler's bookkeeping, as vLLM v1's `Request` counts tokens.
 
-    `prefill_target` is how many tokens must be computed before the request decodes: its prompt, or after a
-    recompute preemption everything it had computed (prompt + output so far), as vLLM recomputes both.
+    `max_tokens` is how many output tokens it samples (vLLM's `max_tokens`, capped by the scheduler so prompt +
+    output stays within max_model_len). A step that completes its prefill samples the first; each decode step
+    computes the last sampled token and samples the next. It finishes once it has `max_tokens` (vLLM's
+    `check_stop`), so the KV of its last sampled token is never written: it holds at most
+    `num_final_tokens = prompt + max_tokens - 1` tokens of KV.
+
+    `num_tokens` is prompt + output sampled so far: what it must have computed before it samples again.
+    `prefill_target` is `num_tokens` when it was last admitted: the tokens of that (re)admission's prefill
+    (after a recompute preemption, prompt + output so far, as vLLM recomputes both).
     """
 
     index: int = 0  # position in the request stream: the row of the per-request records
     prefill_target: int = 0
+    num_output_tokens: int = 0  # sampled so far
     num_preemptions: int = 0
     swap_handle: object = None  # the cache's handle of KV swapped to the CPU pool (None: accounting only)
     swap_tokens: int = 0  # computed tokens that sit in the CPU pool while swapped out
@@ -28,7 +36,22 @@ class SchedSeq(Sequence):
         super().__post_init__()
         if self.prefill_target == 0:
             self.prefill_target = self.num_prompt_tokens
-        self.final_tokens = self.num_prompt_tokens + self.max_tokens
+        self.final_tokens = self.num_final_tokens
+
+    @property
+    def num_final_tokens(self) -> int:
+        """Prompt + max_tokens - 1: the most KV it holds (the last sampled token's KV is never written)."""
+        return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output sampled so far (vLLM's `Request.num_tokens`)."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def set_max_tokens(self, max_tokens: int) -> None:
+        """Cap how many tokens it samples (at least one: a prefill always samples)."""
+        self.max_tokens = max(1, max_tokens)
+        self.final_tokens = self.num_final_tokens
 
 
 class SchedulerOutput:

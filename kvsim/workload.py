@@ -31,15 +31,18 @@ __all__ = ["SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequest
 class SchedulerConfig:
     """The continuous-batching scheduler's limits (vLLM's SchedulerConfig names).
 
-    `watermark` is the fraction of KV blocks kept free at admission; a paged allocator inherits it unless it
-    sets its own. `swap_space_bytes` is the CPU pool that `preemption: swap` moves KV to.
+    `watermark` is the fraction of KV blocks kept free when admitting a waiting request while others run
+    (vLLM's default 0); a paged allocator inherits it unless it sets its own. `scheduler_reserve_full_isl`:
+    admit a waiting request only if blocks for all its tokens are free (vLLM's default True).
+    `swap_space_bytes` is the CPU pool that `preemption: swap` (beyond vLLM v1) moves KV to.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     preemption: Literal["recompute", "swap"] = "recompute"
-    watermark: float = 0.01
+    watermark: float = 0.0
     swap_space_bytes: int = 4 * 2**30
+    scheduler_reserve_full_isl: bool = True
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
         preemption=f.choice("preemption", ("recompute", "swap"), d.preemption),
         watermark=f.float("watermark", d.watermark, min=0, max=1, exclusive=False),
         swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes, allow_zero=True),
+        scheduler_reserve_full_isl=f.bool("scheduler_reserve_full_isl", d.scheduler_reserve_full_isl),
     )
     if config.watermark >= 1:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")

@@ -31,51 +31,108 @@ def categories(b) -> tuple[int, int, int, int, int]:
     return (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes, b.external_fragmentation_bytes, b.free_bytes)
 
 
-def test_hand_computed_paged_replay_with_recompute_preemption():
-    """4 blocks of 4 tokens, token budget 8. A = 3+2, B = 4+1, C = 6+2 tokens (prompt + output).
+def run_steps(sched: Scheduler, max_steps: int = 500) -> list[tuple]:
+    """Step `sched` until idle: per step (admitted, prefills, decodes, preempted, finished)."""
+    steps = []
+    while sched.has_work and len(steps) < max_steps:
+        out, rejected = sched.schedule()
+        assert not rejected
+        admitted, prefills, decodes, preempted = list(out.admitted), list(out.prefills), list(out.decodes), list(out.preempted)
+        steps.append((admitted, prefills, decodes, preempted, sched.postprocess(out)))
+    assert not sched.has_work
+    return steps
 
-    step 0: admit A (3 tokens), B (4), C (its first chunk: 1 token); 3 blocks held, 1 free.
-    step 1: A and B decode (B takes the last block); C's next chunk (5 tokens) needs a 2nd block: none is
-            free, C is the newest, so C preempts itself (recompute). B finishes.
-    step 2: A decodes (takes a block), C is admitted again with its whole prompt (6 tokens, 2 blocks). A finishes.
-    step 3, 4: C decodes; C finishes at step 4.
+
+def test_hand_computed_steps_sample_at_prefill_end_and_finish_at_max_tokens():
+    """5 blocks of 4 tokens (block 0 is the null block: 4 usable), token budget 8. A = 3 + 2, B = 4 + 1,
+    C = 6 + 2 (prompt + max_tokens). A request holds KV for prompt + max_tokens - 1 tokens at most.
+
+    step 0: admit A (3 tokens), B (4), C (its first chunk: 1 token; all 6 fit in the 3 free blocks): 3 blocks
+            held, 1 free. A's and B's prefills sample their first token; B has its 1 token: finished.
+    step 1: A decodes (its 4th token, in its block), C's last chunk (5 tokens: a 2nd block). C samples;
+            A has its 2 tokens: finished, never writing the KV of its last.
+    step 2: C decodes its 7th token and samples its 2nd: finished. 3 steps, no extra decode step.
     """
-    sched = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=16)
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=20)
     a, b, c = make_seq(0, 3, 2), make_seq(1, 4, 1), make_seq(2, 6, 2)
     for seq in (a, b, c):
         assert sched.add_request(seq) is None
 
     expected = [
-        # (prefills, decodes, preempted, finished, (token states, reservation, internal, external, free) in tokens)
-        ([(a, 0, 3), (b, 0, 4), (c, 0, 1)], [], [], [], (0, 12, 0, 0, 4)),
-        ([], [a, b], [c], [b], (7, 2, 3, 0, 4)),
-        ([(c, 0, 6)], [a], [], [a], (4, 9, 3, 0, 0)),
-        ([], [c], [], [], (6, 2, 0, 0, 8)),
-        ([], [c], [], [c], (7, 1, 0, 0, 8)),
+        # (prefills, decodes, finished, (token states, reservation, internal, external, free) in tokens)
+        ([(a, 0, 3), (b, 0, 4), (c, 0, 1)], [], [b], (0, 12, 4, 0, 4)),
+        ([(c, 1, 5)], [a], [a], (4, 7, 5, 0, 4)),
+        ([], [c], [c], (6, 1, 5, 0, 8)),
     ]
-    for step, (prefills, decodes, preempted, finished, tokens) in enumerate(expected):
+    for step, (prefills, decodes, finished, tokens) in enumerate(expected):
         out, rejected = sched.schedule()
-        assert not rejected
+        assert not rejected and not out.preempted
         assert out.prefills == prefills, step
         assert out.decodes == decodes, step
-        assert out.preempted == preempted, step
         assert categories(out.breakdown) == tuple(t * BPT for t in tokens), step
         assert sched.postprocess(out) == finished, step
     assert not sched.has_work
-    assert c.num_preemptions == 1 and a.num_preemptions == 0 and b.num_preemptions == 0
+    assert (a.num_output_tokens, b.num_output_tokens, c.num_output_tokens) == (2, 1, 2)
     assert sched.allocator.num_free_blocks == 4
 
 
+def test_decode_preemption_takes_the_newest_only_while_the_same_request_cannot_grow():
+    """8 blocks of 4 (7 usable), token budget 32. A, B, C = 4 + 3 (one block each), D = 12 + 2 (three).
+
+    step 0: all four admitted: 6 blocks held, 1 free. Each prefill samples a token.
+    step 1: A's decode takes the free block. B's cannot grow: the newest running request, D, is preempted
+            (3 blocks back), and B grows. C grows too: one victim (collecting every request that could not
+            grow and preempting for each would also have taken C).
+    step 2: A, B, C decode and finish. D waits: all its 13 tokens (prompt + the token it sampled) need 4
+            blocks and 1 is free.
+    step 3: D is admitted again with nothing computed and prefills all 13 tokens; that prefill samples its
+            2nd token, so it finishes without a decode step.
+    """
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=32, max_num_batched_tokens=32)
+    a, b, c, d = make_seq(0, 4, 3), make_seq(1, 4, 3), make_seq(2, 4, 3), make_seq(3, 12, 2)
+    for seq in (a, b, c, d):
+        assert sched.add_request(seq) is None
+    steps = run_steps(sched)
+    assert steps == [
+        # (admitted, prefills, decodes, preempted, finished)
+        ([a, b, c, d], [(a, 0, 4), (b, 0, 4), (c, 0, 4), (d, 0, 12)], [], [], []),
+        ([], [], [a, b, c], [d], []),
+        ([], [], [a, b, c], [], [a, b, c]),
+        ([d], [(d, 0, 13)], [], [], [d]),
+    ]
+    assert (d.num_preemptions, d.num_output_tokens, d.num_cached_tokens) == (1, 2, 0)
+    assert [s.num_preemptions for s in (a, b, c)] == [0, 0, 0]
+    assert sched.allocator.num_free_blocks == 7
+
+
+def test_a_request_that_cannot_grow_and_is_the_newest_preempts_itself_and_ends_the_loop():
+    """4 usable blocks, budget 8: A = 4 + 6, B = 8 + 2. Step 0 admits both (3 blocks). Step 1: A decodes
+    into a 2nd block (the last free one); B cannot grow and is itself the newest: it preempts itself, and
+    nothing is admitted in a step that preempted. Step 2: A decodes; B's 9 tokens need 3 blocks, 2 are free.
+    A finishes at step 5 (6 tokens sampled); B is admitted at step 6, prefills 9 tokens and finishes."""
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=20, max_num_batched_tokens=16)
+    a, b = make_seq(0, 4, 6), make_seq(1, 8, 2)
+    sched.add_request(a)
+    sched.add_request(b)
+    steps = run_steps(sched)
+    assert steps[1] == ([], [], [a], [b], [])
+    assert steps[2] == ([], [], [a], [], [])
+    assert steps[5] == ([], [], [a], [], [a])
+    assert steps[6] == ([b], [(b, 0, 9)], [], [], [b])
+    assert len(steps) == 7 and b.num_preemptions == 1
+
+
 def test_flat_oracle_admits_while_slabs_fit_and_never_preempts():
-    """16 slots, oracle slabs: A (final 8) and B (final 6) fit, C (final 6) waits for a slab to free."""
+    """16 slots, oracle slabs of prompt + max_tokens - 1: A (4 + 4: 7) and B (3 + 3: 5) fit, C (2 + 4: 5)
+    waits for a slab to free."""
     sched = make_scheduler(AllocatorConfig("flat", reserve="oracle"), budget_tokens=16, max_num_batched_tokens=16)
     a, b, c = make_seq(0, 4, 4), make_seq(1, 3, 3), make_seq(2, 2, 4)
     for seq in (a, b, c):
         sched.add_request(seq)
     out, _ = sched.schedule()
     assert out.admitted == [a, b] and list(sched.waiting) == [c]
-    # 14 slots reserved for tokens to come, 2 free but too few for C's 6-slot slab (and their total is too).
-    assert categories(out.breakdown) == (0, 14 * BPT, 0, 0, 2 * BPT)
+    # 12 slots reserved for tokens to come, 4 free but too few for C's 5-slot slab (and their total is too).
+    assert categories(out.breakdown) == (0, 12 * BPT, 0, 0, 4 * BPT)
     finished_at = {}
     step = 0
     while sched.has_work:
@@ -85,15 +142,16 @@ def test_flat_oracle_admits_while_slabs_fit_and_never_preempts():
         for seq in sched.postprocess(out):
             finished_at[seq.seq_id] = step
         step += 1
-    # B: prefill at step 0, 3 decodes -> finishes at step 3; C admitted at step 4, done 4 decodes later.
-    assert finished_at == {1: 3, 0: 4, 2: 8}
+    # B: its prefill samples at step 0, 2 decodes -> finishes at step 2; A at step 3; C admitted at step 3
+    # into B's freed slab, done 3 decodes later.
+    assert finished_at == {1: 2, 0: 3, 2: 6}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_recovers_under_a_tight_budget(mode):
     """Eight requests that together need 3x the budget all finish; swap never recomputes, recompute does."""
     sched = make_scheduler(
-        AllocatorConfig("paged", block_size=4, watermark=0.0),
+        AllocatorConfig("paged", block_size=4),
         budget_tokens=32,
         max_num_batched_tokens=32,
         preemption=mode,
@@ -120,12 +178,12 @@ def test_preemption_recovers_under_a_tight_budget(mode):
         assert sched.swap_used_bytes == 0
     else:
         assert prefill_tokens > prompts  # preempted requests recompute prompt + output so far
-    assert sched.allocator.num_free_blocks == 8
+    assert sched.allocator.num_free_blocks == 7  # 8 blocks, one the null block
 
 
 def test_swap_falls_back_to_recompute_without_swap_space():
     sched = make_scheduler(
-        AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=16, preemption="swap", swap_space_bytes=0
+        AllocatorConfig("paged", block_size=4), budget_tokens=16, preemption="swap", swap_space_bytes=0
     )
     for i in range(4):
         sched.add_request(make_seq(i, 4, 8))
@@ -136,26 +194,74 @@ def test_swap_falls_back_to_recompute_without_swap_space():
 
 
 def test_requests_that_can_never_fit_are_rejected_with_a_reason():
-    sched = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=16, max_model_len=20)
-    too_long = make_seq(0, 15, 10)  # 25 tokens > max_model_len 20
-    too_big = make_seq(1, 12, 8)  # 20 tokens: 5 blocks > the 4 there are
+    """max_model_len 20, 3 usable blocks. vLLM refuses a prompt of max_model_len tokens or more (no room for
+    an output token); a shorter one that would outgrow it is capped instead."""
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=16, max_model_len=20)
+    too_long = make_seq(0, 20, 10)
+    too_big = make_seq(1, 12, 2)  # 13 tokens of KV: 4 blocks > the 3 usable
     assert "max_model_len 20" in sched.add_request(too_long)
-    assert "more than the allocator can ever hold" in sched.add_request(too_big)
+    assert sched.add_request(too_big) == "needs 13 tokens of KV, more than the allocator can ever hold"
+    assert sched.add_request(make_seq(2, 19, 1)) == "needs 19 tokens of KV, more than the allocator can ever hold"
     assert not sched.has_work
 
 
-def test_a_request_that_fits_nowhere_at_admission_is_rejected_not_waited_on():
-    """Watermark: 2 of 4 blocks stay free at admission, so a 3-block prompt never gets in even alone."""
-    sched = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.5), budget_tokens=16, max_num_batched_tokens=16)
-    seq = make_seq(0, 12, 0)
-    if sched.add_request(seq) is None:  # the allocator may already refuse it up front
-        out, rejected = sched.schedule()
-        assert rejected == [(seq, "does not fit in the KV budget even when running alone")]
-    assert not sched.has_work
+def test_max_model_len_caps_the_output_and_the_request_finishes_length_capped():
+    """max_model_len 20: a 15-token prompt asking for 10 tokens samples 5 (prompt + output reaches 20,
+    vLLM's check_stop), holding 19 tokens of KV at most; a 19-token prompt samples one, at its prefill."""
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=64, max_model_len=20, max_num_batched_tokens=64)
+    a, b = make_seq(0, 15, 10), make_seq(1, 19, 1000)
+    assert sched.add_request(a) is None and sched.add_request(b) is None
+    assert (a.max_tokens, a.num_final_tokens, b.max_tokens, b.num_final_tokens) == (5, 19, 1, 19)
+    steps = run_steps(sched)
+    assert steps[0][4] == [b]  # b's prefill sampled its only token
+    assert [i for i, step in enumerate(steps) if a in step[4]] == [4]  # a: prefill + 4 decodes
+    assert a.num_output_tokens == 5 and a.num_computed_tokens == 19
+
+
+def test_whole_prompt_admission_waits_for_blocks_for_all_its_tokens():
+    """5 usable blocks, budget 4 tokens. A = 12 + 2 prefills in 3 chunks, then decodes into a 4th block,
+    leaving 1 free. B = 8 + 1 needs 2 blocks for its prompt: with scheduler_reserve_full_isl (vLLM's default)
+    it waits for A to finish; without, its first chunk (3 tokens, 1 block) is admitted at step 3."""
+    def admitted_at(reserve_full_isl: bool) -> dict[int, int]:
+        sched = make_scheduler(
+            AllocatorConfig("paged", block_size=4), budget_tokens=24, max_num_batched_tokens=4,
+            reserve_full_isl=reserve_full_isl,
+        )
+        a, b = make_seq(0, 12, 2), make_seq(1, 8, 1)
+        sched.add_request(a)
+        sched.add_request(b)
+        steps = run_steps(sched)
+        assert not any(step[3] for step in steps)
+        return {seq.seq_id: i for i, step in enumerate(steps) for seq in step[0]}
+
+    assert admitted_at(True) == {0: 0, 1: 4}
+    assert admitted_at(False) == {0: 0, 1: 3}
+
+
+def test_watermark_applies_only_to_waiting_requests_while_something_runs():
+    """5 blocks (4 usable), watermark 0.5: 2 blocks kept free when admitting next to a running request.
+
+    A = 16 + 1 needs all 4 usable blocks: it can run alone (the watermark is not part of can_ever_fit and
+    does not apply with nothing running). Then B = 4 + 3 (2 blocks at most) runs alone; C = 4 + 1 is
+    admitted beside it (1 block + 2 kept free <= 3 free); D = 4 + 1 is not (2 free), although it would fit.
+    B's decode then grows into a block below the watermark: growth is not held to it.
+    """
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.5), budget_tokens=20, max_num_batched_tokens=32)
+    assert sched.allocator.watermark_blocks == 2
+    a, b, c, d = make_seq(0, 16, 1), make_seq(1, 4, 3), make_seq(2, 4, 1), make_seq(3, 4, 1)
+    for seq in (a, b, c, d):
+        assert sched.add_request(seq) is None
+    steps = run_steps(sched)
+    admitted = {seq.seq_id: i for i, step in enumerate(steps) for seq in step[0]}
+    # step 0: A alone (B would need 1 + 2 blocks, none free); step 1: B, C; step 2: B grows, D waits (1 free);
+    # step 3: B finishes; step 4: D.
+    assert admitted == {0: 0, 1: 1, 2: 1, 3: 4}
+    assert steps[2] == ([], [], [b], [], [])
+    assert not any(step[3] for step in steps)
 
 
 def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first():
-    sched = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=64, max_num_batched_tokens=8)
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=64, max_num_batched_tokens=8)
     a, b = make_seq(0, 2, 5), make_seq(1, 20, 1)
     sched.add_request(a)
     sched.add_request(b)
@@ -179,7 +285,7 @@ def test_decode_runs_cover_identical_steps_and_keep_finishes_exact():
     """With nothing waiting, one row covers decode steps up to the next finish; the steps add up exactly."""
     def replay(allow_runs: bool):
         sched = make_scheduler(
-            AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=256, max_num_batched_tokens=64,
+            AllocatorConfig("paged", block_size=4), budget_tokens=256, max_num_batched_tokens=64,
             roofline=roofline(), allow_runs=allow_runs,
         )
         seqs = [make_seq(0, 5, 40), make_seq(1, 9, 17)]
@@ -196,18 +302,18 @@ def test_decode_runs_cover_identical_steps_and_keep_finishes_exact():
 
     rows, steps, finished = replay(allow_runs=True)
     exact_rows, exact_steps, exact_finished = replay(allow_runs=False)
-    assert exact_rows == exact_steps == 41  # 1 prefill step + 40 decode steps of request 0
-    assert steps == 41 and finished == exact_finished == {1: 18, 0: 41}
+    assert exact_rows == exact_steps == 40  # request 0: its prefill samples the 1st token, 39 decodes the rest
+    assert steps == 40 and finished == exact_finished == {1: 17, 0: 40}
     assert rows == 3  # prefill; a run to request 1's finish; a run to request 0's
 
 
 def test_decode_run_stops_before_the_paged_pool_could_run_out():
     """A run may only cover steps whose blocks are free now: no preemption is ever skipped inside a run."""
     sched = make_scheduler(
-        AllocatorConfig("paged", block_size=4, watermark=0.0), budget_tokens=16, max_num_batched_tokens=64,
+        AllocatorConfig("paged", block_size=4), budget_tokens=20, max_num_batched_tokens=64,
         roofline=roofline(),
     )
-    seq = make_seq(0, 4, 12)  # 16 tokens: exactly the pool
+    seq = make_seq(0, 4, 13)  # 16 tokens of KV: exactly the 4 usable blocks
     sched.add_request(seq)
     out, _ = sched.schedule()
     sched.postprocess(out)
@@ -229,7 +335,7 @@ def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
         groups=(KVCacheGroupSpec("full", 1, bytes_per_token=4), KVCacheGroupSpec("sliding", 1, bytes_per_token=4, window=8)),
         block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2,
     )
-    allocator = make_allocator(AllocatorConfig("paged", block_size=4, watermark=0.0), spec, 40 * 8, max_model_len=64)
+    allocator = make_allocator(AllocatorConfig("paged", block_size=4), spec, 40 * 8, max_model_len=64)
     sched = Scheduler(allocator, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, roofline=roofline())
     seqs = [make_seq(i, 5 + i, 20) for i in range(4)]
     for seq in seqs:
@@ -244,13 +350,49 @@ def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
     assert rows < steps  # runs happened, and none of them failed an append (that would assert)
 
 
-def test_a_rejection_names_the_flat_reservation_or_the_watermark_that_refused_it():
-    """The reason said only "needs N tokens": true of neither a flat-max slab nor a prompt the watermark shuts out."""
+def test_a_rejection_names_the_flat_reservation_or_the_kv_the_request_needs():
+    """The reason names a flat-max slab, or the KV a paged request needs; the watermark never rejects."""
     flat = make_scheduler(AllocatorConfig("flat", reserve="max"), budget_tokens=40, max_model_len=64)
     assert flat.add_request(make_seq(0, 5, 5)) == (
         "its slab of 64 token slots (max reservation), more than the allocator can ever hold")
     paged = make_scheduler(AllocatorConfig("paged", block_size=4, watermark=0.5), budget_tokens=16)
-    assert paged.add_request(make_seq(1, 12, 0)) == (
-        "needs 12 tokens of KV, more than the allocator can ever hold "
-        "(admission keeps 2 of its 4 blocks free: the watermark)")
-    assert paged.add_request(make_seq(2, 8, 0)) is None  # 2 blocks: admitted alongside the 2 kept free
+    assert paged.add_request(make_seq(1, 13, 1)) == "needs 13 tokens of KV, more than the allocator can ever hold"
+    assert paged.add_request(make_seq(2, 12, 1)) is None  # all 3 usable blocks: it runs alone
+
+
+def test_decode_runs_equal_stepping_one_by_one_under_pressure():
+    """Random streams on a small pool, with preemptions: the rows with decode runs and the step-by-step
+    replay agree on every request's finish step, preemptions and computed tokens, and on the total steps."""
+    import random
+
+    def replay(seqs, allow_runs: bool):
+        sched = make_scheduler(
+            AllocatorConfig("paged", block_size=4), budget_tokens=120, max_num_batched_tokens=24, max_num_seqs=6,
+            roofline=roofline(), allow_runs=allow_runs, max_model_len=128,
+        )
+        seqs = [make_seq(i, p, o) for i, (p, o) in enumerate(seqs)]
+        for seq in seqs:
+            assert sched.add_request(seq) is None
+        steps, finish, preempted, tokens = 0, {}, 0, 0
+        while sched.has_work:
+            out, _ = sched.schedule()
+            rows.append(out.num_steps)
+            steps += out.num_steps
+            preempted += len(out.preempted)
+            tokens += out.num_prefill_tokens + out.num_decode_tokens
+            for seq in sched.postprocess(out):
+                finish[seq.seq_id] = steps
+        return steps, finish, preempted, tokens, [s.num_preemptions for s in seqs]
+
+    rng = random.Random(0)
+    rows: list[int] = []
+    coalesced = preempted = 0
+    for _ in range(20):
+        seqs = [(rng.randint(1, 40), rng.randint(1, 60)) for _ in range(rng.randint(2, 10))]
+        rows.clear()
+        with_runs = replay(seqs, True)
+        coalesced += max(rows) > 1
+        exact = replay(seqs, False)
+        assert with_runs == exact, seqs
+        preempted += exact[2] > 0
+    assert coalesced >= 15 and preempted >= 5  # the comparison covered runs and preemptions

@@ -68,13 +68,24 @@ class KVAllocator(ABC):
     num_slots: int  # size of the token-slot space the cache tensors must index
 
     @abstractmethod
-    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+        apply_watermark: bool = True,
+    ) -> int | None:
         """Admit `seq` with room for `num_new_tokens` past its prefix-cache hit.
 
         `num_tokens` is how many leading tokens the request needs computed now (its prompt, or everything it
         had computed when it was preempted); the hit is looked up within them, capped so that at least one is
         computed, and `num_new_tokens` is clamped to what remains after the hit (vLLM: the scheduler's token
         budget never buys slots past the tokens to compute). Default: max(prompt, num_new_tokens).
+        `full_sequence_must_fit`: admit only if room for all `num_tokens` is free now (vLLM's
+        `scheduler_reserve_full_isl`); `apply_watermark`: keep the watermark free (vLLM: only while a request
+        runs). Allocators with their own admission rule (flat: a slab must fit) may ignore both.
         Returns the prefix-cache hit in tokens (0 without caching), or None when it does not fit now,
         in which case nothing changed.
         """
@@ -89,6 +100,16 @@ class KVAllocator(ABC):
         Allocators override this with a batched version: it is the hot path of a replay.
         """
         return [seq for seq in seqs if not self.append_slots(seq, 1)]
+
+    def append_decode_in_order(self, seqs: list[Sequence]) -> int:
+        """One decode token for each of `seqs`, in order, stopping at the first that cannot grow: returns its
+        index (`len(seqs)` when all grew). vLLM's running loop grows requests one at a time and preempts at the
+        first failure, before the requests after it grow.
+        """
+        for i, seq in enumerate(seqs):
+            if not self.append_slots(seq, 1):
+                return i
+        return len(seqs)
 
     @abstractmethod
     def free(self, seq: Sequence) -> None:

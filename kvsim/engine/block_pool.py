@@ -93,19 +93,28 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out free ones, takes them back by ref count, and keeps the prefix-hash table.
 
-    `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
-    allocations sharing (prefix hits on held blocks, forks) avoided.
+    Block 0 is vLLM's null block (`BlockPool.null_block`): taken out of the free queue at creation and never
+    handed out, so `num_blocks - 1` blocks are usable. `num_shared_refs` is the running sum over blocks of
+    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks, forks)
+    avoided.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+        assert num_blocks >= 1, num_blocks
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[int, Block] = {}
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out by get_new_blocks since creation (for benchmarks)
         self._uncached_mark, self._cached_mark = Block(-1), Block(-1)  # free_blocks' scratch chain ends
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out: all but the null block."""
+        return self.num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:

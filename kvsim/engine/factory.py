@@ -26,16 +26,16 @@ class AllocatorConfig:
     reserve: Reserve = "max"
     placement: Placement = "first-fit"
     prefix_caching: bool = False
-    watermark: float = 0.01
+    watermark: float = 0.0
 
     @property
     def label(self) -> str:
         """A short unique name for tables and report rows, e.g. 'paged-16+prefix', 'flat-max' or, with a
-        watermark other than the default 0.01, 'paged-16-wm0.05' (so two watermarks can be compared)."""
+        watermark other than the default 0 (vLLM's), 'paged-16-wm0.05' (so two watermarks can be compared)."""
         if self.kind == "flat":
             suffix = "" if self.placement == "first-fit" else f"-{self.placement}"
             return f"flat-{self.reserve}{suffix}"
-        watermark = "" if self.watermark == 0.01 else f"-wm{self.watermark:g}"
+        watermark = "" if self.watermark == 0.0 else f"-wm{self.watermark:g}"
         return f"paged-{self.block_size}{watermark}" + ("+prefix" if self.prefix_caching else "")
 
 

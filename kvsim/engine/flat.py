@@ -93,9 +93,21 @@ class FlatAllocator(KVAllocator):
 
     # --- admission and growth -----------------------------------------------------------------------
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+        apply_watermark: bool = True,
+    ) -> int | None:
+        """Admit `seq` if its whole slab fits (the flat baselines' own admission rule: the slab covers the final
+        length, so `full_sequence_must_fit` always holds and no watermark applies)."""
         assert seq.seq_id not in self._live, seq
         reserved = self.reserved_tokens(seq)
+        if num_tokens is not None:  # no prefix cache: the chunk is clamped to the tokens to compute
+            num_new_tokens = min(num_new_tokens, num_tokens)
         if seq.num_final_tokens > self.max_model_len or seq.num_computed_tokens + num_new_tokens > reserved:
             return None
         start = self.arena.alloc(reserved + self.num_state_slots)
@@ -110,6 +122,13 @@ class FlatAllocator(KVAllocator):
     def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
         live = self._live
         return [seq for seq in seqs if seq.num_computed_tokens >= live[seq.seq_id][1]]
+
+    def append_decode_in_order(self, seqs: list[Sequence]) -> int:
+        live = self._live
+        for i, seq in enumerate(seqs):
+            if seq.num_computed_tokens >= live[seq.seq_id][1]:
+                return i
+        return len(seqs)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give `child` its own slab holding a copy of `parent`'s computed tokens; False if no hole fits.

@@ -45,7 +45,7 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         *,
         max_model_len: int,
         enable_prefix_caching: bool = False,
-        watermark: float = 0.01,
+        watermark: float = 0.0,
     ):
         if not 0.0 <= watermark < 1.0:
             raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
@@ -99,8 +99,22 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, *, num_tokens: int | None = None) -> int | None:
-        """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`; None if it would break the watermark."""
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+        apply_watermark: bool = True,
+    ) -> int | None:
+        """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`, or None (nothing changed).
+
+        As vLLM's `KVCacheManager.allocate_slots` for a waiting request: the blocks it needs (for all
+        `num_tokens` when `full_sequence_must_fit`, else for the hit plus this chunk), counting revived cached
+        hits, plus the watermark when `apply_watermark` (vLLM: only while some request is running), must not
+        exceed the free blocks.
+        """
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[Block] = []
@@ -116,8 +130,10 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         total = hit + min(num_new_tokens, num_tokens - hit)
         num_blocks = -(-total // bs)
         revived = sum(1 for b in hit_blocks if b.ref_count == 0)
-        new_pages = (num_blocks - len(hit_blocks)) * self._pages_per_block + sum(self._state_pages)
-        if self.pool.num_free_blocks - revived - new_pages < self.watermark_blocks:
+        checked = -(-min(num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else num_blocks
+        new_pages = (max(checked, num_blocks) - len(hit_blocks)) * self._pages_per_block + sum(self._state_pages)
+        watermark = self.watermark_blocks if apply_watermark else 0
+        if new_pages + revived + watermark > self.pool.num_free_blocks:
             return None
 
         if hashes is not None:
@@ -159,6 +175,16 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
                 failed.append(seq)
         return failed
 
+    def append_decode_in_order(self, seqs: list[Sequence]) -> int:
+        """`append_decode` that stops at the first request that cannot grow and returns its index."""
+        reqs, grow = self._reqs, self._grow_decode
+        for i, seq in enumerate(seqs):
+            req = reqs[seq]
+            computed = seq.num_computed_tokens
+            if computed >= req.quiet_until and not grow(req, computed, computed + 1):
+                return i
+        return len(seqs)
+
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
         req = self._reqs.pop(seq)
@@ -172,7 +198,10 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
             self._forget_partials(req.tables[0])
 
     def can_ever_fit(self, seq: Sequence) -> bool:
-        """Whether `seq` fits alone: its whole prompt admitted at once (watermark kept), then decoded to the end.
+        """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.
+
+        Alone means nothing else runs, so the watermark does not apply (vLLM applies it only while a request
+        is running); the null block is never usable.
 
         Pages held after decode step c (c tokens computed, one more being written): every lane holds
         ceil((c + 1) / block_size) blocks, less the blocks each sliding lane freed, (c - window + 1) //
@@ -185,8 +214,9 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         if final > self.max_model_len:
             return False
         state = sum(self._state_pages)
-        admit_pages = -(-prompt // bs) * self._pages_per_block + state
-        if admit_pages > self.num_blocks - self.watermark_blocks:
+        usable = self.pool.num_usable_blocks
+        admit_pages = -(-prompt // bs) * self._pages_per_block + state  # alone: no watermark (vLLM)
+        if admit_pages > usable:
             return False
         if final == prompt:
             return True
@@ -196,7 +226,7 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
         for lane in self.lanes:
             if lane.window is not None:
                 peak_pages -= max(0, (c - lane.window + 1) // bs) * lane.pages_per_block
-        return peak_pages <= self.num_blocks
+        return peak_pages <= usable
 
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of `seq`'s primary lane (first page of each block); None where a sliding block was freed."""

@@ -11,8 +11,9 @@ import numpy as np
 class Sequence:
     """A request's lengths, its synthetic token ids, and how far its KV has been computed.
 
-    The simulator knows the future: `max_tokens` is the number of output tokens this request will produce,
-    so `num_final_tokens` is the most KV it will ever hold. `token_ids` covers prompt and output
+    The simulator knows the future: `num_final_tokens` is the most KV it will ever hold, which allocators
+    size reservations and hashes by. Here it is prompt + `max_tokens`; the scheduler's `SchedSeq` counts as
+    vLLM does (the last sampled token's KV is never written: prompt + max_tokens - 1). `token_ids` covers prompt and output
     (`num_final_tokens` ids), so prefix-cache hashes of full blocks are well defined for every block.
 
     `num_computed_tokens` is owned by the scheduler: it is advanced after the tokens of a step are computed
