@@ -79,6 +79,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens,
         watermark=config.watermark,
+        reserve_full_isl=sc.scheduler_reserve_full_isl,
         enable_prefix_caching=config.prefix_caching,
         async_scheduling=stream.async_scheduling,
     )

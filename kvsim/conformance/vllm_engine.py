@@ -32,6 +32,7 @@ class EngineSetup:
     max_num_seqs: int
     max_num_batched_tokens: int
     watermark: float
+    reserve_full_isl: bool  # scheduler_reserve_full_isl
     enable_prefix_caching: bool
     async_scheduling: bool
 
@@ -52,6 +53,7 @@ def build_scheduler(setup: EngineSetup):
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         watermark=setup.watermark,
+        scheduler_reserve_full_isl=setup.reserve_full_isl,
         async_scheduling=setup.async_scheduling,
     )
     cache_config = CacheConfig(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import threading
@@ -184,7 +185,8 @@ def install(root: Path | None = None) -> _VllmFinder:
             loaded = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
             if loaded:
                 raise VllmImportError(f"a vllm module is already imported ({loaded[0]}); cannot load vLLM from {root}")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # quiet: no platform-detection notes
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            logging.getLogger("vllm").setLevel(logging.ERROR)  # quiet: no notes on platform detection
             _finder = _VllmFinder(Path(root))
             sys.meta_path.insert(0, _finder)
         elif root is not None and Path(root) != _finder.root:
