@@ -20,7 +20,7 @@ class StepState:
         if self.record is None:
             return "no such step (finished earlier)"
         r = self.record
-        parts = [f"t={r.time_s:.6f}s", *(f"{name}={getattr(r, name)}" for name in StepRecord.COMPARED)]
+        parts = [f"{name}={getattr(r, name)!r}" for name in StepRecord.COMPARED]
         parts += [f"{name}={list(ids)}" for name, ids in self.events.items() if ids]
         return " ".join(parts)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step as seen right after it was scheduled.
+    """One step as seen right after it was scheduled (`time_s`: the clock when it was scheduled).
 
     `running`: requests in the running queue after scheduling; `prefill_tokens`: tokens of (re)prefills, a
     prompt or, after a recompute preemption, every token the request had; `decode_tokens`: one per request
@@ -25,7 +25,8 @@ class StepRecord:
     preemptions: int
     prefix_hit_tokens: int
 
-    COMPARED = ("running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens")
+    # time_s too: both sides price a step with kvsim's roofline, so equal steps give equal clocks, bit for bit
+    COMPARED = ("time_s", "running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens")
 
     def compared(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in self.COMPARED)

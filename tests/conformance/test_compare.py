@@ -35,7 +35,7 @@ def test_a_field_differs_and_a_missing_step_is_described():
     other = [STEPS[0], (2, 0, 2, 1, 0)]
     c = compare(_trace("kvsim", STEPS, {0: 1}), _trace("vllm", other, {0: 1}))
     assert c.first_step == 1 and c.differing_steps == 2
-    assert c.vllm_state.describe().split()[4] == "preemptions=1"
+    assert c.vllm_state.describe().split()[4] == "preemptions=1"  # after time_s, running, prefill, decode
     assert compare(_trace("kvsim", STEPS, {}), _trace("vllm", STEPS[:2], {})).vllm_state.describe().startswith("no such step")
 
 
