@@ -77,7 +77,10 @@ def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path):
         assert (st["step"][1:] == st["step"][:-1] + st["num_steps"][:-1]).all()
         # Every prompt token and every output token is computed (at least once).
         assert st["num_prefill_tokens"].sum() >= result.num_prompt_tokens.sum()
-        assert st["num_decode_tokens"].sum() == result.max_tokens.sum()
+        # a prefill samples a request's first token, each decode step one more (none here is length-capped);
+        # the prefill after a recompute preemption samples too, in place of a decode step
+        decodes, preempted = st["num_decode_tokens"].sum(), st["num_preemptions"].sum()
+        assert 0 <= (np.maximum(result.max_tokens, 1) - 1).sum() - decodes <= preempted
 
 
 def test_paged_beats_flat_oracle_on_admission_under_a_tight_budget(tmp_path):
@@ -102,17 +105,25 @@ def test_preemption_under_a_tight_budget_recovers(tmp_path, preemption):
         assert recomputed > 0
 
 
-def test_a_request_longer_than_max_model_len_is_rejected_with_a_reason(tmp_path):
-    path = write_tiny(tmp_path, count=12)
-    path.write_text(path.read_text().replace("max: 200}", "max: 480}"))
+def test_only_a_prompt_of_max_model_len_is_rejected_and_longer_outputs_are_capped(tmp_path):
+    """As vLLM: a prompt of max_model_len (512) tokens or more is rejected with a reason; a request whose
+    prompt + output would exceed it runs, its output capped at max_model_len - prompt."""
+    path = write_tiny(tmp_path, count=24, budget_tokens=4096)
+    path.write_text(path.read_text().replace("max: 160}", "max: 600}").replace("max: 200}", "max: 480}"))
     result = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
-    too_long = result.num_prompt_tokens + result.max_tokens > 512
-    assert too_long.any()
+    too_long = result.num_prompt_tokens >= 512
+    capped = ~too_long & (result.num_prompt_tokens + result.max_tokens > 512)
+    assert too_long.any() and capped.any()
     for run in result.runs:
         reasons = np.array([r is not None for r in run.rejected_reason])
         assert (reasons == too_long).all()
         assert all("max_model_len 512" in r for r in run.rejected_reason if r is not None)
         assert np.isnan(run.finished_s[too_long]).all() and not np.isnan(run.finished_s[~too_long]).any()
+        # decode tokens: every served request samples min(max_tokens, 512 - prompt) tokens, its prefill the first
+        served = ~too_long
+        outputs = np.minimum(result.max_tokens[served], 512 - result.num_prompt_tokens[served])
+        decodes, preempted = run.steps["num_decode_tokens"].sum(), run.steps["num_preemptions"].sum()
+        assert 0 <= (np.maximum(outputs, 1) - 1).sum() - decodes <= preempted
 
 
 def test_parallel_workers_change_nothing(tmp_path):

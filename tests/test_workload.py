@@ -112,7 +112,8 @@ def test_the_issue_example_loads_as_written(tmp_path):
     assert (r.prompt_tokens.min, r.prompt_tokens.max) == (8, 3072)
     assert (r.output_tokens.dist, r.output_tokens.min, r.output_tokens.max) == ("uniform", 16, 1024)
     assert (r.shared_prefix.groups, r.shared_prefix.tokens, r.shared_prefix.fraction) == (4, 256, 0.5)
-    assert [a.label for a in w.allocators] == ["flat-max", "flat-pow2", "flat-oracle", "paged-16", "paged-16+prefix"]
+    # its watermark 0.01 is not vLLM's default 0, so the paged labels name it
+    assert [a.label for a in w.allocators] == ["flat-max", "flat-pow2", "flat-oracle", "paged-16-wm0.01", "paged-16-wm0.01+prefix"]
     assert w.scheduler == SchedulerConfig(256, 8192, "recompute", 0.01)
 
 
@@ -122,7 +123,10 @@ def test_shipped_poisson_is_the_issue_example_at_a_higher_rate(tmp_path):
     assert shipped.requests.arrival.rate == 50.0
     same_rate = dataclasses.replace(shipped.requests, arrival=issue.requests.arrival)
     assert same_rate == issue.requests
-    assert (shipped.allocators, shipped.scheduler, shipped.kv_budget_bytes) == (issue.allocators, issue.scheduler, issue.kv_budget_bytes)
+    # ... and at vLLM's default watermark, 0
+    issue_allocators = tuple(dataclasses.replace(a, watermark=0.0) for a in issue.allocators)
+    issue_scheduler = dataclasses.replace(issue.scheduler, watermark=0.0)
+    assert (shipped.allocators, shipped.scheduler, shipped.kv_budget_bytes) == (issue_allocators, issue_scheduler, issue.kv_budget_bytes)
 
 
 def test_allocator_watermark_comes_from_the_scheduler_unless_set(tmp_path):

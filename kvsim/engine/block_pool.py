@@ -100,11 +100,10 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False):
-        assert num_blocks >= 1, num_blocks
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = self.blocks[0] if num_blocks else None
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[int, Block] = {}
         self.num_shared_refs = 0
@@ -114,7 +113,7 @@ class BlockPool:
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that can ever be handed out: all but the null block."""
-        return self.num_blocks - 1
+        return max(self.num_blocks - 1, 0)
 
     @property
     def num_free_blocks(self) -> int:

@@ -43,7 +43,7 @@ class PagedBreakdown:
         token_states = len(self._reqs) * self._state_bytes
         reservation = 0
         # The null block and the budget's remainder smaller than one page are never used.
-        internal = len(self._reqs) * self._state_pad + self.budget_bytes - (self.num_blocks - 1) * self.page_bytes
+        internal = len(self._reqs) * self._state_pad + self.budget_bytes - self.pool.num_usable_blocks * self.page_bytes
         for lane, freed in zip(self.lanes, self._sum_freed):
             token_states += (computed - freed) * lane.bytes_per_token
             reservation += (self._sum_used - computed) * lane.bytes_per_token

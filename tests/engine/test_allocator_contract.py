@@ -54,15 +54,20 @@ def admit(alloc: KVAllocator, seq: Sequence, num_new_tokens: int | None = None) 
     return hit
 
 
+def null_slots(alloc: KVAllocator) -> int:
+    """Slots of the paged pool's null block (vLLM's block 0): never handed out."""
+    return alloc.block_size if hasattr(alloc, "pool") else 0
+
+
 def remainder_bytes(alloc: KVAllocator) -> int:
     return alloc.budget_bytes - alloc.num_slots * BPT
 
 
 def assert_empty(alloc: KVAllocator, b: MemoryBreakdown) -> None:
-    """Nothing held: all bytes free except the budget's remainder smaller than one slot."""
+    """Nothing held: all bytes free except the budget's remainder smaller than one slot and the null block."""
     assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
-    assert b.internal_fragmentation_bytes == remainder_bytes(alloc)
-    assert b.free_bytes == alloc.num_slots * BPT
+    assert b.internal_fragmentation_bytes == remainder_bytes(alloc) + null_slots(alloc) * BPT
+    assert b.free_bytes == (alloc.num_slots - null_slots(alloc)) * BPT
 
 
 pytestmark = pytest.mark.parametrize("config", ALLOCATOR_CONFIGS)

@@ -214,7 +214,8 @@ class Model:
         holders = Counter(bid for s in self.live.values() for bid in alloc.block_table(s) if bid is not None)
         for block in alloc.pool.blocks:
             assert block.ref_count == holders.get(block.block_id, 0) >= 0, block
-        assert alloc.num_free_blocks == alloc.pool.num_blocks - len(holders)
+        assert 0 not in holders  # block 0 is the null block: never handed out
+        assert alloc.num_free_blocks == alloc.pool.num_blocks - 1 - len(holders)
         assert b.free_bytes == alloc.num_free_blocks * alloc.page_bytes
 
     def finish_all(self) -> None:
@@ -222,8 +223,9 @@ class Model:
             self.drop(seq)
         b = self.alloc.breakdown()
         assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
-        assert b.internal_fragmentation_bytes == self.alloc.budget_bytes - self.alloc.num_slots * BPT
-        assert b.free_bytes == self.alloc.num_slots * BPT, "bytes leaked after every request finished"
+        null_bytes = self.alloc.page_bytes if self.config.kind == "paged" else 0  # the null block
+        assert b.internal_fragmentation_bytes == self.alloc.budget_bytes - self.alloc.num_slots * BPT + null_bytes
+        assert b.free_bytes == self.alloc.num_slots * BPT - null_bytes, "bytes leaked after every request finished"
         if self.config.kind == "paged":
             assert all(block.ref_count == 0 for block in self.alloc.pool.blocks)
 

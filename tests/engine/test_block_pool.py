@@ -66,18 +66,26 @@ def test_append_and_appendleft():
     assert_links(queue)
 
 
+def test_block_zero_is_the_null_block_and_never_handed_out():
+    """vLLM's BlockPool keeps block 0 as its null block: num_blocks - 1 are usable."""
+    pool = BlockPool(3)
+    assert pool.null_block is pool.blocks[0] and pool.num_usable_blocks == pool.num_free_blocks == 2
+    assert ids(pool.get_new_blocks(2)) == [1, 2] and pool.num_free_blocks == 0
+    assert 0 not in ids(pool.free_queue.blocks())
+
+
 def test_uncached_reused_first_then_cached_in_lru_order():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(5, enable_caching=True)  # blocks 1-4 usable
     b0, b1, b2, b3 = pool.get_new_blocks(4)
     pool.cache_full_block(b0, 100)
     pool.cache_full_block(b1, 101)
     assert pool.num_free_blocks == 0
     # Freed in this order: b1 (cached) first, then b3, b0 (cached), b2.
     pool.free_blocks([b1, b3, b0, b2])
-    assert ids(pool.free_queue.blocks()) == [2, 3, 1, 0]
+    assert pool.free_queue.blocks() == [b2, b3, b1, b0]
     assert pool.get_cached_block(101) is b1
     first_two = pool.get_new_blocks(2)
-    assert ids(first_two) == [2, 3]  # uncached before any cached prefix is evicted
+    assert first_two == [b2, b3]  # uncached before any cached prefix is evicted
     assert pool.get_cached_block(100) is b0 and pool.get_cached_block(101) is b1
     (evicted,) = pool.get_new_blocks(1)
     assert evicted is b1  # least recently freed cached block goes first
@@ -89,11 +97,16 @@ def test_uncached_reused_first_then_cached_in_lru_order():
 def test_free_splices_uncached_to_the_head_and_cached_to_the_tail(num_left_free):
     """A request's tail-first free: uncached blocks reused first (last freed first), cached ones evicted in
     the order freed, shared ones stay held; whatever was already free stays between them."""
-    pool = BlockPool(8 + num_left_free, enable_caching=True)
+    pool = BlockPool(9 + num_left_free, enable_caching=True)  # block 0: the null block
     blocks = pool.get_new_blocks(8)
-    already_free = [b.block_id for b in pool.free_queue.blocks()]
-    for b in blocks[:5]:
-        pool.cache_full_block(b, 300 + b.block_id)
+    assert [b.block_id for b in blocks] == list(range(1, 9))
+    already_free = [b.block_id - 1 for b in pool.free_queue.blocks()]  # as indices into blocks + 1
+    for i, b in enumerate(blocks[:5]):
+        pool.cache_full_block(b, 300 + i)
+
+    def ids(queue_blocks):  # indices into `blocks` (block ids - 1), so the orders below read as before
+        return [b.block_id - 1 for b in queue_blocks]
+
     pool.touch([blocks[1], blocks[6]])  # shared: a free leaves them held
     pool.free_blocks(reversed(blocks))  # 7 6 5 4 3 2 1 0
     assert ids(pool.free_queue.blocks()) == [5, 7] + already_free + [4, 3, 2, 0]
@@ -115,29 +128,29 @@ def mark_links_are_clear(pool: BlockPool) -> bool:
 
 
 def test_free_of_only_shared_or_only_one_kind_keeps_the_links():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(5, enable_caching=True)  # blocks 1-4 usable
     a, b, c, d = pool.get_new_blocks(4)
     pool.cache_full_block(c, 1)
     pool.touch([a])
     pool.free_blocks([a])  # still held: nothing moves
     assert pool.free_queue.blocks() == [] and pool.num_free_blocks == 0
     pool.free_blocks([b, d])  # uncached only, into an empty queue
-    assert ids(pool.free_queue.blocks()) == [3, 1]
+    assert pool.free_queue.blocks() == [d, b]
     pool.free_blocks([c])  # cached only
-    assert ids(pool.free_queue.blocks()) == [3, 1, 2]
+    assert pool.free_queue.blocks() == [d, b, c]
     assert_links(pool.free_queue)
     assert mark_links_are_clear(pool)
 
 
 def test_get_new_block_matches_get_new_blocks():
-    twins = [BlockPool(3, enable_caching=True) for _ in range(2)]
+    twins = [BlockPool(4, enable_caching=True) for _ in range(2)]  # blocks 1-3 usable
     for pool in twins:
         held = pool.get_new_blocks(3)
         pool.cache_full_block(held[0], 10)
         pool.cache_full_block(held[2], 12)
         pool.free_blocks(held)
     taken = [[twins[0].get_new_block() for _ in range(3)], twins[1].get_new_blocks(3)]
-    assert ids(taken[0]) == ids(taken[1]) == [1, 0, 2]
+    assert ids(taken[0]) == ids(taken[1]) == [2, 1, 3]
     for pool, blocks in zip(twins, taken):
         assert [(b.ref_count, b.block_hash) for b in blocks] == [(1, None)] * 3
         assert pool.num_free_blocks == 0 and pool.cached_block_hash_to_block == {} and pool.num_blocks_allocated == 6
@@ -145,19 +158,19 @@ def test_get_new_block_matches_get_new_blocks():
 
 
 def test_touch_revives_a_free_cached_block_from_the_middle():
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(4, enable_caching=True)  # blocks 1-3 usable
     blocks = pool.get_new_blocks(3)
     for i, b in enumerate(blocks):
         pool.cache_full_block(b, 200 + i)
     pool.free_blocks(blocks)
     pool.touch([blocks[1]])
     assert blocks[1].ref_count == 1 and pool.num_free_blocks == 2
-    assert ids(pool.free_queue.blocks()) == [0, 2]
+    assert pool.free_queue.blocks() == [blocks[0], blocks[2]]
     assert pool.num_shared_refs == 0  # a revived block is not shared
 
 
 def test_ref_counts_and_shared_refs():
-    pool = BlockPool(2)
+    pool = BlockPool(3)  # blocks 1-2 usable
     a, b = pool.get_new_blocks(2)
     assert (a.ref_count, b.ref_count) == (1, 1)
     pool.touch([a, a, b])
@@ -171,7 +184,7 @@ def test_ref_counts_and_shared_refs():
 
 
 def test_a_hash_is_registered_once():
-    pool = BlockPool(2, enable_caching=True)
+    pool = BlockPool(3, enable_caching=True)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_block(a, 7)
     pool.cache_full_block(b, 7)  # same prefix computed twice: the first block keeps the entry

@@ -215,7 +215,8 @@ def test_labels_tell_every_configuration_apart():
     configs = [
         AllocatorConfig("paged", block_size=16),
         AllocatorConfig("paged", block_size=16, watermark=0.05),
-        AllocatorConfig("paged", block_size=16, watermark=0.0, prefix_caching=True),
+        AllocatorConfig("paged", block_size=16, watermark=0.01, prefix_caching=True),
         AllocatorConfig("paged", block_size=16, prefix_caching=True),
     ]
-    assert [c.label for c in configs] == ["paged-16", "paged-16-wm0.05", "paged-16-wm0+prefix", "paged-16+prefix"]
+    # the default watermark is vLLM's, 0
+    assert [c.label for c in configs] == ["paged-16", "paged-16-wm0.05", "paged-16-wm0.01+prefix", "paged-16+prefix"]

@@ -33,8 +33,9 @@ MIXED = KVCacheSpec(
 
 
 def make_alloc(num_blocks: int, *, extra: int = 0, spec: KVCacheSpec = SPEC, **kwargs) -> PagedAllocator:
+    """`num_blocks` usable blocks, 1 to num_blocks: the pool has one more, block 0, vLLM's null block."""
     kwargs.setdefault("watermark", 0.0)
-    return PagedAllocator(spec, num_blocks * BLOCK + extra, max_model_len=256, **kwargs)
+    return PagedAllocator(spec, (num_blocks + 1) * BLOCK + extra, max_model_len=256, **kwargs)
 
 
 def make_seq(seq_id: int, prompt: int, output: int, prefix: np.ndarray | None = None) -> Sequence:
@@ -66,27 +67,27 @@ def parts(alloc: PagedAllocator) -> tuple[int, int, int, int, int]:
 
 def test_num_blocks_tables_slots_and_breakdown():
     alloc = make_alloc(10, extra=5)
-    assert (alloc.num_blocks, alloc.num_slots, alloc.num_free_blocks) == (10, 40, 10)
+    assert (alloc.num_blocks, alloc.num_slots, alloc.num_free_blocks) == (11, 44, 10)
     a, b = make_seq(0, 6, 3), make_seq(1, 5, 1)
     assert admit(alloc, a) == 0 and admit(alloc, b) == 0
-    assert alloc.block_table(a) == [0, 1] and alloc.block_table(b) == [2, 3]
-    assert alloc.slot_mapping(a, 0, 6).tolist() == [0, 1, 2, 3, 4, 5]
-    assert alloc.slot_mapping(b, 3, 5).tolist() == [11, 12]
+    assert alloc.block_table(a) == [1, 2] and alloc.block_table(b) == [3, 4]
+    assert alloc.slot_mapping(a, 0, 6).tolist() == [4, 5, 6, 7, 8, 9]
+    assert alloc.slot_mapping(b, 3, 5).tolist() == [15, 16]
     assert alloc.slot_mapping(b, 3, 5).dtype == np.int64
     # a: 6 computed, 2 reserved (final 9 > 8 slots). b: 5 computed, 1 reserved, 2 past its final 6.
-    # internal = b's 2 slots + the 5-byte remainder; free = 6 blocks.
-    assert parts(alloc) == (11 * BPT, 3 * BPT, 2 * BPT + 5, 0, 6 * BLOCK)
-    assert decode(alloc, a) and decode(alloc, a) and alloc.block_table(a) == [0, 1]
-    assert decode(alloc, a) and alloc.block_table(a) == [0, 1, 4]  # token 8 opens a third block
-    assert alloc.slot_mapping(a, 7, 9).tolist() == [7, 16]
+    # internal = b's 2 slots + the null block + the 5-byte remainder; free = 6 blocks.
+    assert parts(alloc) == (11 * BPT, 3 * BPT, 2 * BPT + BLOCK + 5, 0, 6 * BLOCK)
+    assert decode(alloc, a) and decode(alloc, a) and alloc.block_table(a) == [1, 2]
+    assert decode(alloc, a) and alloc.block_table(a) == [1, 2, 5]  # token 8 opens a third block
+    assert alloc.slot_mapping(a, 7, 9).tolist() == [11, 20]
     # a: 9 computed of 12 slots, final 9: 3 slots internal.
-    assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + 5, 0, 5 * BLOCK)
+    assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + BLOCK + 5, 0, 5 * BLOCK)
     alloc.free(a)
     c = make_seq(2, 4, 0)
-    assert admit(alloc, c) == 0 and alloc.block_table(c) == [0]  # a's first block is the head of the free queue
+    assert admit(alloc, c) == 0 and alloc.block_table(c) == [1]  # a's first block is the head of the free queue
     alloc.free(b)
     alloc.free(c)
-    assert alloc.num_free_blocks == 10 and parts(alloc) == (0, 0, 5, 0, 10 * BLOCK)
+    assert alloc.num_free_blocks == 10 and parts(alloc) == (0, 0, BLOCK + 5, 0, 10 * BLOCK)
 
 
 def test_append_decode_batches_and_reports_failures():
@@ -95,7 +96,7 @@ def test_append_decode_batches_and_reports_failures():
     admit(alloc, a)
     admit(alloc, b)
     assert alloc.append_decode([a, b]) == [b]  # a takes the last block, b cannot grow
-    assert alloc.block_table(a) == [0, 2] and alloc.block_table(b) == [1]
+    assert alloc.block_table(a) == [1, 3] and alloc.block_table(b) == [2]
 
 
 def test_prefix_hits_share_blocks_and_are_capped():
@@ -107,7 +108,7 @@ def test_prefix_hits_share_blocks_and_are_capped():
     assert alloc.block_table(b)[:2] == alloc.block_table(a)[:2]
     # Asked for 10 new tokens, but only 2 of the 10-token prompt are left past the 8-token hit: the request
     # gets room for its prompt (3 blocks), not for hit + 10 (which would strand 8 slots).
-    assert alloc.block_table(b)[2:] == [3]
+    assert alloc.block_table(b)[2:] == [4]
     assert admit(alloc, c) == 4  # the whole prompt is cached, but one token must be computed: 1 block
     assert (alloc.prefix_query_tokens, alloc.prefix_hit_tokens) == (28, 12)
     first, second = (alloc.pool.blocks[i] for i in alloc.block_table(a)[:2])
@@ -128,15 +129,15 @@ def test_uncached_blocks_reused_first_and_cached_evicted_lru():
     a, b = make_seq(0, 5, 1), make_seq(1, 5, 1)  # one full (cached) block + one partial each
     admit(alloc, a)
     admit(alloc, b)
-    assert alloc.block_table(a) == [0, 1] and alloc.block_table(b) == [2, 3]
+    assert alloc.block_table(a) == [1, 2] and alloc.block_table(b) == [3, 4]
     alloc.free(a)
     alloc.free(b)
-    assert [blk.block_id for blk in alloc.pool.free_queue.blocks()] == [3, 1, 4, 5, 0, 2]
+    assert [blk.block_id for blk in alloc.pool.free_queue.blocks()] == [4, 2, 5, 6, 1, 3]
     d = make_seq(2, 20, 0)
     admit(alloc, d)
-    assert alloc.block_table(d) == [3, 1, 4, 5, 0]  # uncached first, then a's cached block (freed first)
-    assert alloc.pool.blocks[2].block_hash is not None and alloc.num_free_blocks == 1  # b's block still cached
-    alloc.free(d)  # d's five full blocks join the cached tail behind b's block 2
+    assert alloc.block_table(d) == [4, 2, 5, 6, 1]  # uncached first, then a's cached block (freed first)
+    assert alloc.pool.blocks[3].block_hash is not None and alloc.num_free_blocks == 1  # b's block still cached
+    alloc.free(d)  # d's five full blocks join the cached tail behind b's block 3
     assert admit(alloc, make_seq(1, 5, 1)) == 4  # b's prefix survived
     assert admit(alloc, make_seq(0, 5, 1)) == 0  # a's was evicted
 
@@ -152,7 +153,7 @@ def probe_hit(alloc: PagedAllocator, token_ids: np.ndarray) -> int:
 
 def test_a_block_filled_by_decode_is_cached_when_its_last_token_is_scheduled():
     alloc = make_alloc(12, enable_prefix_caching=True)
-    a = make_seq(0, 5, 7)  # final 12: block 0 full at admission, blocks 1 and 2 filled by decode
+    a = make_seq(0, 5, 7)  # final 12: its 1st block full at admission, the 2nd and 3rd filled by decode
     admit(alloc, a)
 
     def num_cached() -> int:
@@ -163,7 +164,7 @@ def test_a_block_filled_by_decode_is_cached_when_its_last_token_is_scheduled():
         assert alloc.append_decode([a]) == []  # schedules token total - 1
         assert num_cached() == total // 4, total  # cached once its last token is scheduled, not before
         a.num_computed_tokens += 1
-    assert alloc.block_table(a) == [0, 1, 2]
+    assert alloc.block_table(a) == [1, 2, 3]
     alloc.free(a)
     assert probe_hit(alloc, np.concatenate([a.token_ids[:12], [7]])) == 12 and alloc.num_free_blocks == 12
 
@@ -203,19 +204,19 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     b = make_seq(1, 6, 4)
     assert alloc.fork(a, b)
     b.num_computed_tokens = 6
-    assert alloc.block_table(b) == [0, 1]
-    assert [alloc.pool.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    assert alloc.block_table(b) == [1, 2]
+    assert [alloc.pool.blocks[i].ref_count for i in (1, 2)] == [2, 2]
     # 6 unique tokens computed; 2 slots of the shared partial block reserved; a's third... none yet.
     bd = alloc.breakdown()
     assert bd.shared_saved_bytes == 2 * BLOCK
-    assert parts(alloc) == (6 * BPT, 2 * BPT, 0, 0, 8 * BLOCK)
-    assert decode(alloc, b)  # writing token 6 into the shared block 1: b gets a copy
-    assert alloc.block_table(b) == [0, 2]
-    assert alloc.pop_copy_on_write() == [(1, 2)] and alloc.pop_copy_on_write() == []
-    assert [alloc.pool.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
-    assert decode(alloc, a) and alloc.block_table(a) == [0, 1]  # block 1 is a's alone now: no copy
+    assert parts(alloc) == (6 * BPT, 2 * BPT, BLOCK, 0, 8 * BLOCK)  # internal: the null block
+    assert decode(alloc, b)  # writing token 6 into the shared block 2: b gets a copy
+    assert alloc.block_table(b) == [1, 3]
+    assert alloc.pop_copy_on_write() == [(2, 3)] and alloc.pop_copy_on_write() == []
+    assert [alloc.pool.blocks[i].ref_count for i in (1, 2, 3)] == [2, 1, 1]
+    assert decode(alloc, a) and alloc.block_table(a) == [1, 2]  # block 2 is a's alone now: no copy
     assert alloc.pop_copy_on_write() == []
-    assert alloc.slot_mapping(b, 4, 7).tolist() == [8, 9, 10]
+    assert alloc.slot_mapping(b, 4, 7).tolist() == [12, 13, 14]
     assert alloc.breakdown().shared_saved_bytes == BLOCK
     alloc.free(a)
     alloc.free(b)
@@ -223,14 +224,14 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
 
 
 def test_mixed_model_pages_sliding_window_and_state():
-    alloc = PagedAllocator(MIXED, 30 * 64 + 10, max_model_len=64, watermark=0.0)
-    assert (alloc.page_bytes, alloc.num_blocks) == (64, 30)
+    alloc = PagedAllocator(MIXED, 31 * 64 + 10, max_model_len=64, watermark=0.0)  # page 0: the null block
+    assert (alloc.page_bytes, alloc.num_blocks) == (64, 31)
     assert [(lane.window, lane.pages_per_block, lane.pad_bytes) for lane in alloc.lanes] == [(None, 1, 0), (8, 2, 0)]
     seq = make_seq(0, 8, 12)
     assert admit(alloc, seq) == 0
     assert alloc.num_free_blocks == 30 - (2 * 1 + 2 * 2 + 2)  # 2 full pages, 4 sliding pages, 2 state pages
-    # token states: 8 tokens x (16 + 32) + 100 state bytes; internal: 28 state padding + 10 remainder.
-    assert parts(alloc) == (8 * 48 + 100, 0, 38, 0, 22 * 64)
+    # token states: 8 tokens x (16 + 32) + 100 state bytes; internal: 28 state padding, the null page, 10 remainder.
+    assert parts(alloc) == (8 * 48 + 100, 0, 28 + 64 + 10, 0, 22 * 64)
     free_after = []
     for _ in range(8):  # computed 8 .. 15
         assert decode(alloc, seq)
@@ -239,14 +240,15 @@ def test_mixed_model_pages_sliding_window_and_state():
     # token 12 opens block 3; at computed 15 sliding block 1 goes.
     assert free_after == [19, 19, 19, 21, 18, 18, 18, 20]
     assert alloc._reqs[seq].tables[1][:4] == [None] * 4
-    # the full lane's pages: 0, 1 at admission, 8 for block 2, and page 2 (freed by the window) for block 3
-    assert alloc.block_table(seq) == [0, 1, 8, 2]
+    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 3 (freed by the
+    # window) for block 3
+    assert alloc.block_table(seq) == [1, 2, 9, 3]
     # 16 computed: full 16 x 16, sliding (16 - 8 freed) x 32, state 100.
-    assert parts(alloc) == (256 + 256 + 100, 0, 38, 0, 20 * 64)
+    assert parts(alloc) == (256 + 256 + 100, 0, 28 + 64 + 10, 0, 20 * 64)
     other = make_seq(1, 4, 0)
     assert not alloc.fork(seq, other)
     alloc.free(seq)
-    assert alloc.num_free_blocks == 30 and parts(alloc) == (0, 0, 10, 0, 30 * 64)
+    assert alloc.num_free_blocks == 30 and parts(alloc) == (0, 0, 64 + 10, 0, 30 * 64)
 
 
 def test_mixed_pages_pad_when_the_gcd_is_too_small():
@@ -260,16 +262,17 @@ def test_mixed_pages_pad_when_the_gcd_is_too_small():
     seq = make_seq(0, 4, 0)
     admit(alloc, seq)
     bd = alloc.breakdown()
-    assert bd.token_states_bytes == 4 * (3000 + 2048) and bd.internal_fragmentation_bytes == 2 * 8192 - 12000
+    # internal: the full lane's padding and the null page
+    assert bd.token_states_bytes == 4 * (3000 + 2048) and bd.internal_fragmentation_bytes == 2 * 8192 - 12000 + 8192
 
 
 def test_can_ever_fit():
-    alloc = make_alloc(10, watermark=0.1)  # 1 block kept free at admission
+    alloc = make_alloc(10, watermark=0.1)  # 1 block kept free when admitting beside a running request
     assert alloc.can_ever_fit(make_seq(0, 36, 4))  # 9 blocks to admit, 10 at the end
-    assert not alloc.can_ever_fit(make_seq(1, 37, 0))  # 10 blocks to admit breaks the watermark
+    assert alloc.can_ever_fit(make_seq(1, 40, 0))  # all 10 blocks to admit: alone, the watermark does not apply
     assert not alloc.can_ever_fit(make_seq(2, 36, 5))  # 11 blocks at the end
     assert not make_alloc(100).can_ever_fit(make_seq(3, 250, 7))  # longer than max_model_len 256
-    mixed = PagedAllocator(MIXED, 30 * 64, max_model_len=256, watermark=0.0)
+    mixed = PagedAllocator(MIXED, 31 * 64, max_model_len=256, watermark=0.0)  # 30 usable pages
     # The window keeps the sliding lane at 3 blocks (6 pages) + 2 state pages: 10 full blocks fit, 25 do not.
     assert mixed.can_ever_fit(make_seq(4, 4, 36)) and not mixed.can_ever_fit(make_seq(5, 4, 96))
 
@@ -332,7 +335,7 @@ def test_mixed_model_random_operations_keep_pages_consistent(seed):
             alloc.free(running.pop(int(rng.integers(len(running)))))
         held = [b.block_id for s in running for t in alloc._reqs[s].tables for b in t if b is not None]
         held += [b.block_id for s in running for b in alloc._reqs[s].state_pages]
-        assert len(held) == len(set(held)) == alloc.num_blocks - alloc.num_free_blocks
+        assert len(held) == len(set(held)) == alloc.num_blocks - 1 - alloc.num_free_blocks  # page 0: null block
         bd = alloc.breakdown()  # asserts the five categories sum to the budget
         assert bd.internal_fragmentation_bytes >= 3 + len(running) * 28
         for s in running:  # the window's tokens are always held
@@ -340,8 +343,8 @@ def test_mixed_model_random_operations_keep_pages_consistent(seed):
             assert all(b is not None for b in alloc._reqs[s].tables[1][window_start // BS * 2 :])
     for seq in running:
         alloc.free(seq)
-    assert alloc.num_free_blocks == alloc.num_blocks
-    assert parts(alloc) == (0, 0, 3, 0, 60 * 64)
+    assert alloc.num_free_blocks == alloc.num_blocks - 1
+    assert parts(alloc) == (0, 0, 64 + 3, 0, 59 * 64)
 
 
 def test_fork_partial_tail_is_reservation_when_any_holder_will_write_it():
@@ -354,17 +357,18 @@ def test_fork_partial_tail_is_reservation_when_any_holder_will_write_it():
     assert alloc.fork(a, b)
     b.num_computed_tokens = 6
     admit(alloc, c)
-    assert parts(alloc) == ((4 + 2 + 3) * BPT, (2 + 1) * BPT, 0, 0, 7 * BLOCK)
+    assert parts(alloc) == ((4 + 2 + 3) * BPT, (2 + 1) * BPT, BLOCK, 0, 7 * BLOCK)  # internal: the null block
     assert alloc.breakdown().shared_saved_bytes == 2 * BLOCK
     alloc.free(a)  # B alone: its tail is internal fragmentation
-    assert parts(alloc) == ((6 + 3) * BPT, 1 * BPT, 2 * BPT, 0, 7 * BLOCK)
+    assert parts(alloc) == ((6 + 3) * BPT, 1 * BPT, 2 * BPT + BLOCK, 0, 7 * BLOCK)
 
 
 def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
     """(token states, reservation, internal) bytes by classifying every slot of every held block.
 
     A slot is token states if any holder has computed its position, else reservation if any holder will
-    still write it, else internal fragmentation; each physical slot counts once.
+    still write it, else internal fragmentation; each physical slot counts once. The null block (block 0,
+    never handed out) is internal fragmentation.
     """
     rank = {"ts": 0, "res": 1, "int": 2}
     best: dict[tuple[int, int], str] = {}
@@ -377,7 +381,7 @@ def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
                 if rank[kind] < rank[best.get((block.block_id, i), "int")] or (block.block_id, i) not in best:
                     best[(block.block_id, i)] = kind
     kinds = list(best.values())
-    return kinds.count("ts") * BPT, kinds.count("res") * BPT, kinds.count("int") * BPT
+    return kinds.count("ts") * BPT, kinds.count("res") * BPT, (kinds.count("int") + BS) * BPT
 
 
 @pytest.mark.parametrize("seed", range(3))
