@@ -52,11 +52,13 @@ def run_replay(
             )
         budget = kv_budget_bytes(gpu.memory_bytes, utilization=utilization, weight_bytes=weights)
     bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
-    for config in workload.allocators:  # a budget below one block would build an allocator with no slots
+    for config in workload.allocators:  # a budget below one usable block would build an allocator with no slots
         unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
-        if budget < unit_bytes:
+        needed = 2 * unit_bytes if config.kind == "paged" else unit_bytes  # paged: block 0 is the null block
+        if budget < needed:
+            null = " besides the null block" if config.kind == "paged" else ""
             raise KvsimError(
-                f"a KV budget of {budget:,} B holds not one {config.label} block ({unit_bytes:,} B of {model.name} KV)",
+                f"a KV budget of {budget:,} B holds not one {config.label} block{null} ({unit_bytes:,} B of {model.name} KV)",
                 source=source,
                 field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvsim.units import format_bytes
+from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
 
 class ReplayProgress:
@@ -161,7 +162,7 @@ def run_replay_cli(
     if not quiet:
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} on {result.hardware_name}, "
-            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it)"
+            f"KV budget {format_bytes(result.budget_bytes)}, scheduler: {SCHEDULER_FOLLOWS} (time-averaged % of it)"
         )
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):

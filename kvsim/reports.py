@@ -19,6 +19,7 @@ import pandas as pd
 
 from kvsim.errors import KvsimError
 from kvsim.replay_records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
+from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
 CATEGORIES = (
     "token_states",
@@ -154,6 +155,7 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
     opts = result.options
     return {
         "kvsim_version": _version("kvsim"),
+        "scheduler": SCHEDULER_FOLLOWS,
         "torch_version": _version("torch"),
         "python_version": platform.python_version(),
         "platform": platform.platform(),

@@ -17,6 +17,7 @@ def test_replay_writes_reports_and_prints_a_table(cli, tmp_path):
     for name in ("steps.parquet", "steps.csv", "requests.csv", "summary.csv", "summary.json", "meta.json"):
         assert (out / name).is_file(), name
     assert "paged-16+prefix" in result.output and "flat-oracle" in result.output
+    assert "scheduler: vLLM v1 0.33.0" in " ".join(result.output.split())  # the header names what it follows
     meta = json.loads((out / "meta.json").read_text())
     assert meta["command"].startswith("kvsim ") and meta["tensors"] is False
 
@@ -132,7 +133,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
 
 def test_rejections_are_counted_and_explained_under_the_table(cli, tmp_path):
     """With every request rejected the table showed only dashes (the rejected column had no room at 80 columns)."""
-    path = write_tiny(tmp_path, count=5, budget_tokens=16)  # one 16-token block; every request needs 24+
+    path = write_tiny(tmp_path, count=5, budget_tokens=32)  # two 16-token blocks, one usable (block 0 is null); every request needs 24+
     result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stdout.splitlines() if "rejected 5 of 5 requests" in line]

@@ -103,6 +103,7 @@ def test_write_reports_files(tmp_path):
     meta = json.loads(paths.meta.read_text())
     assert meta["workload_sha256"] == workload.sha256 and meta["seed"] == 3 and meta["device"] == "none"
     assert meta["command"] == "kvsim replay tiny.yaml" and meta["kvsim_version"]
+    assert meta["scheduler"] == "vLLM v1 0.33.0"  # the version whose scheduler the replay follows
 
 
 def test_same_seed_gives_a_byte_identical_summary_csv(tmp_path):

@@ -20,8 +20,9 @@ SPEC = KVCacheSpec.uniform(num_layers=3, num_kv_heads=2, head_dim=8, block_size=
 
 
 def make_paged(num_blocks: int, *, prefix_caching: bool = False) -> PagedAllocator:
+    """`num_blocks` usable blocks: the pool has one more, block 0, vLLM's null block."""
     return PagedAllocator(
-        SPEC, num_blocks * SPEC.block_bytes, max_model_len=256, enable_prefix_caching=prefix_caching, watermark=0.0
+        SPEC, (num_blocks + 1) * SPEC.block_bytes, max_model_len=256, enable_prefix_caching=prefix_caching, watermark=0.0
     )
 
 
