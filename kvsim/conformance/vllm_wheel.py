@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 from kvsim.errors import KvsimError
+from kvsim.vllm_version import VLLM_VERSION  # the release kvsim follows: the one fetched
 
-VLLM_VERSION = "0.33.0"
 WHEEL_GLOB = f"vllm-{VLLM_VERSION}-*.whl"
 _DONE = ".extracted"  # written last: a source tree without it is a partial extraction
 
