@@ -209,7 +209,8 @@ class VllmEngine:
             chunks.append((start, num))
             if not request.is_prefill_chunk:  # the model samples the token at position `end`
                 ids = self._ids[req_id]
-                sampled[req_id] = [ids[end] if end < len(ids) else 0]
+                assert end < len(ids), (req_id, end, len(ids))  # never past prompt + max_tokens
+                sampled[req_id] = [ids[end]]
         record = StepRecord(now, len(sched.running), prefill, decode, len(so.preempted_req_ids or ()), hits)
         self.trace.steps.append(record)
         return so, self._model_output(list(so.num_scheduled_tokens), sampled), self.step_time(chunks), step
@@ -232,5 +233,6 @@ class VllmEngine:
                 self.trace.finished.setdefault(index, step)
                 self.trace.first_token.setdefault(index, step)
                 self._ids.pop(req_id, None)
+                self._target.pop(req_id, None)
             elif request.num_output_tokens > 0:
                 self.trace.first_token.setdefault(index, step)
