@@ -15,6 +15,7 @@ def run_kvsim(rs: ResolvedStream) -> Trace:
     trace = Trace("kvsim")
 
     def observe(step, now, dt, out, finished, sched, preemptions):
+        trace.num_gpu_blocks = sched.allocator.num_blocks
         admitted = {id(seq) for seq in out.admitted}
         hits = 0
         for seq, start, num in out.prefills:

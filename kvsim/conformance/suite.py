@@ -109,6 +109,8 @@ def format_difference(result: StreamResult) -> str:
             f"  kvsim: {c.kvsim_state.describe()}",
             f"  vLLM:  {c.vllm_state.describe()}",
         ]
+    if c.blocks_kvsim != c.blocks_vllm:
+        lines.append(f"{name}: GPU blocks: kvsim {c.blocks_kvsim:,}, vLLM {c.blocks_vllm:,}")
     if c.rejected_kvsim != c.rejected_vllm:
         lines.append(f"{name}: rejected at arrival: kvsim {list(c.rejected_kvsim)}, vLLM {list(c.rejected_vllm)}")
     return "\n".join(lines)

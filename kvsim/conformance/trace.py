@@ -36,10 +36,12 @@ class StepRecord:
 class Trace:
     """A side's steps and, per request index, the step of its first scheduling, first token and finish.
 
-    `rejected` holds the indices of requests refused at arrival (never scheduled).
+    `rejected` holds the indices of requests refused at arrival (never scheduled); `num_gpu_blocks` is the
+    pool the side ran with, null block included.
     """
 
     side: str
+    num_gpu_blocks: int = 0
     steps: list[StepRecord] = field(default_factory=list)
     first_scheduled: dict[int, int] = field(default_factory=dict)
     first_token: dict[int, int] = field(default_factory=dict)

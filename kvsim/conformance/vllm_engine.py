@@ -130,7 +130,7 @@ class VllmEngine:
         self._Request = import_vllm("vllm.v1.request").Request
         self._SamplingParams = import_vllm("vllm.sampling_params").SamplingParams
         self._ModelRunnerOutput = import_vllm("vllm.v1.outputs").ModelRunnerOutput
-        self.trace = Trace("vllm")
+        self.trace = Trace("vllm", num_gpu_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
         self._ids: dict[str, list[int]] = {}  # live requests' token ids
         self._target: dict[str, int] = {}  # tokens a request had when (re)admitted: its prefill ends there
         self._index: dict[str, int] = {}

@@ -31,6 +31,7 @@ def test_stream_has_no_differing_step(vllm_loaded, stream):
     assert c.rejected_kvsim == c.rejected_vllm
     assert c.differing_steps == 0, (c.first_step, c.kvsim_state.describe(), c.vllm_state.describe())
     assert c.kvsim_steps == c.vllm_steps > 0
+    assert c.blocks_kvsim == c.blocks_vllm
 
 
 def test_the_harness_sees_a_smaller_pool(vllm_loaded):
@@ -45,6 +46,7 @@ def test_the_harness_sees_a_smaller_pool(vllm_loaded):
     c = compare(kvsim, run_vllm(rs))
     assert c.differs and c.first_step is not None
     assert c.vllm_preemptions > c.kvsim_preemptions
+    assert (c.blocks_kvsim, c.blocks_vllm) == (2048, 1048)
 
 
 def test_cli_prints_the_table_and_exits_0(vllm_loaded, cli):
