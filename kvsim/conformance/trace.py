@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step as seen right after it was scheduled (`time_s`: the clock when it was scheduled).
+    """One step as seen right after it was scheduled; `time_s` is when it starts to run (with async
+    scheduling a step is scheduled while the one before runs, and starts when that one ends).
 
     `running`: requests in the running queue after scheduling; `prefill_tokens`: tokens of (re)prefills, a
     prompt or, after a recompute preemption, every token the request had; `decode_tokens`: one per request
