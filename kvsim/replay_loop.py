@@ -99,7 +99,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     arrivals = [r.arrival_time for r in requests]
     now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
     pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
-    in_flight_end = 0.0  # async scheduling: when the row whose output is still in flight ended
+    in_flight_start = in_flight_end = 0.0  # async scheduling: when the row whose output is in flight ran
     nan = math.nan
 
     def finish(seqs, t: float) -> None:
@@ -112,7 +112,9 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             if cache is not None:
                 cache.forget(seq.seq_id)
     while True:
-        while i < n and arrivals[i] <= now:
+        # Async: the scheduler runs while the row in flight executes, having seen the rows before it only.
+        sched_now = in_flight_start if sched.has_in_flight else now
+        while i < n and arrivals[i] <= sched_now:
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             reason = sched.add_request(seq)
@@ -200,7 +202,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         if observer is not None:
             observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
         finish(finished, in_flight_end if sc.async_scheduling else now + dt)
-        in_flight_end = now + dt
+        in_flight_start, in_flight_end = now, now + dt
         now += dt
         num_rows += 1
         if progress is not None and num_rows % PROGRESS_EVERY == 0:

@@ -97,6 +97,8 @@ class Scheduler:
             return (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for an output token within "
                     f"max_model_len {self.max_model_len}")
         seq.set_max_tokens(min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens))
+        if self.async_scheduling:  # prefix caching hashes a block once its tokens are known (sampled)
+            seq.num_known_tokens = seq.num_tokens
         if not self.allocator.can_ever_fit(seq):
             alloc = self.allocator
             needs = f"needs {seq.num_final_tokens} tokens of KV"
@@ -274,11 +276,22 @@ class Scheduler:
         finished: list[SchedSeq] = []
         num_prefill_samples = len(out.sampled) - len(out.decodes)
         k = out.num_steps
+        cache_blocks = getattr(self.allocator, "cache_blocks", None) if self.async_scheduling else None
+        in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
+        if cache_blocks is not None and self._in_flight is not None:
+            for seq in self._in_flight.decodes:
+                in_flight[seq.seq_id] = 1
+            for seq, _, n in self._in_flight.prefills:
+                in_flight[seq.seq_id] = in_flight.get(seq.seq_id, 0) + n
         for j, seq in enumerate(out.sampled):
             count = 1 if j < num_prefill_samples else k
             seq.num_output_tokens += count
+            if self.async_scheduling:
+                seq.num_known_tokens = seq.num_tokens
             if seq.num_output_placeholders and seq.seq_id not in stale:
                 seq.num_output_placeholders -= count
+                if cache_blocks is not None:  # vLLM caches what the steps processed so far computed
+                    cache_blocks(seq, seq.num_computed_tokens - in_flight.get(seq.seq_id, 0))
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         if finished:

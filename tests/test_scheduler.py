@@ -477,3 +477,28 @@ def test_async_scheduling_under_pressure_finishes_everything_and_leaks_nothing(m
         assert sched.allocator.num_free_blocks == 19 and sched.swap_used_bytes == 0
         preempted += sum(len(row[3]) for row in rows if len(row) == 5)
     assert preempted > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_block_is_cached_once_its_last_token_is_known(async_scheduling):
+    """Prefix caching, blocks of 4: A = 3 + 3. Step 0 prefills positions 0-2 and samples the token at 3;
+    step 1 computes position 3, filling block 0. Synchronous: that token is known when step 1 is scheduled,
+    so block 0 is cached then. Async: step 1 is scheduled before step 0's output is back; block 0 is cached
+    once the output of step 1 (which computed its last token) is processed, after step 2 is scheduled."""
+    import numpy as np
+
+    sched = make_scheduler(
+        AllocatorConfig("paged", block_size=4, prefix_caching=True), budget_tokens=32, async_scheduling=async_scheduling,
+        make_token_ids=lambda seq: 1000 * seq.seq_id + np.arange(seq.num_prompt_tokens + seq.max_tokens, dtype=np.int64),
+    )
+    a = make_seq(0, 3, 3)
+    sched.add_request(a)
+    alloc = sched.allocator
+
+    cached_after, block0 = [], None
+    for _ in range(3):
+        out, _ = sched.schedule()
+        block0 = block0 or alloc.pool.blocks[alloc.block_table(a)[0]]
+        sched.postprocess(out)
+        cached_after.append(block0.block_hash is not None)  # a freed cached block keeps its hash
+    assert cached_after == ([False, True, True] if not async_scheduling else [False, False, True])
