@@ -17,9 +17,8 @@ def _streams() -> tuple[Stream, ...]:
         "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure",
         "chunked-long", "max-model-len", "block-32", "block-256",
     ]
-    both = ["plenty", "pressure-heavy", "prefix-pressure", "poisson-prefix-pressure", "chunked-long"]
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
-    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in both]
+    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     return tuple(streams)
 
 

@@ -11,15 +11,7 @@ from kvsim.conformance.suite import STREAMS, run_stream
 pytestmark = pytest.mark.conformance
 
 # Streams kvsim does not yet follow, each with the reason (strict: one that starts to conform fails here).
-_ARRIVALS_ONE_STEP_EARLY = (
-    "async: kvsim schedules step n+1 when step n ends and admits what arrived while step n ran; vLLM's "
-    "step_with_batch_queue schedules it when step n starts (right after step n-1's output), so such an "
-    "arrival waits one step more"
-)
-KNOWN_DIFFERENCES: dict[str, str] = {
-    "prefix-pressure+async": _ARRIVALS_ONE_STEP_EARLY,
-    "poisson-prefix-pressure+async": _ARRIVALS_ONE_STEP_EARLY,
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def _params():
