@@ -271,6 +271,19 @@ def sweep(
                   csv=csv, quiet=quiet)
 
 
+@app.command()
+@user_errors
+def conformance(
+    stream: Annotated[Optional[list[str]], typer.Option("--stream", "-s", help="Run only this stream (repeat for several; default: all).")] = None,
+) -> None:
+    """Run vLLM 0.33.0's own scheduler beside kvsim's replay on the conformance streams, step by step (fetches the wheel once)."""
+    from kvsim.conformance.suite import run_suite
+
+    code = run_suite(stream, echo=typer.echo)
+    if code:
+        raise typer.Exit(code)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import threading
@@ -30,13 +31,19 @@ REQUIRED = ("torch", "numpy", "pydantic", "msgspec", "packaging")
 
 # vLLM packages outside the scheduler and the KV cache manager: served as stubs, with their submodules.
 STUB_VLLM = (
-    "vllm.model_executor", "vllm.distributed", "vllm.multimodal", "vllm.v1.structured_output",
+    "vllm.model_executor", "vllm.distributed", "vllm.multimodal", "vllm.v1.structured_output.utils",
     "vllm.parser", "vllm.entrypoints", "vllm.renderers",
 )
 
 # Packages whose `__init__` pulls in the whole engine: a stub module, but its submodules load for
 # real (`vllm.config.scheduler`, `vllm.config.cache`), so `from vllm.config import VllmConfig` is a stub.
-HOLLOW_VLLM = ("vllm.config",)
+# `vllm.v1.structured_output.request` must be real: a stub's answer would mark every request as waiting
+# for a grammar.
+HOLLOW_VLLM = ("vllm.config", "vllm.v1.structured_output")
+
+# Every stub attribute looked up or called, by qualified name: what the loaded code touched of the stubs
+# (a scheduler run that calls one is worth a look).
+stub_uses: dict[str, int] = {}
 
 _lock = threading.RLock()
 
@@ -51,7 +58,7 @@ class _StubMeta(type):
     def __getattr__(cls, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        return _stub_class(f"{cls.__qualname__}.{name}")
+        return _stub_class(_used(f"{cls.__qualname__}.{name}"))
 
     def __getitem__(cls, item):
         return cls
@@ -64,8 +71,10 @@ class _StubMeta(type):
 
     def __call__(cls, *args, **kwargs):
         # A stub used as a decorator (`@stub`, `@stub(...)`) hands back what it decorates.
-        if cls.__dict__.get("_kvsim_stub") and _decorates(args, kwargs):
-            return args[0]
+        if cls.__dict__.get("_kvsim_stub"):
+            _used(f"{cls.__qualname__}()")
+            if _decorates(args, kwargs):
+                return args[0]
         return super().__call__(*args, **kwargs)
 
 
@@ -81,15 +90,21 @@ class _Stub(metaclass=_StubMeta):
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        return _stub_class(name)()
+        return _stub_class(_used(f"{type(self).__qualname__}().{name}"))()
 
     def __call__(self, *args, **kwargs):
+        _used(f"{type(self).__qualname__}()()")
         if _decorates(args, kwargs):
             return args[0]
-        return _stub_class("result")()
+        return _stub_class(f"{type(self).__qualname__}()()")()
 
     def __bool__(self) -> bool:
         return False
+
+
+def _used(name: str) -> str:
+    stub_uses[name] = stub_uses.get(name, 0) + 1
+    return name
 
 
 def _decorates(args: tuple, kwargs: dict) -> bool:
@@ -170,7 +185,8 @@ def install(root: Path | None = None) -> _VllmFinder:
             loaded = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
             if loaded:
                 raise VllmImportError(f"a vllm module is already imported ({loaded[0]}); cannot load vLLM from {root}")
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            logging.getLogger("vllm").setLevel(logging.ERROR)  # quiet: no notes on platform detection
             _finder = _VllmFinder(Path(root))
             sys.meta_path.insert(0, _finder)
         elif root is not None and Path(root) != _finder.root:

@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 from kvsim.errors import KvsimError
+from kvsim.vllm_version import VLLM_VERSION  # the release kvsim follows: the one fetched
 
-VLLM_VERSION = "0.33.0"
 WHEEL_GLOB = f"vllm-{VLLM_VERSION}-*.whl"
 _DONE = ".extracted"  # written last: a source tree without it is a partial extraction
 
@@ -54,9 +54,10 @@ def fetch_wheel(cache: Path) -> Path:
     local = os.environ.get("KVSIM_VLLM_WHEEL")
     if local:
         path = Path(local).expanduser()
-        if not path.is_file() or not path.name.startswith(f"vllm-{VLLM_VERSION}-"):
-            raise VllmWheelUnavailable(
-                f"not a vllm {VLLM_VERSION} wheel", source="KVSIM_VLLM_WHEEL", field=str(path))
+        if not path.is_file():
+            raise VllmWheelUnavailable("no such file", source="KVSIM_VLLM_WHEEL", field=str(path))
+        if not path.name.startswith(f"vllm-{VLLM_VERSION}-"):
+            raise VllmWheelUnavailable(f"not a vllm {VLLM_VERSION} wheel", source="KVSIM_VLLM_WHEEL", field=str(path))
         return _move_in(path, cache, copy=True)
     return _pip_download(cache)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from typing import Callable
 
 import numpy as np
 
@@ -18,15 +19,23 @@ from kvsim.replay.scheduler import Scheduler
 from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
+# (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
+StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
 
-def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None) -> AllocatorRun:
+def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None, observer: StepObserver | None = None) -> AllocatorRun:
     """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it.
 
     A fresh allocator over the same KV budget, a `Scheduler`, optionally real cache tensors (`KVCache`: every
     step writes, reads are sampled every `read_every` decode steps), and a loop that jumps the clock over idle
     gaps and advances it by each step's time (the roofline, or this run's measured kernel times). Records are
     compact arrays, one row per scheduled row.
+
+    `observer(step, now, dt, out, finished, sched, preemptions)`, when given, sees every row after its
+    postprocess (the conformance harness's view): `finished` are the requests that postprocess finished (with
+    async scheduling, by the output of the row before); `preemptions` include those of rounds that computed
+    nothing before it. With async scheduling it also sees the flush of the last row's output (`out` None).
+    Decode runs are off with an observer, so every row is one step.
     """
     from kvsim.workload.requests import make_token_ids
 
@@ -73,7 +82,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         async_scheduling=sc.async_scheduling,
         cache=cache,
         roofline=ctx.clock or ctx.roofline,
-        allow_runs=options.timing != "measured",
+        allow_runs=options.timing != "measured" and observer is None,
         make_token_ids=token_ids if needs_ids else None,
     )
     n = len(requests)
@@ -134,7 +143,10 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
             if sched.has_in_flight:  # async: nothing to overlap with the step in flight: its output comes back
-                finish(sched.flush(), in_flight_end)
+                flushed = sched.flush()
+                if observer is not None:
+                    observer(step, now, 0.0, None, flushed, sched, 0)
+                finish(flushed, in_flight_end)
                 empty_rounds = 0
                 continue
             # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
@@ -182,13 +194,16 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
                 *kernels,
             )
         )
-        pending_preemptions = 0
+        row_preemptions, pending_preemptions = pending_preemptions, 0
         step += out.num_steps
         for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
             if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
                 first_token[seq.index] = now + dt
         # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
-        finish(sched.postprocess(out), in_flight_end if sc.async_scheduling else now + dt)
+        finished = sched.postprocess(out)
+        if observer is not None:
+            observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
+        finish(finished, in_flight_end if sc.async_scheduling else now + dt)
         in_flight_start, in_flight_end = now, now + dt
         now += dt
         num_rows += 1

@@ -56,3 +56,31 @@ def test_kv_cache_manager_allocates_like_vllm(vllm_loaded):
     manager = kvm.KVCacheManager(config, max_model_len=1024, scheduler_block_size=16,
                                  hash_block_size=16, enable_caching=False)
     assert manager.block_pool.get_num_free_blocks() == 11
+
+
+# What vLLM's scheduler touches of the stubs while it runs, and why that is harmless.
+HARMLESS_STUB_USES = {
+    "vllm.distributed.parallel_state.is_local_first_rank()",  # logger's *_once: which rank logs
+    "vllm.distributed.kv_events.EventPublisherFactory.create",  # the KV-event publisher: events are off
+    "vllm.distributed.kv_events.EventPublisherFactory.create()",
+    "vllm.config.get_current_vllm_config_or_none()",  # KVCacheSpecRegistry's built-in registration ignores it
+    "vllm.multimodal.utils.strip_covered_mm_data()",  # NewRequestData.mm_features of text-only requests
+}
+
+
+def test_a_scheduler_run_touches_only_harmless_stubs(vllm_loaded):
+    from dataclasses import replace
+
+    from kvsim.conformance.sides import run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.suite import select
+    from kvsim.conformance.vllm_import import stub_uses
+
+    import_vllm("vllm.v1.core.sched.async_scheduler")
+    before = dict(stub_uses)
+    rs = resolve(select(["prefix-pressure"])[0])  # prefix caching and preemptions
+    rs.setup = replace(rs.setup, async_scheduling=True)
+    trace = run_vllm(rs)
+    assert trace.num_preemptions > 0 and sum(s.prefix_hit_tokens for s in trace.steps) > 0
+    touched = {name for name, count in stub_uses.items() if count != before.get(name, 0)}
+    assert touched <= HARMLESS_STUB_USES, touched - HARMLESS_STUB_USES

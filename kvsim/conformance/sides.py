@@ -1,0 +1,69 @@
+"""Run one resolved stream on each side and record it as a `Trace`: kvsim's replay loop (accounting only, one
+paged allocator, one row per step) and vLLM's scheduler in the engine core's loop, on the same clock."""
+
+from __future__ import annotations
+
+from kvsim.conformance.stream import ResolvedStream
+from kvsim.conformance.trace import StepRecord, Trace
+
+
+def run_kvsim(rs: ResolvedStream) -> Trace:
+    """kvsim's `replay_allocator` over the stream, observed step by step."""
+    from kvsim.replay.loop import replay_allocator
+    from kvsim.replay.options import ReplayOptions
+
+    trace = Trace("kvsim")
+    lag = 1 if getattr(rs.workload.scheduler, "async_scheduling", False) else 0  # outputs come a row late
+
+    def observe(step, now, dt, out, finished, sched, preemptions):
+        trace.num_gpu_blocks = sched.allocator.num_blocks
+        for seq in finished:  # finished by the output of row `step - lag`
+            trace.finished[seq.index] = step - lag
+        if out is None:  # async: the last row's output, flushed
+            return
+        admitted = {id(seq) for seq in out.admitted}
+        hits = 0
+        for seq, start, num in out.prefills:
+            if id(seq) in admitted:
+                hits += start
+                trace.first_scheduled.setdefault(seq.index, step)
+            if start + num >= seq.num_prompt_tokens:
+                trace.first_token.setdefault(seq.index, step)
+        for seq in out.decodes:
+            trace.first_token.setdefault(seq.index, step)
+        # postprocess removed the finished ones from the running queue; they were running when scheduled
+        running = len(sched.running) + len(finished)
+        trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits))
+
+    run = replay_allocator(rs.config, rs.requests, rs.ctx, ReplayOptions(tensors=False), observer=observe)
+    trace.rejected = {i for i, reason in enumerate(run.rejected_reason) if reason is not None}
+    return trace
+
+
+def run_vllm(rs: ResolvedStream) -> Trace:
+    """vLLM's own scheduler over the stream; every batch takes the time kvsim's replay gives that batch."""
+    from kvsim.conformance.vllm_engine import VllmEngine
+    from kvsim.replay.loop import _step_time
+    from kvsim.workload.requests import make_token_ids
+
+    roofline = rs.ctx.roofline
+    seed = rs.workload.seed
+
+    def token_ids(i: int):
+        return make_token_ids(rs.requests[i], seed)
+
+    def step_time(chunks: list[tuple[int, int]]) -> float:
+        # Every scheduled request as a chunk (start, num): a decode is the chunk (computed, 1), which the
+        # roofline prices exactly as kvsim's decode term does.
+        return _step_time(roofline, _Batch([(None, start, num) for start, num in chunks]), 0)
+
+    return VllmEngine(rs.setup, rs.requests, token_ids, step_time).run()
+
+
+class _Batch:
+    """The fields of kvsim's `SchedulerOutput` that the roofline step time reads."""
+
+    def __init__(self, prefills):
+        self.prefills = prefills
+        self.decodes = []
+        self.num_prefill_tokens = sum(num for _, _, num in prefills)

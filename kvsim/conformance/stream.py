@@ -1,0 +1,86 @@
+"""A conformance stream: a workload file (one paged allocator) and a scheduling mode, resolved into what both
+sides run: kvsim's replay context and request stream, and vLLM's scheduler setup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvsim.conformance.vllm_engine import EngineSetup
+from kvsim.errors import KvsimError
+
+STREAMS_DIR = Path(__file__).with_name("streams")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """`workload` (a YAML under streams/, or any path) replayed with `async_scheduling` on or off."""
+
+    name: str
+    workload: Path
+    async_scheduling: bool = False
+
+
+@dataclass
+class ResolvedStream:
+    """Everything both sides need for one stream."""
+
+    stream: Stream
+    workload: object  # kvsim.workload.Workload
+    config: object  # kvsim.engine.factory.AllocatorConfig: the one paged allocator
+    ctx: object  # kvsim.replay.options.ReplayContext
+    requests: list  # kvsim.workload.requests.RequestSpec, by arrival
+    setup: EngineSetup
+
+
+def resolve(stream: Stream) -> ResolvedStream:
+    """Load the workload and build kvsim's replay context and vLLM's setup from the same numbers.
+
+    The KV budget must be given in bytes (`kv_budget`) and the workload must name exactly one paged allocator;
+    vLLM gets budget // block bytes blocks, the count kvsim's paged allocator computes from the same budget.
+    """
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.replay.options import ReplayContext
+    from kvsim.workload.requests import generate_requests
+    from kvsim.clock.roofline import Roofline
+    from kvsim.size.sizing import kv_cache_spec, weight_bytes
+    from kvsim.workload.spec import load_workload
+
+    workload = load_workload(stream.workload)
+    source = str(stream.workload)
+    paged = [a for a in workload.allocators if a.kind == "paged"]
+    if len(workload.allocators) != 1 or not paged:
+        raise KvsimError("a conformance stream names exactly one paged allocator", source=source, field="allocators")
+    if workload.kv_budget_bytes is None:
+        raise KvsimError("a conformance stream gives kv_budget (bytes), not gpu_memory_utilization", source=source, field="kv_budget")
+    if stream.async_scheduling:
+        if not hasattr(workload.scheduler, "async_scheduling"):
+            raise KvsimError("kvsim's scheduler has no async_scheduling option", source=source, field="scheduler")
+        workload = replace(workload, scheduler=replace(workload.scheduler, async_scheduling=True))
+    config = paged[0]
+    model = resolve_model(workload.model)
+    gpu = get_gpu(workload.hardware)
+    weights = weight_bytes(model)
+    spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=config.block_size)
+    if not spec.is_uniform:
+        raise KvsimError(f"{model.name} has layers other than full attention; streams cover uniform models", source=source, field="model")
+    roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=spec.bytes_per_token)
+    sc = workload.scheduler
+    ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed)
+    setup = EngineSetup(
+        num_gpu_blocks=workload.kv_budget_bytes // spec.block_bytes,
+        block_size=config.block_size,
+        num_layers=spec.num_attention_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_dim,
+        kv_dtype=workload.kv_dtype,
+        max_model_len=workload.max_model_len,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        watermark=config.watermark,
+        reserve_full_isl=sc.scheduler_reserve_full_isl,
+        enable_prefix_caching=config.prefix_caching,
+        async_scheduling=stream.async_scheduling,
+    )
+    return ResolvedStream(stream, workload, config, ctx, generate_requests(workload), setup)

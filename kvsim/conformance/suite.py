@@ -1,0 +1,115 @@
+"""The conformance streams and the suite that runs them: one table row per stream, then the first differing
+step of each stream that differs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kvsim.conformance.compare import Comparison, compare
+from kvsim.conformance.stream import STREAMS_DIR, Stream
+from kvsim.errors import KvsimError
+
+
+def _streams() -> tuple[Stream, ...]:
+    sync = [
+        "plenty", "max-num-seqs", "pressure", "pressure-heavy", "watermark", "whole-pool",
+        "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure",
+        "chunked-long", "max-model-len", "block-32", "block-256",
+    ]
+    streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
+    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
+    return tuple(streams)
+
+
+STREAMS = _streams()
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """One stream's comparison, or why it could not run on kvsim's side (`error`)."""
+
+    stream: Stream
+    comparison: Comparison | None
+    error: str | None = None
+
+    @property
+    def differs(self) -> bool:
+        return self.error is not None or self.comparison.differs
+
+
+def run_stream(stream: Stream) -> StreamResult:
+    """Resolve `stream`, replay it in kvsim, run it through vLLM's scheduler, compare."""
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+
+    try:
+        rs = resolve(stream)
+    except KvsimError as exc:
+        return StreamResult(stream, None, error=str(exc))
+    return StreamResult(stream, compare(run_kvsim(rs), run_vllm(rs)))
+
+
+def select(names: list[str] | None) -> list[Stream]:
+    """The streams named (all when None); an unknown name is a user error."""
+    if not names:
+        return list(STREAMS)
+    by_name = {s.name: s for s in STREAMS}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise KvsimError(f"unknown stream {unknown[0]!r} (streams: {', '.join(by_name)})", field="--stream")
+    return [by_name[n] for n in names]
+
+
+def run_suite(names: list[str] | None = None, echo: Callable[[str], None] = print) -> int:
+    """Run the streams, print the table and the first differing step of each differing stream.
+
+    Returns the exit code: 0 when every stream has 0 differing steps, 1 otherwise.
+    """
+    streams = select(names)
+    header = f"{'stream':<30} {'steps kvsim / vLLM':>20} {'preemptions kvsim / vLLM':>26} {'differing steps':>16}"
+    echo(header)
+    echo("-" * len(header))
+    results = []
+    for stream in streams:
+        result = run_stream(stream)
+        results.append(result)
+        echo(format_row(result))
+    for result in results:
+        if result.differs:
+            echo("")
+            echo(format_difference(result))
+    differing = sum(r.differs for r in results)
+    echo("")
+    echo(f"{len(results) - differing} of {len(results)} streams conform (0 differing steps)")
+    return 1 if differing else 0
+
+
+def format_row(result: StreamResult) -> str:
+    name = result.stream.name
+    if result.error is not None:
+        return f"{name:<30} {'-':>20} {'-':>26} {'not run':>16}"
+    c = result.comparison
+    steps = f"{c.kvsim_steps:,} / {c.vllm_steps:,}"
+    preemptions = f"{c.kvsim_preemptions:,} / {c.vllm_preemptions:,}"
+    return f"{name:<30} {steps:>20} {preemptions:>26} {c.differing_steps:>16,}"
+
+
+def format_difference(result: StreamResult) -> str:
+    """Where a stream first differs, both sides' state there (or why kvsim could not run it)."""
+    name = result.stream.name
+    if result.error is not None:
+        return f"{name}: not run: {result.error}"
+    c = result.comparison
+    lines = []
+    if c.first_step is not None:
+        lines += [
+            f"{name}: first differing step {c.first_step}",
+            f"  kvsim: {c.kvsim_state.describe()}",
+            f"  vLLM:  {c.vllm_state.describe()}",
+        ]
+    if c.blocks_kvsim != c.blocks_vllm:
+        lines.append(f"{name}: GPU blocks: kvsim {c.blocks_kvsim:,}, vLLM {c.blocks_vllm:,}")
+    if c.rejected_kvsim != c.rejected_vllm:
+        lines.append(f"{name}: rejected at arrival: kvsim {list(c.rejected_kvsim)}, vLLM {list(c.rejected_vllm)}")
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""vLLM 0.33.0's own `Scheduler` / `AsyncScheduler`, driven without a model by the engine core's loop.
+
+The loop is vllm/v1/engine/core.py's: `step()` (schedule, execute, update) for the synchronous scheduler,
+`step_with_batch_queue()` with a queue of two batches for async scheduling (step n+1 is scheduled before
+step n's output is back). The "model" samples, for every request whose scheduled tokens reach the end of
+what it has, the token kvsim's stream holds at that position; each batch takes kvsim's roofline time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from kvsim.conformance.trace import StepRecord, Trace
+from kvsim.conformance.vllm_import import import_vllm
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn", "int8": "int8"}
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What vLLM's scheduler is built from: kvsim's workload, allocator and KV spec, in vLLM's terms."""
+
+    num_gpu_blocks: int  # vLLM's count: block 0 is its null block
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_dtype: str  # kvsim's name ("bf16")
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    watermark: float
+    reserve_full_isl: bool  # scheduler_reserve_full_isl
+    enable_prefix_caching: bool
+    async_scheduling: bool
+
+
+def build_scheduler(setup: EngineSetup):
+    """vLLM's `Scheduler` (or `AsyncScheduler`) over one full-attention KV cache group of `num_gpu_blocks`."""
+    import torch
+
+    kvi = import_vllm("vllm.v1.kv_cache_interface")
+    sched_mod = import_vllm("vllm.v1.core.sched.async_scheduler" if setup.async_scheduling else "vllm.v1.core.sched.scheduler")
+    SchedulerConfig = import_vllm("vllm.config.scheduler").SchedulerConfig
+    CacheConfig = import_vllm("vllm.config.cache").CacheConfig
+    EncoderCacheManagerConfig = import_vllm("vllm.config.ec_manager_config").EncoderCacheManagerConfig
+
+    scheduler_config = SchedulerConfig(
+        max_model_len=setup.max_model_len,
+        is_encoder_decoder=False,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        watermark=setup.watermark,
+        scheduler_reserve_full_isl=setup.reserve_full_isl,
+        async_scheduling=setup.async_scheduling,
+    )
+    cache_config = CacheConfig(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
+    cache_config.num_gpu_blocks = setup.num_gpu_blocks
+    concurrent_batches = 2 if setup.async_scheduling else 1  # VllmConfig.max_concurrent_batches, pp = 1
+    # The VllmConfig fields the scheduler reads, nothing else (a missing one fails loudly).
+    vllm_config = SimpleNamespace(
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        model_config=SimpleNamespace(
+            max_model_len=setup.max_model_len, uses_mrope=False, is_encoder_decoder=False, runner_type="generate",
+            is_diffusion=False, supports_multimodal_inputs=False, return_sampling_mask=False,
+        ),
+        parallel_config=SimpleNamespace(
+            data_parallel_index=0, data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=1,
+            decode_context_parallel_size=1, prefill_context_parallel_size=1,
+        ),
+        observability_config=SimpleNamespace(
+            per_request_spec_decode_metrics="none", kv_cache_metrics=False, enable_mfu_metrics=False,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        aux_output_config=SimpleNamespace(enabled=False),
+        ec_manager_config=EncoderCacheManagerConfig(),
+        lora_config=None, kv_events_config=None, kv_transfer_config=None, ec_transfer_config=None,
+        speculative_config=None, is_mm_encoder_only=False,
+        num_speculative_tokens=0, num_lookahead_tokens=0, num_prefill_lookahead_tokens=0, num_hash_lookahead_tokens=0,
+        max_concurrent_batches=concurrent_batches,
+        max_in_flight_tokens=concurrent_batches * setup.max_num_batched_tokens,
+        use_v2_model_runner=True,  # 0.33's default on a CUDA GPU with Triton
+    )
+    spec = kvi.FullAttentionSpec(
+        block_size=setup.block_size, num_kv_heads=setup.num_kv_heads, head_size=setup.head_size,
+        dtype=getattr(torch, _TORCH_DTYPES[setup.kv_dtype]),
+    )
+    kv_cache_config = kvi.KVCacheConfig(
+        num_blocks=setup.num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvi.KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(setup.num_layers)], kv_cache_spec=spec)],
+    )
+    cls = sched_mod.AsyncScheduler if setup.async_scheduling else sched_mod.Scheduler
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, structured_output_manager=_NoGrammar(),
+               block_size=setup.block_size, log_stats=False)
+
+
+class _NoGrammar:
+    """The structured-output manager of requests without a grammar (StructuredOutputManager.accept_tokens's
+    first branch); the scheduler calls nothing else of it for them."""
+
+    def accept_tokens(self, request, new_token_ids) -> bool:
+        assert not request.use_structured_output
+        return True
+
+
+class VllmEngine:
+    """The engine core's loop around vLLM's scheduler, on kvsim's roofline clock; `run()` returns a Trace.
+
+    `requests` are kvsim `RequestSpec`s sorted by arrival, `token_ids(i)` the (num_final_tokens,) ids of
+    request i, `step_time(chunks)` the roofline seconds of a batch of (start, num_tokens) chunks.
+    """
+
+    def __init__(self, setup: EngineSetup, requests: list, token_ids, step_time):
+        self.setup = setup
+        self.requests = requests
+        self.token_ids = token_ids
+        self.step_time = step_time
+        self.scheduler = build_scheduler(setup)
+        kvu = import_vllm("vllm.v1.core.kv_cache_utils")
+        hashing = import_vllm("vllm.utils.hashing")
+        self._block_hasher = None
+        if setup.enable_prefix_caching:  # as EngineCore.__init__ builds it
+            hash_fn = hashing.get_hash_fn_by_name(self.scheduler.cache_config.prefix_caching_hash_algo)
+            kvu.init_none_hash(hash_fn)
+            self._block_hasher = kvu.get_request_block_hasher(setup.block_size, hash_fn)
+        self._Request = import_vllm("vllm.v1.request").Request
+        self._SamplingParams = import_vllm("vllm.sampling_params").SamplingParams
+        self._ModelRunnerOutput = import_vllm("vllm.v1.outputs").ModelRunnerOutput
+        self.trace = Trace("vllm", num_gpu_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+        self._ids: dict[str, list[int]] = {}  # live requests' token ids
+        self._target: dict[str, int] = {}  # tokens a request had when (re)admitted: its prefill ends there
+        self._index: dict[str, int] = {}
+
+    # --- the engine core's loops -------------------------------------------------------------------
+
+    def run(self) -> Trace:
+        sched = self.scheduler
+        reqs = self.requests
+        n, i, now = len(reqs), 0, 0.0
+        queue: deque = deque()  # (scheduler_output, model_runner_output, end time, step), newest at the left
+        size = 2 if self.setup.async_scheduling else 1
+        self._gpu_free_at = 0.0  # when the last batch queued ends: batches run one after another
+        while True:
+            while i < n and reqs[i].arrival_time <= now:
+                self._add(i)
+                i += 1
+            if not sched.has_requests() and not queue:
+                if i >= n:
+                    break
+                now = reqs[i].arrival_time  # the clock jumps over the idle gap
+                continue
+            if sched.has_requests():
+                queue.appendleft(self._schedule(now))
+                executed = queue[0][0].total_num_scheduled_tokens > 0
+                if size > 1 and len(queue) < size and (executed or sched.has_requests()):
+                    continue  # step_with_batch_queue: fill the queue before waiting on an output
+            so, out, end, step = queue.pop()
+            now = max(now, end)  # its output is back
+            sched.update_from_output(so, out)
+            self._after_update(so, step)
+            if so.total_num_scheduled_tokens == 0 and not queue and sched.has_requests():
+                raise RuntimeError(f"vLLM's scheduler scheduled nothing with {len(sched.waiting)} requests waiting")
+        return self.trace
+
+    # --- one step ------------------------------------------------------------------------------------
+
+    def _add(self, i: int) -> None:
+        """EngineCore.add_request after the input processor: a prompt of max_model_len or more is refused
+        (`InputProcessor._validate_prompt_len`: it leaves no room for one output token)."""
+        r = self.requests[i]
+        if r.num_prompt_tokens >= self.setup.max_model_len:
+            self.trace.rejected.add(i)
+            return
+        ids = [int(t) for t in self.token_ids(i)]
+        req_id = str(r.request_id)
+        params = self._SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+        request = self._Request(req_id, ids[: r.num_prompt_tokens], params, None, arrival_time=r.arrival_time,
+                                block_hasher=self._block_hasher)
+        self._ids[req_id] = ids
+        self._index[req_id] = i
+        self.scheduler.add_request(request)
+
+    def _schedule(self, now: float):
+        sched = self.scheduler
+        before = {r.request_id: r.num_computed_tokens for r in sched.running}
+        for r in sched.waiting:
+            self._target[r.request_id] = r.num_tokens
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            return so, self._model_output([], {}), now, None
+        step = len(self.trace.steps)
+        chunks, sampled = [], {}
+        prefill = decode = hits = 0
+        for req_id, num in so.num_scheduled_tokens.items():
+            request = sched.requests[req_id]
+            end = request.num_computed_tokens  # already advanced by `num`
+            start = end - num
+            index = self._index[req_id]
+            if req_id not in before:  # admitted (new or resumed): its start is what the prefix cache held
+                hits += start
+                self.trace.first_scheduled.setdefault(index, step)
+            target = self._target.get(req_id, request.num_prompt_tokens)
+            in_prefill = max(0, min(end, target) - start)
+            prefill += in_prefill
+            decode += num - in_prefill
+            chunks.append((start, num))
+            if not request.is_prefill_chunk:  # the model samples the token at position `end`
+                ids = self._ids[req_id]
+                assert end < len(ids), (req_id, end, len(ids))  # never past prompt + max_tokens
+                sampled[req_id] = [ids[end]]
+        # With async scheduling a batch is scheduled while the one before runs, and starts when that one ends.
+        start = max(now, self._gpu_free_at)
+        self._gpu_free_at = start + self.step_time(chunks)
+        record = StepRecord(start, len(sched.running), prefill, decode, len(so.preempted_req_ids or ()), hits)
+        self.trace.steps.append(record)
+        return so, self._model_output(list(so.num_scheduled_tokens), sampled), self._gpu_free_at, step
+
+    def _model_output(self, req_ids: list[str], sampled: dict[str, list[int]]):
+        return self._ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: k for k, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+        )
+
+    def _after_update(self, so, step: int | None) -> None:
+        if step is None:
+            return
+        out = so.num_scheduled_tokens
+        for req_id in out:
+            index = self._index[req_id]
+            request = self.scheduler.requests.get(req_id)
+            if request is None:  # finished and freed by update_from_output
+                self.trace.finished.setdefault(index, step)
+                self.trace.first_token.setdefault(index, step)
+                self._ids.pop(req_id, None)
+                self._target.pop(req_id, None)
+            elif request.num_output_tokens > 0:
+                self.trace.first_token.setdefault(index, step)
