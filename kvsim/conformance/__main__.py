@@ -1,7 +1,16 @@
-"""`python3 -m kvsim.conformance [--stream NAME ...]`: the same as `kvsim conformance`."""
+"""`python3 -m kvsim.conformance [--stream NAME ...]`: the same as `kvsim conformance`, without the CLI."""
 
+import argparse
 import sys
 
-from kvsim.cli import app
+from kvsim.conformance.suite import run_suite
+from kvsim.errors import KvsimError
 
-app(["conformance", *sys.argv[1:]], prog_name="python3 -m kvsim.conformance")
+parser = argparse.ArgumentParser(prog="python3 -m kvsim.conformance", description=__doc__)
+parser.add_argument("--stream", "-s", action="append", help="Run only this stream (repeat for several; default: all).")
+args = parser.parse_args()
+try:
+    sys.exit(run_suite(args.stream, echo=print))
+except KvsimError as exc:
+    print(f"kvsim: error: {exc}", file=sys.stderr)
+    sys.exit(2)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from kvsim.engine.factory import Placement
+from typing import Literal
 
+Placement = Literal["first-fit", "best-fit", "buddy"]
 PLACEMENTS: tuple[str, ...] = ("first-fit", "best-fit", "buddy")
 
 

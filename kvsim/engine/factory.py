@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvsim.engine.allocator import KVAllocator
+from kvsim.engine.arena import Placement
+from kvsim.engine.flat import Reserve
 from kvsim.size.kv_cache_spec import KVCacheSpec
 
-Reserve = Literal["max", "pow2", "oracle"]
-Placement = Literal["first-fit", "best-fit", "buddy"]
 
 
 @dataclass(frozen=True)

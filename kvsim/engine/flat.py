@@ -8,14 +8,16 @@ placed in one arena of the same budget, so reservation, internal and external fr
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Literal
 
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.arena import PLACEMENTS, Arena
-from kvsim.engine.factory import Placement, Reserve
-from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.engine.arena import PLACEMENTS, Arena, Placement
 from kvsim.engine.sequence import Sequence
+from kvsim.size.kv_cache_spec import KVCacheSpec
+
+Reserve = Literal["max", "pow2", "oracle"]  # a flat slab's size: max_model_len, next power of two, or exact
 
 RESERVES: tuple[str, ...] = ("max", "pow2", "oracle")
 _computed = attrgetter("num_computed_tokens")

@@ -1,7 +1,8 @@
 """`kvsim plot`: matplotlib charts (headless) written next to the reports they draw.
 
 A replay report gets charts 1-5, a kernel-bench directory chart 6; a chart whose data a report lacks is
-skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.size.sizing`.
+skipped with a one-line note. `plot_size` draws chart 7 straight from `kvsim.size.sizing`. Plots read report
+files and may import the earlier stages (`models`, `size`, the replay's report columns), nothing later.
 """
 
 from __future__ import annotations

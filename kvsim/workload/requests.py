@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvsim.workload.distributions import ArrivalProcess, LengthDistribution
 from kvsim.workload.trace_mooncake import MOONCAKE_BLOCK_TOKENS
 from kvsim.workload.traces import Trace, read_trace
-
-if TYPE_CHECKING:
-    from kvsim.workload.spec import Workload
 
 # Synthetic ids are uniform in [0, VOCAB_SIZE): wide enough that two unrelated requests agreeing on even one
 # token at the same position is a one-in-two-billion event, so prefix caching finds only the sharing the
@@ -104,7 +101,15 @@ class RequestSpec:
         return self.num_prompt_tokens + self.max_tokens
 
 
-def generate_requests(workload: Workload) -> list[RequestSpec]:
+class StreamSource(Protocol):
+    """What `generate_requests` reads of a workload (a `Workload` is one), named here so that this module does
+    not import the workload file's module, which imports this one."""
+
+    seed: int
+    requests: SyntheticRequests | TraceRequests
+
+
+def generate_requests(workload: StreamSource) -> list[RequestSpec]:
     """The workload's requests, sorted by arrival; the same workload (and seed) gives the same list.
 
     Synthetic lengths, arrivals and prefix groups each come from their own stream of the workload seed, so
