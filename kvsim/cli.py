@@ -61,7 +61,9 @@ def size(
     weight_dtype: Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype (default: the shipped checkpoint's).")] = None,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="vLLM's chunked-prefill budget; enters its sliding-window bound per request (8192: vllm serve on 70+ GiB GPUs).")] = 8192,
     kernel_block_size: Annotated[int, typer.Option("--kernel-block-size", help="Hybrid (mamba) models: the attention backend's kernel block that vLLM's raised block_size is a multiple of.")] = 16,
-    mamba_cache_mode: Annotated[str, typer.Option("--mamba-cache-mode", help="Hybrid models: vLLM's mamba_cache_mode, none (prefix caching off, its default) or align.")] = "none",
+    mamba_cache_mode: Annotated[str, typer.Option("--mamba-cache-mode", help="Hybrid models: vLLM's mamba_cache_mode, none (prefix caching off) or align (prefix caching on, vllm serve's default).")] = "none",
+    mamba_checkpoint_alignment: Annotated[int, typer.Option("--mamba-checkpoint-alignment", help="Hybrid models in align mode: the state layers' prefill checkpoint alignment (64: gated delta net with FlashInfer's prefill, Hopper); 0: none.")] = 0,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on by default in vllm serve): two batches in flight enter the sliding-window bound.")] = True,
     params: Annotated[Optional[float], typer.Option("--params", help="Total parameter count, e.g. 8.03e9 (needed with --config for weights).")] = None,
     layout: Annotated[bool, typer.Option("--layout", help="Print the KV pool tensor's shape, strides and bytes.")] = False,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
@@ -74,7 +76,8 @@ def size(
     show_size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
         utilization=utilization, weight_dtype=weight_dtype, max_num_batched_tokens=max_num_batched_tokens,
-        kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode, params=params, layout=layout, num_blocks=num_blocks,
+        kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode,
+        mamba_checkpoint_alignment=mamba_checkpoint_alignment, async_scheduling=async_scheduling, params=params, layout=layout, num_blocks=num_blocks,
         address=address, as_json=json_out,
     )
 

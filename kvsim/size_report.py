@@ -18,7 +18,16 @@ from kvsim.sizing import (
     sliding_cap_bytes_per_sequence,
     weight_bytes,
 )
-from kvsim.vllm_sizing import DEFAULT_KERNEL_BLOCK_SIZE, HybridPages, VllmStartup, hybrid_pages, vllm_startup
+from kvsim.vllm_sizing import (
+    VLLM_VERSION,
+    HybridPages,
+    VllmLayer,
+    VllmSettings,
+    VllmStartup,
+    hybrid_pages,
+    vllm_layers,
+    vllm_startup,
+)
 
 
 @dataclass(frozen=True)
@@ -45,15 +54,13 @@ def capacity(
     spec: KVCacheSpec,
     budget_bytes: int,
     context_tokens: int,
-    max_num_batched_tokens: int = 8192,
-    *,
-    kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE,
-    mamba_cache_mode: str = "none",
+    layers: tuple[VllmLayer, ...] = (),
+    settings: VllmSettings = VllmSettings(),
 ) -> Capacity:
     """Tokens and concurrent sequences of `context_tokens` that `budget_bytes` of KV memory holds.
 
-    The block-rounded pair is vLLM's own arithmetic (`kvsim.vllm_sizing.vllm_startup`, hybrid
-    attention+mamba models included) where kvsim can reproduce it, else kvsim's whole-block estimate.
+    The block-rounded pair is vLLM's own arithmetic (`kvsim.vllm_sizing.vllm_startup` over `layers`, vLLM's
+    per-layer view of the model) where kvsim can reproduce it, else kvsim's whole-block estimate.
     """
     per_token = spec.bytes_per_token
     usable = budget_bytes
@@ -61,10 +68,7 @@ def capacity(
         usable = (budget_bytes // spec.block_bytes) * spec.block_bytes  # whole blocks
     own_tokens = (budget_bytes // spec.block_bytes) * spec.block_size if per_token else None
     own_sequences = usable / block_rounded_bytes_per_sequence(spec, context_tokens)
-    vllm = vllm_startup(
-        spec, budget_bytes, context_tokens, max_num_batched_tokens,
-        kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode,
-    )
+    vllm = vllm_startup(layers, budget_bytes, context_tokens, spec.block_size, settings) if layers else None
     return Capacity(
         kv_budget_bytes=budget_bytes,
         max_tokens=budget_bytes // per_token if per_token else None,
@@ -95,7 +99,7 @@ class SizeReport:
     weight_dtype: str | None = None
     weight_bytes: int | None = None
     capacity: Capacity | None = None
-    max_num_batched_tokens: int = 8192
+    settings: VllmSettings = VllmSettings()
     hybrid: HybridPages | None = None  # vLLM's raised block size and padded state page (state layers only)
 
     def as_json(self) -> dict:
@@ -118,6 +122,14 @@ class SizeReport:
             "bytes_per_sequence_uncapped": self.bytes_per_sequence_uncapped,
             "bytes_per_sequence_block_rounded": self.bytes_per_sequence_block_rounded,
         }
+        out.update(
+            {
+                "vllm_version": VLLM_VERSION,
+                "vllm_max_num_batched_tokens": self.settings.max_num_batched_tokens,
+                "vllm_async_scheduling": self.settings.async_scheduling,
+                "vllm_max_in_flight_tokens": self.settings.max_in_flight_tokens,
+            }
+        )
         if self.hybrid is not None:
             h = self.hybrid
             out.update(
@@ -125,6 +137,8 @@ class SizeReport:
                     "vllm_block_size": h.block_size,
                     "vllm_block_size_raised": h.raised,
                     "vllm_kernel_block_size": h.kernel_block_size,
+                    "vllm_block_alignment": h.alignment,
+                    "vllm_mamba_checkpoint_alignment": self.settings.mamba_checkpoint_alignment,
                     "vllm_mamba_cache_mode": h.mamba_cache_mode,
                     "vllm_page_bytes": h.page_bytes,
                     "vllm_state_page_bytes": h.state_page_bytes,
@@ -155,10 +169,25 @@ class SizeReport:
                 v = cap.vllm
                 out.update(
                     {
-                        "vllm_num_blocks": v.num_blocks,
+                        "vllm_num_gpu_blocks": v.num_blocks,
+                        "vllm_kv_cache_size_tokens": v.tokens,
+                        "vllm_max_concurrency": v.concurrency,
+                        "vllm_cache_block_size": v.block_size,
+                        "vllm_bytes_per_block": v.bytes_per_block,
                         "vllm_num_groups": v.num_groups,
                         "vllm_group_size": v.group_size,
                         "vllm_blocks_per_request": v.blocks_per_request,
+                        "vllm_starts": v.starts,
+                        "vllm_groups": [
+                            {
+                                "kind": g.kind,
+                                "num_layers": g.num_layers,
+                                "block_size": g.block_size,
+                                "page_bytes": g.page_bytes,
+                                "blocks_per_request": g.blocks_per_request,
+                            }
+                            for g in v.groups
+                        ],
                     }
                 )
         return out
@@ -175,20 +204,18 @@ def size_report(
     gpu_name: str | None = None,
     utilization: float = 0.9,
     weight_dtype: str | None = None,
-    max_num_batched_tokens: int = 8192,
-    kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE,
-    mamba_cache_mode: str = "none",
+    settings: VllmSettings = VllmSettings(),
 ) -> SizeReport:
     """Everything `kvsim size` reports; the capacity part only when `memory_bytes` is given.
 
-    `max_num_batched_tokens` only enters vLLM's sliding-window bound; `kernel_block_size` (the attention
-    backend's smallest kernel block) and `mamba_cache_mode` ("none": prefix caching off, vLLM's default for
-    hybrids; "align": on) only vLLM's figures for models with state layers (see `kvsim.vllm_sizing`).
+    `settings` only enter vLLM's figures: max_num_batched_tokens and async scheduling its sliding-window
+    bound; the kernel block size and mamba_cache_mode the hybrid block size and state blocks (see
+    `kvsim.vllm_sizing`).
     """
     if not 0 < utilization <= 1:  # checked even without a device, so a typo never passes silently
         raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")
-    positive_int(max_num_batched_tokens, "--max-num-batched-tokens")
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=block_size, tp=tp)
+    layers = vllm_layers(model, spec, tp)
     n = positive_int(context_tokens, "--context") if context_tokens is not None else model.max_model_len
     report = SizeReport(
         model=model,
@@ -198,8 +225,8 @@ def size_report(
         bytes_per_sequence=bytes_per_sequence(spec, n),
         bytes_per_sequence_uncapped=bytes_per_sequence(spec, n, capped=False),
         bytes_per_sequence_block_rounded=block_rounded_bytes_per_sequence(spec, n),
-        max_num_batched_tokens=max_num_batched_tokens,
-        hybrid=hybrid_pages(spec, kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode),
+        settings=settings,
+        hybrid=hybrid_pages(layers, block_size, settings),
     )
     if memory_bytes is None:
         return report
@@ -214,7 +241,5 @@ def size_report(
         utilization=utilization,
         weight_dtype=weight_dtype or ("checkpoint" if model.checkpoint_bytes else model.weight_dtype),
         weight_bytes=weights,
-        capacity=capacity(
-            spec, budget, n, max_num_batched_tokens, kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode
-        ),
+        capacity=capacity(spec, budget, n, layers, settings),
     )

@@ -40,6 +40,8 @@ def show_size(
     max_num_batched_tokens: int = 8192,
     kernel_block_size: int = 16,
     mamba_cache_mode: str = "none",
+    mamba_checkpoint_alignment: int = 0,
+    async_scheduling: bool = True,
     params: float | None = None,
     layout: bool = False,
     num_blocks: int | None = None,
@@ -53,6 +55,7 @@ def show_size(
     from kvsim.hf_config import load_hf_config
     from kvsim.size_report import size_report
     from kvsim.sizing import is_mla
+    from kvsim.vllm_sizing import VllmSettings
 
     if (model is None) == (config is None):
         raise KvsimError("give exactly one of --model NAME or --config FILE", field="--model")
@@ -83,9 +86,13 @@ def show_size(
         gpu_name=gpu_name,
         utilization=utilization,
         weight_dtype=weight_dtype,
-        max_num_batched_tokens=max_num_batched_tokens,
-        kernel_block_size=kernel_block_size,
-        mamba_cache_mode=mamba_cache_mode,
+        settings=VllmSettings(
+            max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling,
+            kernel_block_size=kernel_block_size,
+            mamba_cache_mode=mamba_cache_mode,
+            mamba_checkpoint_alignment=mamba_checkpoint_alignment,
+        ),
     )
     pool = offset = None
     if layout or address:
@@ -161,7 +168,7 @@ def _print_report(console: Console, report) -> None:
         style="dim",
     )
     if report.hybrid is not None:
-        _print_hybrid_pages(console, report.hybrid)
+        _print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
         _print_vllm_lines(console, report)
@@ -169,7 +176,7 @@ def _print_report(console: Console, report) -> None:
             console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
 
 
-def _print_hybrid_pages(console: Console, h) -> None:
+def _print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
     """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
     how = (
         f"raised from --block-size {h.requested_block_size}, in multiples of {h.alignment}, until one attention page holds one layer's state"
@@ -183,7 +190,15 @@ def _print_hybrid_pages(console: Console, h) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    prefix = "off (mamba_cache_mode none, vLLM's default for hybrid models)" if h.mamba_cache_mode == "none" else f"on (mamba_cache_mode {h.mamba_cache_mode})"
+    if h.mamba_cache_mode == "none":
+        prefix = "off (mamba_cache_mode none; vllm serve turns it on for hybrid models: --mamba-cache-mode align)"
+    elif checkpoint:
+        prefix = f"on (mamba_cache_mode align, state checkpoints every {checkpoint} tokens: 3 state blocks per request)"
+    else:
+        prefix = (
+            "on (mamba_cache_mode align, 2 state blocks per request; gated delta net layers with FlashInfer's "
+            "prefill, vLLM's choice on Hopper, also checkpoint: --mamba-checkpoint-alignment 64)"
+        )
     console.print(
         f"vLLM settings assumed: attention kernel block {h.kernel_block_size} "
         f"({'FlashAttention / FlashInfer default' if h.kernel_block_size == 16 else '--kernel-block-size'}), "
@@ -195,32 +210,48 @@ def _print_hybrid_pages(console: Console, h) -> None:
 
 
 def _print_vllm_lines(console: Console, report) -> None:
-    """vLLM's two start-up lines (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
-    cap, n = report.capacity, report.context_tokens
+    """vLLM's start-up line (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
+    from kvsim.vllm_sizing import VLLM_VERSION
+
+    cap, n, st = report.capacity, report.context_tokens, report.settings
     tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
-    if cap.vllm is None:
+    v = cap.vllm
+    if v is None:
         how = "in whole blocks, state once (vLLM's arithmetic not followed for this layout)"
     else:
-        how = f"as vLLM computes it (max_num_batched_tokens {report.max_num_batched_tokens:,}"
-        how += f", block_size {cap.vllm.block_size:,})" if cap.vllm.hybrid else ")"
+        sched = "async" if st.async_scheduling else "sync"
+        how = f"as vLLM {VLLM_VERSION} computes it (max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling"
+        how += f", block_size {v.hybrid.block_size:,})" if v.hybrid else ")"
     console.print(
         f"{how}: GPU KV cache size: {tokens} tokens, "
         f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
         highlight=False,
         soft_wrap=True,
     )
-    v = cap.vllm
-    if v is not None and v.hybrid is not None:
-        state_blocks = 2 if v.hybrid.mamba_cache_mode == "align" else 1
+    if v is None:
+        return
+    kinds: dict[str, list] = {}
+    for g in v.groups:
+        kinds.setdefault(g.kind, []).append(g)
+    per_kind = "; ".join(
+        f"{len(gs)} {kind} group{'s' if len(gs) > 1 else ''} x {gs[0].blocks_per_request:,} block{'s' if gs[0].blocks_per_request > 1 else ''}"
+        for kind, gs in kinds.items()
+    )
+    console.print(
+        f"  vLLM pool: num_gpu_blocks {v.num_blocks:,} = KV budget // {v.bytes_per_block:,} B ({v.group_size} layers x "
+        f"{v.page_bytes:,} B pages); per request of {n:,} tokens: {per_kind} = {v.blocks_per_request:,} blocks",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if not v.starts:
         console.print(
-            f"  vLLM pool: {v.group_size} tensors of {v.num_blocks:,} pages of {v.page_bytes:,} B; {v.num_groups} groups "
-            f"of {v.group_size} layers (state groups take {state_blocks} block{'s' if state_blocks > 1 else ''} per request); "
-            f"tokens = {v.num_blocks:,} // {v.num_groups} x {v.token_block_size:,}; "
-            f"{v.blocks_per_request:,} blocks per request",
-            style="dim",
+            f"vLLM {VLLM_VERSION} would refuse to start: one request of {n:,} tokens needs {v.blocks_per_request:,} blocks "
+            f"of {v.bytes_per_block:,} B beside the null block (lower --context or add memory)",
             highlight=False,
             soft_wrap=True,
         )
+    if v.hybrid is not None:
         own = f"{cap.own_tokens_block_rounded:,}" if cap.own_tokens_block_rounded is not None else "0"
         console.print(
             f"kvsim's own estimate, whole {report.spec.block_size}-token blocks, each sequence's state once (not paged): {own} tokens, "

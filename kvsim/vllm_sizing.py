@@ -1,48 +1,152 @@
-"""vLLM's start-up arithmetic: the hybrid attention+mamba block-size raise, layer groups, and the two lines
-"GPU KV cache size: N tokens" / "Maximum concurrency for L tokens per request: X.XXx".
+"""vLLM 0.33.0's start-up arithmetic: the hybrid attention+mamba block-size raise, KV cache groups, num_gpu_blocks
+and the line "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx".
 
-Follows vLLM v0.22-v0.24 (vllm/platforms/interface.py `Platform._align_hybrid_block_size`) and main at
-001cabc1 (vllm/v1/core/kv_cache_utils.py, vllm/v1/kv_cache_interface.py). Pure integers, no torch.
+Each step names the vLLM function it follows; pure integers, no torch. `kvsim.conformance.size_check` calls
+those functions themselves and compares.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
-from kvsim.engine.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kvsim.engine.kv_cache_spec import KVCacheSpec
 from kvsim.errors import KvsimError
+from kvsim.models import LayerKind, ModelSpec
 from kvsim.sizing import cdiv, positive_int
 
+VLLM_VERSION = "0.33.0"
 # The smallest kernel block of vLLM's default attention backends on Hopper/Ampere: FlashAttention supports
 # any multiple of 16, FlashInfer 16/32/64. vLLM aligns the raised hybrid block size to it.
 DEFAULT_KERNEL_BLOCK_SIZE = 16
-# vLLM's `mamba_cache_mode`: "none" without prefix caching (its default for hybrid models, whose
-# `is_prefix_caching_supported` is False), "align" with prefix caching on a model without mamba prefix caching.
+# MLA decode kernels need the hybrid block in multiples of 128 (`Platform._align_hybrid_block_size`).
+MLA_HYBRID_ALIGNMENT = 128
+# vLLM's `mamba_cache_mode`: "none" (prefix caching off), "align" (prefix caching on: `vllm serve`'s default
+# for hybrid models in 0.33, see `MambaModelConfig.verify_and_update_config`).
 MAMBA_CACHE_MODES = ("none", "align")
 # vLLM pads layer groups to the largest type's layer count when it is within this factor of the smallest's.
 _GROUP_SIZE_SLACK = 1.5
 
 
 @dataclass(frozen=True)
+class VllmSettings:
+    """The vLLM engine settings its KV cache sizing depends on (`vllm serve`'s defaults)."""
+
+    max_num_batched_tokens: int = 8192
+    async_scheduling: bool = True  # on by default in 0.33; --no-async-scheduling turns it off
+    kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE
+    mamba_cache_mode: str = "none"
+    # align mode only: the token alignment of the state checkpoints every state layer exports from inside a
+    # prefill (`get_mamba_prefill_checkpoint_alignment`); 0 when some layer exports none. vLLM 0.33's gated
+    # delta net layers export them with FlashInfer's GDN prefill (Hopper; Blackwell with CUDA 13): 64.
+    mamba_checkpoint_alignment: int = 0
+
+    def __post_init__(self) -> None:
+        positive_int(self.max_num_batched_tokens, "--max-num-batched-tokens")
+        positive_int(self.kernel_block_size, "--kernel-block-size")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise KvsimError(
+                f"expected one of {', '.join(MAMBA_CACHE_MODES)}, got {self.mamba_cache_mode!r}", field="--mamba-cache-mode"
+            )
+        if self.mamba_checkpoint_alignment:
+            positive_int(self.mamba_checkpoint_alignment, "--mamba-checkpoint-alignment")
+            if self.mamba_cache_mode != "align":
+                raise KvsimError("state checkpoints exist only with --mamba-cache-mode align", field="--mamba-checkpoint-alignment")
+
+    @property
+    def mamba_state_blocks(self) -> int:
+        """`MambaSpec.max_memory_usage_bytes` in pages: the running state, in align mode the cached one too,
+        and a prefill checkpoint block where the layers export checkpoints (no speculative blocks)."""
+        if self.mamba_cache_mode != "align":
+            return 1
+        return 2 + (1 if self.mamba_checkpoint_alignment else 0)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """`VllmConfig.max_concurrent_batches` without pipeline parallelism: 2 batches overlap with async scheduling."""
+        return 2 if self.async_scheduling else 1
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """`VllmConfig.max_in_flight_tokens`: tokens scheduled but not yet settled, which a window keeps alive."""
+        return self.max_concurrent_batches * self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class VllmLayer:
+    """One layer as vLLM's KV cache spec sees it, on one TP rank (equal layers share a group)."""
+
+    kind: str  # "full", "mla", "sliding", "chunked" or "state": a key of _BLOCKS_PER_REQUEST
+    bytes_per_token: int = 0  # per-token kinds: one token of this layer
+    window: int | None = None  # sliding: the window; chunked: attention_chunk_size
+    state_bytes: int = 0  # state: the whole state of one request, before padding
+
+
+# kvsim's layer kinds (LayerKind values) as vLLM's KV cache spec kinds; None: the layer has no KV cache spec.
+_VLLM_KIND: dict[str, str | None] = {
+    "full": "full",  # FullAttentionSpec
+    "mla": "mla",  # MLAAttentionSpec
+    "sliding": "sliding",  # SlidingWindowSpec
+    "chunked": "chunked",  # ChunkedLocalAttentionSpec (0.33 keeps the hybrid manager on for it by default)
+    "linear-state": "state",  # MambaSpec
+    "none": None,  # no cache (MLP-only layers, KV read from another layer)
+}
+
+
+def vllm_layers(model: ModelSpec, spec: KVCacheSpec, tp: int = 1) -> tuple[VllmLayer, ...]:
+    """kvsim's layer list as vLLM's per-layer specs (the spec gives the dtypes kvsim sized with).
+
+    A layer kind this table does not know, or one it cannot reproduce exactly (an MLA layer with a sparse
+    indexer cache, state layers of different shapes in mixed dtypes), is a KvsimError: vLLM's arithmetic for
+    it is not modelled, and no number is printed for it.
+    """
+    states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+    state_bytes = iter(_state_bytes_per_layer(states, spec.state_bytes_per_sequence, tp))
+    out = []
+    for layer in model.layers:
+        kind = _VLLM_KIND.get(layer.kind.value, "?")
+        if kind == "?" or getattr(layer, "index_bytes", 0):
+            what = "indexer caches" if kind != "?" else f"{layer.kind.value!r} layers"
+            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {what} is not modelled", field="layers")
+        if kind == "state":
+            out.append(VllmLayer("state", state_bytes=next(state_bytes)))
+        elif kind is not None:
+            out.append(VllmLayer(kind, layer.elements_per_token(tp) * spec.dtype_bytes, window=layer.window))
+    return tuple(out)
+
+
+def _state_bytes_per_layer(states: list, total: int, tp: int) -> list[int]:
+    """Each state layer's bytes on one rank: equal layers share the spec's total; unequal ones need one dtype
+    for every element (the total a whole multiple of the elements), else a KvsimError."""
+    if not states:
+        return []
+    if len(set(states)) == 1 and total % len(states) == 0:
+        return [total // len(states)] * len(states)
+    elements = [layer.state_elements_per_rank(tp) for layer in states]
+    if total % sum(elements):
+        raise KvsimError(f"vLLM {VLLM_VERSION}'s arithmetic for unequal state layers in mixed dtypes is not modelled", field="layers")
+    return [n * (total // sum(elements)) for n in elements]
+
+
+@dataclass(frozen=True)
 class HybridPages:
     """How vLLM puts constant state pages and per-token attention pages in one pool of equal pages.
 
-    vLLM raises the attention `block_size` to the smallest multiple of the kernel alignment whose page
-    (block_size x bytes per token of one attention layer) holds one layer's state, then pads the state page
-    to exactly that page. The alignment is max(backend's smallest kernel block, the block size asked for),
-    so a larger --block-size becomes the unit the raise counts in.
+    `Platform._align_hybrid_block_size`: vLLM raises the attention `block_size` to the smallest multiple of
+    the alignment whose page (block_size x one attention layer's bytes per token) holds one layer's state,
+    then pads the state page to exactly that page. The alignment is max(backend's smallest kernel block,
+    the block size asked for), at least 128 for MLA models, and in align mode a multiple of the state layers'
+    prefill checkpoint alignment.
     """
 
     requested_block_size: int  # --block-size (vLLM's default 16 when not given)
     kernel_block_size: int  # the backend's smallest kernel block
+    alignment: int  # the unit the raise counts in
     block_size: int  # vLLM's block_size for this model, after the raise
     attention_bytes_per_token: int  # one token of one attention layer, this rank
-    state_page_bytes: int  # one state layer's whole state, this rank, before padding
+    state_page_bytes: int  # one state layer's whole state (the largest), this rank, before padding
     mamba_cache_mode: str = "none"
-
-    @property
-    def alignment(self) -> int:
-        return max(self.kernel_block_size, self.requested_block_size)
 
     @property
     def raised(self) -> bool:
@@ -59,157 +163,197 @@ class HybridPages:
         return 100 * (self.page_bytes - self.state_page_bytes) / self.state_page_bytes
 
 
-def _check_options(kernel_block_size: int, mamba_cache_mode: str) -> None:
-    positive_int(kernel_block_size, "--kernel-block-size")
-    if mamba_cache_mode not in MAMBA_CACHE_MODES:
-        raise KvsimError(f"expected one of {', '.join(MAMBA_CACHE_MODES)}, got {mamba_cache_mode!r}", field="--mamba-cache-mode")
+def hybrid_pages(layers: tuple[VllmLayer, ...], block_size: int, settings: VllmSettings = VllmSettings()) -> HybridPages | None:
+    """vLLM's raised block size and padded state page; None without both state and per-token layers.
 
-
-def _bytes_per_layer(total: int, group: KVCacheGroupSpec) -> int | None:
-    return total // group.num_layers if total % group.num_layers == 0 else None
-
-
-def _attention_bytes_per_token(spec: KVCacheSpec) -> int | None:
-    """Bytes one token adds to one per-token layer, when every per-token layer agrees (vLLM's uniform page)."""
-    sizes = {_bytes_per_layer(g.bytes_per_token, g) for g in spec.groups if g.kind != "state"}
-    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
-
-
-def hybrid_pages(
-    spec: KVCacheSpec,
-    *,
-    kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE,
-    mamba_cache_mode: str = "none",
-) -> HybridPages | None:
-    """vLLM's block size and page sizes for a model with state layers; None without state or per-token layers.
-
-    Also None where vLLM's arithmetic does not apply as modelled: per-token layers of different page sizes,
-    or state layers of different sizes.
+    State layers of different sizes: the largest sets the raise (vLLM's `get_mamba_specs_from_config`
+    models) and every state page is padded to the attention page.
     """
-    _check_options(kernel_block_size, mamba_cache_mode)
-    states = [g for g in spec.groups if g.kind == "state"]
-    per_token = _attention_bytes_per_token(spec)
-    if not states or per_token is None:
+    positive_int(block_size, "--block-size")
+    states = [layer.state_bytes for layer in layers if layer.kind == "state"]
+    attention = [layer for layer in layers if layer.kind != "state"]
+    if not states or not attention:
         return None
-    state_pages = {_bytes_per_layer(g.state_bytes, g) for g in states}
-    if len(state_pages) != 1 or None in state_pages:
-        return None
-    state_page = state_pages.pop()
-    align = max(kernel_block_size, spec.block_size)
-    # the smallest multiple of `align` tokens whose page holds one state page; vLLM only ever raises
-    # block_size (with align >= block_size this never keeps a smaller one, but says what vLLM does)
-    block_size = max(spec.block_size, align * cdiv(state_page, align * per_token))
+    state_page = max(states)
+    per_token = attention[0].bytes_per_token  # vLLM: the model's head size and KV heads, i.e. the first layer's
+    align = max(settings.kernel_block_size, block_size)
+    if any(layer.kind == "mla" for layer in attention):
+        align = max(align, MLA_HYBRID_ALIGNMENT)
+    if settings.mamba_cache_mode == "align" and settings.mamba_checkpoint_alignment:
+        align = math.lcm(align, settings.mamba_checkpoint_alignment)
+    raised = align * cdiv(state_page, align * per_token)
+    raised = settings.kernel_block_size * cdiv(raised, settings.kernel_block_size)  # every backend's kernel block
     return HybridPages(
-        requested_block_size=spec.block_size,
-        kernel_block_size=kernel_block_size,
-        block_size=block_size,
+        requested_block_size=block_size,
+        kernel_block_size=settings.kernel_block_size,
+        alignment=align,
+        block_size=max(block_size, raised),  # vLLM only ever raises block_size
         attention_bytes_per_token=per_token,
         state_page_bytes=state_page,
-        mamba_cache_mode=mamba_cache_mode,
+        mamba_cache_mode=settings.mamba_cache_mode,
     )
+
+
+# Blocks one request of max_model_len tokens holds in a group of this kind: cdiv(the spec's
+# `max_memory_usage_bytes`, its `page_size_bytes`) in vllm/v1/kv_cache_interface.py. New kinds slot in here.
+BlocksPerRequest = Callable[[VllmLayer, int, int, VllmSettings], int]
+_BLOCKS_PER_REQUEST: dict[str, BlocksPerRequest] = {
+    # FullAttentionSpec / MLAAttentionSpec: every token
+    "full": lambda layer, block_size, max_len, s: cdiv(max_len, block_size),
+    "mla": lambda layer, block_size, max_len, s: cdiv(max_len, block_size),
+    # SlidingWindowSpec.max_admission_blocks_per_request: the window, the in-flight tokens, +1 for a window
+    # that does not start on a block boundary
+    "sliding": lambda layer, block_size, max_len, s: cdiv(min(layer.window - 1 + s.max_in_flight_tokens, max_len), block_size) + 1,
+    # ChunkedLocalAttentionSpec.max_admission_blocks_per_request: one chunk and the in-flight tokens
+    "chunked": lambda layer, block_size, max_len, s: cdiv(min(layer.window + s.max_in_flight_tokens, max_len), block_size),
+    # MambaSpec: one state (none); the running and the cached state, and a checkpoint block (align)
+    "state": lambda layer, block_size, max_len, s: s.mamba_state_blocks,
+}
+
+
+@dataclass(frozen=True)
+class VllmGroup:
+    """One of vLLM's KV cache groups: layers of one kind sharing a block table."""
+
+    kind: str
+    num_layers: int  # real layers; a group with fewer than group_size holds padding
+    block_size: int  # tokens per block (a state group's: mamba_block_size)
+    page_bytes: int  # one block of one layer (padded)
+    blocks_per_request: int  # a request of max_model_len tokens
 
 
 @dataclass(frozen=True)
 class VllmStartup:
-    """vLLM's block pool for a model and budget, and the two lines it logs at start-up."""
+    """vLLM's KV cache config for a model and budget, and the line it logs at start-up."""
 
-    page_bytes: int  # one block of one layer (every layer's page is equal)
-    block_size: int  # tokens per attention block
-    group_size: int  # layers per group: the pool is `group_size` tensors of num_blocks pages
-    num_groups: int  # groups, padding included; one block id spans one layer of every group
-    num_blocks: int
-    token_block_size: int  # the smallest block_size of any group (a state group's is max_model_len)
-    blocks_per_request: int  # blocks one request of max_model_len tokens needs, all groups
+    groups: tuple[VllmGroup, ...]
+    group_size: int  # layers per group (the pool: group_size tensors, one block id spans each group)
+    bytes_per_block: int  # one block id across a group's layers: num_blocks = budget // bytes_per_block
+    num_blocks: int  # num_gpu_blocks (the null block included)
+    budget_bytes: int
+    max_model_len: int
+    settings: VllmSettings
     hybrid: HybridPages | None = None
 
     @property
-    def tokens(self) -> int:
-        """'GPU KV cache size: N tokens'."""
-        return self.num_blocks // self.num_groups * self.token_block_size
+    def block_size(self) -> int:
+        """`cache_config.block_size` after start-up: the smallest group block size."""
+        return min(g.block_size for g in self.groups)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.groups[0].page_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks one request of max_model_len tokens needs, summed over groups (they share one pool)."""
+        return sum(g.blocks_per_request for g in self.groups)
 
     @property
     def concurrency(self) -> float:
-        """'Maximum concurrency for L tokens per request: X.XXx'."""
+        """`get_max_concurrency_for_kv_cache_config`: 'Maximum concurrency for L tokens per request: X.XXx'."""
         return self.num_blocks / self.blocks_per_request
+
+    @property
+    def tokens(self) -> int:
+        """`get_kv_cache_capacity`: 'GPU KV cache size: N tokens' = int(concurrency x max_model_len)."""
+        return int(self.concurrency * self.max_model_len)
+
+    @property
+    def starts(self) -> bool:
+        """`_check_enough_kv_cache_memory`: one request of max_model_len fits beside the null block, else vLLM refuses to start."""
+        return self.bytes_per_block * self.blocks_per_request <= self.budget_bytes - self.bytes_per_block
+
+
+def _layer_pages(layers, block_size: int, hybrid: HybridPages | None) -> list[tuple[int, int]] | None:
+    """(block_size, page bytes) per layer after `unify_kv_cache_spec_page_size`; None where vLLM cannot unify.
+
+    A smaller attention page whose size divides the largest gets a proportionally larger block; a state page
+    or a non-MLA attention page that does not divide it is padded; an MLA page that does not divide it fails.
+    """
+    raw = [(block_size, layer.bytes_per_token * block_size if layer.kind != "state" else hybrid.page_bytes) for layer in layers]
+    largest = max(page for _, page in raw)
+    out = []
+    for layer, (bs, page) in zip(layers, raw):
+        if page == largest or layer.kind == "state":
+            out.append((bs, largest))
+        elif largest % page == 0:
+            out.append((bs * (largest // page), largest))
+        elif layer.kind != "mla":
+            out.append((bs, largest))  # padded page
+        else:
+            return None
+    return out
 
 
 def vllm_startup(
-    spec: KVCacheSpec,
+    layers: tuple[VllmLayer, ...],
     budget_bytes: int,
     max_model_len: int,
-    max_num_batched_tokens: int = 8192,
-    *,
-    kernel_block_size: int = DEFAULT_KERNEL_BLOCK_SIZE,
-    mamba_cache_mode: str = "none",
+    block_size: int = 16,
+    settings: VllmSettings = VllmSettings(),
 ) -> VllmStartup | None:
-    """vLLM's pool and start-up lines (vllm/v1/core/kv_cache_utils.py), or None where kvsim cannot follow it.
+    """vLLM's groups, num_gpu_blocks and start-up line (vllm/v1/core/kv_cache_planning.py), or None where not followed.
 
-    Layers of one type form groups of `group_size` layers (the smallest type's layer count, or the largest's
-    when within 1.5x); a type whose count is not a multiple is padded. Every layer's page is equal (state
-    pages padded up to the raised attention page), so the pool is `group_size` tensors and one block id
-    spans one layer of every group:
+    Equal layers form a bucket; each bucket splits into groups of `group_size` layers (the smallest bucket's
+    count, or the largest's when within 1.5x), the last one padded (`_get_kv_cache_groups_uniform_page_size`).
+    Every page is equal, so the pool is group_size tensors and one block id spans one layer of every group:
 
         qwen3-next-80b-a3b, 12 full + 36 state layers, group_size 12 -> 1 full group + 3 state groups
 
-        tensor 0  [ full.0  | state.0  | state.1  | state.2  ]   each tensor: num_blocks pages of
-        tensor 1  [ full.1  | state.3  | state.4  | state.5  ]   page_bytes; a block id is one page in
+        tensor 0  [ full.0  | state.0  | state.3  | state.6  ]   each tensor: num_blocks pages of
+        tensor 1  [ full.1  | state.1  | state.4  | state.7  ]   page_bytes; a block id is one page in
           ...                                                     every tensor, owned by one group
-        tensor 11 [ full.11 | state.33 | state.34 | state.35 ]
+        tensor 11 [ full.11 | state.32 | state.33 | state.35 ]
 
-        num_blocks  = budget // page // 12
-        tokens      = num_blocks // 4 groups x min(block_size, max_model_len)
+        num_blocks  = budget // (12 x page)                     (`get_kv_cache_configs`)
         concurrency = num_blocks / (cdiv(len, block_size) + 3 x 1)   (a state group: 1 block a request)
-
-    A sliding group needs cdiv(min(window - 1 + max_num_batched_tokens, len), block_size) + 1 blocks; a
-    state group 1 block with mamba_cache_mode "none", 2 with "align" (prefix caching).
+        tokens      = int(concurrency x len)                    (`get_kv_cache_capacity`)
     """
-    positive_int(max_num_batched_tokens, "--max-num-batched-tokens")
     positive_int(max_model_len, "--context")
-    _check_options(kernel_block_size, mamba_cache_mode)
-    per_token = _attention_bytes_per_token(spec)
-    if per_token is None:
+    positive_int(block_size, "--block-size")
+    if not layers:
         return None
     hybrid = None
-    if any(g.kind == "state" for g in spec.groups):
-        hybrid = hybrid_pages(spec, kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode)
+    if any(layer.kind == "state" for layer in layers):
+        hybrid = hybrid_pages(layers, block_size, settings)
         if hybrid is None:
             return None
-    bs = hybrid.block_size if hybrid else spec.block_size
-    page = per_token * bs
-    counts = [g.num_layers for g in spec.groups]
+        block_size = hybrid.block_size
+    pages = _layer_pages(layers, block_size, hybrid)
+    if pages is None:
+        return None
+    buckets: dict[tuple, list[int]] = {}  # equal specs, first-seen order
+    for i, (layer, (bs, page)) in enumerate(zip(layers, pages)):
+        buckets.setdefault((layer, bs, page), []).append(i)
+    counts = [len(members) for members in buckets.values()]
     group_size = min(counts)
     if max(counts) < group_size * _GROUP_SIZE_SLACK:
         group_size = max(counts)
-    num_groups = blocks_per_request = 0
-    for g in spec.groups:
-        if g.kind == "sliding":
-            blocks = cdiv(min(g.window - 1 + max_num_batched_tokens, max_model_len), bs) + 1
-        elif g.kind == "state":
-            blocks = 2 if mamba_cache_mode == "align" else 1
-        else:
-            blocks = cdiv(max_model_len, bs)
-        num_groups += cdiv(g.num_layers, group_size)
-        blocks_per_request += cdiv(g.num_layers, group_size) * blocks
-    # a state group's block_size is mamba_block_size: max_model_len ("none") or the attention block ("align")
-    token_block = min(bs, max_model_len) if hybrid and mamba_cache_mode == "none" else bs
+    groups, widest = [], 0
+    for (layer, bs, page), members in buckets.items():
+        if layer.kind not in _BLOCKS_PER_REQUEST:
+            raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {layer.kind!r} layers is not modelled", field="layers")
+        n = cdiv(len(members), group_size)
+        if layer.kind == "state":  # mamba_block_size: max_model_len without prefix caching, the attention block with
+            bs = bs if settings.mamba_cache_mode == "align" else max_model_len
+        blocks = _BLOCKS_PER_REQUEST[layer.kind](layer, bs, max_model_len, settings)
+        for i in range(n):
+            size = len(members[i::n])  # vLLM deals layers round-robin: layers[i::num_groups]
+            widest = max(widest, size)
+            groups.append(VllmGroup(layer.kind, size, bs, page, blocks))
+    bytes_per_block = widest * groups[0].page_bytes
     return VllmStartup(
-        page_bytes=page,
-        block_size=bs,
+        groups=tuple(groups),
         group_size=group_size,
-        num_groups=num_groups,
-        num_blocks=budget_bytes // page // group_size,
-        token_block_size=token_block,
-        blocks_per_request=blocks_per_request,
+        bytes_per_block=bytes_per_block,
+        num_blocks=budget_bytes // bytes_per_block,
+        budget_bytes=budget_bytes,
+        max_model_len=max_model_len,
+        settings=settings,
         hybrid=hybrid,
     )
-
-
-def vllm_kv_cache_size(
-    spec: KVCacheSpec, budget_bytes: int, max_model_len: int, max_num_batched_tokens: int = 8192, **options
-) -> tuple[int, float] | None:
-    """vLLM's two start-up numbers, (GPU KV cache size in tokens, maximum concurrency), or None.
-
-    `options` are `vllm_startup`'s: kernel_block_size, mamba_cache_mode.
-    """
-    startup = vllm_startup(spec, budget_bytes, max_model_len, max_num_batched_tokens, **options)
-    return None if startup is None else (startup.tokens, startup.concurrency)

@@ -168,25 +168,32 @@ def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
     # 16 x 2 x 16 x 128 x 2 = 131,072 B; vLLM groups 10 full + 52 sliding layers as 1 + 6 groups of 10
     args = ["size", "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768"]
     out = cli(args).stdout
-    # num_blocks = 23,290,718,720 // (131,072 x 10) = 17,769; tokens = 17,769 // 7 x 16 = 40,608
-    # per request: cdiv(32768, 16) + 6 x (cdiv(1023 + 8192, 16) + 1) = 2,048 + 6 x 577 = 5,510 blocks
-    assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 3.22x" in out
+    # num_blocks = 23,290,718,720 // (131,072 x 10) = 17,769; async scheduling keeps 2 x 8,192 tokens in flight:
+    # per request cdiv(32,768, 16) + 6 x (cdiv(1023 + 16,384, 16) + 1) = 2,048 + 6 x 1,089 = 8,582 blocks
+    # tokens = int(17,769 / 8,582 x 32,768) = 67,846
+    assert "GPU KV cache size: 67,846 tokens, Maximum concurrency for 32,768 tokens per request: 2.07x" in out
+    assert "(max_num_batched_tokens 8,192, async scheduling)" in out and "6 sliding groups x 1,089 blocks" in out
+    out = cli([*args, "--no-async-scheduling"]).stdout
+    # one batch in flight: 2,048 + 6 x (cdiv(1023 + 8,192, 16) + 1) = 5,510 blocks
+    assert "GPU KV cache size: 105,672 tokens, Maximum concurrency for 32,768 tokens per request: 3.22x" in out
     out = cli([*args, "--max-num-batched-tokens", "2048"]).stdout
-    # 2,048 + 6 x (cdiv(1023 + 2048, 16) + 1) = 2,048 + 6 x 193 = 3,206 blocks: 17,769 / 3,206 = 5.54
-    assert "GPU KV cache size: 40,608 tokens, Maximum concurrency for 32,768 tokens per request: 5.54x" in out
+    # 2,048 + 6 x (cdiv(1023 + 4,096, 16) + 1) = 2,048 + 6 x 321 = 3,974 blocks: 17,769 / 3,974 = 4.47
+    assert "GPU KV cache size: 146,516 tokens, Maximum concurrency for 32,768 tokens per request: 4.47x" in out
+    data = run_json(cli, ["--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768", "--no-async-scheduling"])
+    assert (data["vllm_async_scheduling"], data["vllm_max_in_flight_tokens"], data["vllm_kv_cache_size_tokens"]) == (False, 8192, 105672)
 
 
 def test_hybrid_vllm_settings_from_the_command_line(cli):
     # --kernel-block-size 32: block_size 32 x cdiv(274,432, 32 x 1,024) = 32 x 9 = 288; page 288 x 1,024 = 294,912 B
-    # num_blocks 37,309,411,328 // 294,912 // 12 = 126,509 // 12 = 10,542; tokens 10,542 // 4 x 288 = 758,880
+    # num_blocks 37,309,411,328 // (12 x 294,912) = 10,542
     # --mamba-cache-mode align: each state group takes 2 blocks: cdiv(262,144, 288) + 3 x 2 = 911 + 6 = 917;
-    # 10,542 / 917 = 11.50
+    # 10,542 / 917 = 11.50; tokens int(10,542 / 917 x 262,144) = 3,013,655
     out = cli(["size", "-m", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4", "--kernel-block-size", "32",
                "--mamba-cache-mode", "align"]).stdout  # fmt: skip
     assert "vLLM block_size for this model: 288 tokens (raised from --block-size 16, in multiples of 32" in out
-    assert "attention kernel block 32 (--kernel-block-size), prefix caching on (mamba_cache_mode align)" in out
-    assert "GPU KV cache size: 758,880 tokens, Maximum concurrency for 262,144 tokens per request: 11.50x" in out
-    assert "state groups take 2 blocks per request" in out and "917 blocks per request" in out
+    assert "attention kernel block 32 (--kernel-block-size), prefix caching on (mamba_cache_mode align" in out
+    assert "GPU KV cache size: 3,013,655 tokens, Maximum concurrency for 262,144 tokens per request: 11.50x" in out
+    assert "3 state groups x 2 blocks; 1 full group x 911 blocks = 917 blocks" in out
     for args, line in ((["--mamba-cache-mode", "all"], "--mamba-cache-mode: expected one of none, align, got 'all'"),
                        (["--kernel-block-size", "0"], "--kernel-block-size: must be a positive integer, got 0")):  # fmt: skip
         result = cli(["size", "-m", "qwen3-next-80b-a3b", *args])
@@ -196,23 +203,24 @@ def test_hybrid_vllm_settings_from_the_command_line(cli):
 def test_hybrid_state_model_prints_vllms_lines_and_its_raised_block_size(cli):
     # Was "not modelled" (kvsim's own estimate): vLLM's arithmetic is now followed for state layers too.
     # qwen3-next-80b-a3b on an H100 at tp 4: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks
-    # 37,309,411,328 // 278,528 // 12 = 11,162; tokens 11,162 // 4 x 272; 11,162 / (964 + 3) = 11.54
+    # 37,309,411,328 // (12 x 278,528) = 11,162; 11,162 / (964 + 3) = 11.54; tokens int(11.54... x 262,144)
     # (each step in tests/test_vllm_sizing.py)
     out = cli(["size", "--model", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4"]).stdout
     assert "vLLM block_size for this model: 272 tokens (raised from --block-size 16" in out
     assert "state page padded to 278,528 B (+1.49%)" in out
-    assert "block_size 272): GPU KV cache size: 758,880 tokens, Maximum concurrency for 262,144 tokens per request: 11.54x" in out
+    assert "block_size 272): GPU KV cache size: 3,025,906 tokens, Maximum concurrency for 262,144 tokens per request: 11.54x" in out
     assert "prefix caching off (mamba_cache_mode none" in out and "attention kernel block 16" in out
     assert "kvsim's own estimate, whole 16-token blocks" in out and "not modelled" not in out
     data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"])
     assert data["block_rounded_is_vllm_exact"] is True
     # tp 2: 2 (K, V) x 1 head x 256 x 2 B = 1,024 B per token per layer; state 1,097,728 / 2 = 548,864 B:
     # 16 x cdiv(548,864, 16,384) = 16 x 34 (33.5 rounds up) = 544; page 544 x 1,024 = 557,056 B
-    # budget 136,257,837,465 - 80,000,000,000 = 56,257,837,465; num_blocks = 100,991 pages // 12 = 8,415
+    # budget 136,257,837,465 - 80,000,000,000 = 56,257,837,465; num_blocks = 56,257,837,465 // (12 x 557,056) = 8,415
     assert (data["vllm_block_size"], data["vllm_state_page_bytes"], data["vllm_state_page_padded_bytes"]) == (544, 548864, 557056)
-    assert data["vllm_num_blocks"] == 8415 and data["max_tokens_block_rounded"] == 8415 // 4 * 544 == 1144032
     # per request: cdiv(262,144, 544) = 482 + 3 state groups = 485 blocks
-    assert data["max_sequences_block_rounded"] == round(8415 / (cdiv(262144, 544) + 3), 4) == 17.3505
+    assert data["vllm_num_gpu_blocks"] == 8415 and data["vllm_blocks_per_request"] == cdiv(262144, 544) + 3
+    assert data["max_sequences_block_rounded"] == round(8415 / 485, 4) == 17.3505
+    assert data["max_tokens_block_rounded"] == data["vllm_kv_cache_size_tokens"] == int(8415 / 485 * 262144) == 4548333
     assert run_json(cli, ["--model", "gemma-3-27b", "--gpu", "h200"])["block_rounded_is_vllm_exact"] is True
 
 
@@ -241,15 +249,15 @@ BAMBA_9B = {  # ibm-ai-platform/Bamba-9B
 
 def test_jamba_and_bamba_configs_print_vllms_lines(cli, tmp_path):
     # Jamba-v0.1, tp 2: block 16 x cdiv(155,648, 32,768) = 80; num_blocks (77,309,411,328 - 51.6e9) // 163,840 // 4
-    # = 39,229; tokens 39,229 // 8 groups x 80 = 392,240; 39,229 / (3,277 + 7) = 11.95
+    # = 39,229; 39,229 / (3,277 + 7) = 11.95; tokens int(11.95... x 262,144) = 3,131,439
     out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--params", "51.6e9", "--gpu", "h100-80gb", "--tp", "2"]).stdout
     assert "vLLM block_size for this model: 80 tokens" in out and "(+5.26%)" in out
-    assert "GPU KV cache size: 392,240 tokens, Maximum concurrency for 262,144 tokens per request: 11.95x" in out
+    assert "GPU KV cache size: 3,131,439 tokens, Maximum concurrency for 262,144 tokens per request: 11.95x" in out
     # Bamba-9B, tp 1, 4,096 tokens: block 16 x cdiv(2,147,840, 65,536) = 528; num_blocks (77,309,411,328 - 19.56e9)
-    # // 2,162,688 // 3 = 8,900; tokens 8,900 // 11 groups x 528 = 427,152; 8,900 / (8 + 10) = 494.44
+    # // (3 x 2,162,688) = 8,900; 8,900 / (8 + 10) = 494.44; tokens int(494.44... x 4,096) = 2,025,244
     out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--params", "9.78e9", "--gpu", "h100-80gb", "--context", "4096"]).stdout
     assert "vLLM block_size for this model: 528 tokens" in out and "(+0.69%)" in out
-    assert "GPU KV cache size: 427,152 tokens, Maximum concurrency for 4,096 tokens per request: 494.44x" in out
+    assert "GPU KV cache size: 2,025,244 tokens, Maximum concurrency for 4,096 tokens per request: 494.44x" in out
 
 
 def test_real_falcon_and_gemma3_configs_through_the_cli(cli, tmp_path):
@@ -275,3 +283,13 @@ def test_models_table_on_an_80_column_terminal_keeps_kv_heads_and_head_dim(cli, 
     assert "1x576" in row and "70,272" in row
     row = next(line for line in out.splitlines() if line.split() and line.split()[0] == "gemma-3-27b")
     assert "16x128" in row
+
+
+def test_vllm_settings_errors_and_a_refused_start_through_the_cli(cli):
+    result = cli(["size", "-m", "qwen3-next-80b-a3b", "--mamba-checkpoint-alignment", "64"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "kvsim: error: --mamba-checkpoint-alignment: state checkpoints exist only with --mamba-cache-mode align"
+    # llama-3.1-70b at tp 2 on an H100: 2,577 blocks of 2,621,440 B; one 131,072-token request needs 8,192
+    out = cli(["size", "-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"]).stdout
+    assert "vLLM 0.33.0 would refuse to start: one request of 131,072 tokens needs 8,192 blocks of 2,621,440 B" in out
+    assert run_json(cli, ["-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"])["vllm_starts"] is False

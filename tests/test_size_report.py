@@ -8,6 +8,7 @@ from kvsim.catalogue import resolve_model
 from kvsim.errors import KvsimError
 from kvsim.size_report import capacity, size_report
 from kvsim.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+from kvsim.vllm_sizing import VllmSettings, vllm_layers
 
 GiB = 2**30
 
@@ -18,9 +19,9 @@ def test_capacity_matches_vllm_for_a_uniform_model():
     spec = kv_cache_spec(model)
     budget = kv_budget_bytes(80 * GiB, utilization=0.9, weight_bytes=weight_bytes(model))
     assert budget == 76117311488
-    cap = capacity(spec, budget, 40960)
+    cap = capacity(spec, budget, 40960, vllm_layers(model, spec))
     assert cap.max_tokens == 663690  # budget // 114688
-    assert cap.max_tokens_block_rounded == 41480 * 16 == 663680
+    assert cap.max_tokens_block_rounded == int(41480 / 2560 * 40960) == 663680
     assert cap.max_sequences_block_rounded == 41480 / 2560 == 16.203125  # 41,480 blocks of 1,835,008 B
     assert cap.max_sequences == pytest.approx(76117311488 / (114688 * 40960))
     assert cap.max_sequences_uncapped == cap.max_sequences
@@ -38,14 +39,17 @@ def test_capacity_of_a_sliding_model_counts_capped_sequences():
 
 def test_capacity_of_a_hybrid_state_model_is_vllms_with_kvsims_own_beside_it():
     """qwen3-next-80b-a3b, tp 1, 20 GiB, 32,768 tokens (arithmetic in test_vllm_sizing.py's layout)."""
-    spec = kv_cache_spec(resolve_model("qwen3-next-80b-a3b"))
-    cap = capacity(spec, 20 * GiB, 32768)
-    assert cap.vllm_exact and cap.vllm.block_size == 544
-    # page 544 x 2,048 = 1,114,112 B; num_blocks = 21,474,836,480 // 1,114,112 // 12 = 19,275 // 12 = 1,606
+    model = resolve_model("qwen3-next-80b-a3b")
+    spec = kv_cache_spec(model)
+    cap = capacity(spec, 20 * GiB, 32768, vllm_layers(model, spec))
+    assert cap.vllm_exact and cap.vllm.hybrid.block_size == 544
+    # page 544 x 2,048 = 1,114,112 B; num_blocks = 21,474,836,480 // (12 x 1,114,112) = 1,606
     assert cap.vllm.num_blocks == 1606
-    # tokens = 1,606 // 4 groups x 544 = 401 x 544; per request cdiv(32,768, 544) = 61 + 3 state groups = 64
-    assert cap.max_tokens_block_rounded == 401 * 544 == 218144
+    # per request cdiv(32,768, 544) = 61 + 3 state groups = 64 blocks; tokens = int(1,606 / 64 x 32,768)
     assert cap.max_sequences_block_rounded == 1606 / 64
+    assert cap.max_tokens_block_rounded == 822272
+    # without vLLM's per-layer view, kvsim's own whole-block figures stand in
+    assert not capacity(spec, 20 * GiB, 32768).vllm_exact
     # kvsim's own: whole 16-token blocks of 393,216 B, a sequence 2,048 blocks + its 39,518,208 B of state
     assert cap.own_tokens_block_rounded == (20 * GiB // 393216) * 16
     assert cap.own_sequences_block_rounded == (20 * GiB // 393216) * 393216 / (2048 * 393216 + 39518208)
@@ -59,9 +63,12 @@ def test_size_report_defaults_to_max_model_len_and_json_keys():
     for key in ("model", "kv_dtype", "kv_bytes_per_token", "full_attention_bytes_per_token", "sliding_window_bytes_per_token",
                 "sliding_window_cap_bytes_per_sequence", "state_bytes_per_sequence", "block_size", "block_bytes",
                 "context_tokens", "bytes_per_sequence", "tp", "kv_budget_bytes", "max_tokens", "max_sequences",
-                "vllm_num_blocks", "vllm_num_groups", "vllm_group_size", "vllm_blocks_per_request"):
+                "vllm_version", "vllm_num_gpu_blocks", "vllm_kv_cache_size_tokens", "vllm_max_concurrency", "vllm_num_groups",
+                "vllm_group_size", "vllm_blocks_per_request", "vllm_groups", "vllm_async_scheduling", "vllm_max_in_flight_tokens"):
         assert key in out, key
     assert "vllm_block_size" not in out  # only models with state layers have a raised block size
+    assert (out["vllm_version"], out["vllm_max_in_flight_tokens"]) == ("0.33.0", 2 * 8192)
+    assert out["vllm_groups"] == [{"kind": "full", "num_layers": 32, "block_size": 16, "page_bytes": 65536, "blocks_per_request": 8192}]
     assert "kv_budget_bytes" not in size_report(resolve_model("llama-3.1-8b")).as_json()
 
 
@@ -71,7 +78,7 @@ def test_hybrid_json_names_vllms_block_size_and_padded_state_page_even_without_a
     assert (out["vllm_block_size"], out["vllm_block_size_raised"], out["vllm_kernel_block_size"]) == (272, True, 16)
     assert (out["vllm_state_page_bytes"], out["vllm_state_page_padded_bytes"]) == (274432, 278528)
     assert out["vllm_mamba_cache_mode"] == "none"
-    aligned = size_report(resolve_model("qwen3-next-80b-a3b"), tp=4, kernel_block_size=32, mamba_cache_mode="align")
+    aligned = size_report(resolve_model("qwen3-next-80b-a3b"), tp=4, settings=VllmSettings(kernel_block_size=32, mamba_cache_mode="align"))
     assert (aligned.hybrid.block_size, aligned.as_json()["vllm_mamba_cache_mode"]) == (288, "align")
 
 
