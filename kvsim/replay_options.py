@@ -64,9 +64,14 @@ class ReplayContext:
     seed: int
 
     def spec(self, block_size: int) -> KVCacheSpec:
+        """The model's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
+        sized with the scheduler's token budget and kvsim's synchronous scheduling."""
         from kvsim.sizing import kv_cache_spec
+        from kvsim.vllm_sizing import VllmSettings, with_pool
 
-        return kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+        spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+        settings = VllmSettings(max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, async_scheduling=False)
+        return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings)
 
 
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)
