@@ -32,8 +32,10 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     compact arrays, one row per scheduled row.
 
     `observer(step, now, dt, out, finished, sched, preemptions)`, when given, sees every row after its
-    postprocess (the conformance harness's view; `preemptions` includes those of rounds that computed
-    nothing before it); decode runs are then off, so every row is one step.
+    postprocess (the conformance harness's view): `finished` are the requests that postprocess finished (with
+    async scheduling, by the output of the row before); `preemptions` include those of rounds that computed
+    nothing before it. With async scheduling it also sees the flush of the last row's output (`out` None).
+    Decode runs are off with an observer, so every row is one step.
     """
     from kvsim.requests import make_token_ids
 
@@ -75,6 +77,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         preemption=sc.preemption,
         swap_space_bytes=sc.swap_space_bytes,
         reserve_full_isl=sc.scheduler_reserve_full_isl,
+        async_scheduling=sc.async_scheduling,
         cache=cache,
         roofline=ctx.roofline,
         allow_runs=options.timing == "roofline" and observer is None,
@@ -96,9 +99,22 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     arrivals = [r.arrival_time for r in requests]
     now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
     pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
+    in_flight_start = in_flight_end = 0.0  # async scheduling: when the row whose output is in flight ran
     nan = math.nan
+
+    def finish(seqs, t: float) -> None:
+        nonlocal done
+        for seq in seqs:
+            finished_s[seq.index] = t
+            preemptions[seq.index] = seq.num_preemptions
+            cached_tokens[seq.index] = seq.num_cached_tokens
+            done += 1
+            if cache is not None:
+                cache.forget(seq.seq_id)
     while True:
-        while i < n and arrivals[i] <= now:
+        # Async: the scheduler runs while the row in flight executes, having seen the rows before it only.
+        sched_now = in_flight_start if sched.has_in_flight else now
+        while i < n and arrivals[i] <= sched_now:
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             reason = sched.add_request(seq)
@@ -124,6 +140,13 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         pending_preemptions += len(out.preempted)
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
+            if sched.has_in_flight:  # async: nothing to overlap with the step in flight: its output comes back
+                flushed = sched.flush()
+                if observer is not None:
+                    observer(step, now, 0.0, None, flushed, sched, 0)
+                finish(flushed, in_flight_end)
+                empty_rounds = 0
+                continue
             # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
             empty_rounds += 1
             assert empty_rounds < 3, "the scheduler made no progress"
@@ -174,16 +197,12 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
             if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
                 first_token[seq.index] = now + dt
+        # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
         finished = sched.postprocess(out)
         if observer is not None:
             observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
-        for seq in finished:
-            finished_s[seq.index] = now + dt
-            preemptions[seq.index] = seq.num_preemptions
-            cached_tokens[seq.index] = seq.num_cached_tokens
-            done += 1
-            if cache is not None:
-                cache.forget(seq.seq_id)
+        finish(finished, in_flight_end if sc.async_scheduling else now + dt)
+        in_flight_start, in_flight_end = now, now + dt
         now += dt
         num_rows += 1
         if progress is not None and num_rows % PROGRESS_EVERY == 0:

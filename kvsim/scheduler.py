@@ -45,6 +45,7 @@ class Scheduler:
         preemption: str = "recompute",
         swap_space_bytes: int = 0,
         reserve_full_isl: bool = True,
+        async_scheduling: bool = False,
         cache=None,
         roofline=None,
         allow_runs: bool = True,
@@ -59,10 +60,14 @@ class Scheduler:
         self.preemption = preemption
         self.swap_space_bytes = swap_space_bytes
         self.reserve_full_isl = reserve_full_isl
+        # vLLM's AsyncScheduler under the engine core's batch queue of two: step n + 1 is scheduled before
+        # step n's sampled tokens are processed (`postprocess` keeps one step in flight).
+        self.async_scheduling = async_scheduling
+        self._in_flight: SchedulerOutput | None = None
         self.swap_used_bytes = 0
         self.cache = cache
         self.roofline = roofline
-        self.allow_runs = allow_runs and roofline is not None
+        self.allow_runs = allow_runs and roofline is not None and not async_scheduling
         self.make_token_ids = make_token_ids  # SchedSeq -> (num_final_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
@@ -92,6 +97,8 @@ class Scheduler:
             return (f"prompt of {seq.num_prompt_tokens} tokens leaves no room for an output token within "
                     f"max_model_len {self.max_model_len}")
         seq.set_max_tokens(min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens))
+        if self.async_scheduling:  # prefix caching hashes a block once its tokens are known (sampled)
+            seq.num_known_tokens = seq.num_tokens
         if not self.allocator.can_ever_fit(seq):
             alloc = self.allocator
             needs = f"needs {seq.num_final_tokens} tokens of KV"
@@ -103,7 +110,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped)
+        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None)
+
+    @property
+    def has_in_flight(self) -> bool:
+        """Async scheduling: a step has run whose sampled tokens are not processed yet."""
+        return self._in_flight is not None
 
     # --- one step -----------------------------------------------------------------------------------
 
@@ -120,7 +132,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_computed_tokens >= seq.prefill_target:  # decoding: a run of decodes grows in one call
+            if seq.num_computed_tokens >= seq.prefill_target and not self.async_scheduling:
+                # decoding: a run of decodes grows in one call
                 j = i + 1
                 end = min(len(running), i + budget)
                 while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
@@ -134,10 +147,16 @@ class Scheduler:
                     continue
                 seq, n = running[i], 1
             else:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                assert n > 0, seq
+                computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
+                if placeholders and computed + 2 - placeholders >= seq.num_prompt_tokens + seq.max_tokens:
+                    i += 1  # async: the step in flight samples its last token; nothing more to schedule
+                    continue
+                n = min(seq.num_tokens + placeholders - computed, budget, self.max_model_len - computed - 1)
+                if n <= 0:
+                    i += 1
+                    continue
                 if alloc.append_slots(seq, n):
-                    out.prefills.append((seq, seq.num_computed_tokens, n))
+                    self._book(out, seq, n)
                     budget -= n
                     i += 1
                     continue
@@ -149,10 +168,7 @@ class Scheduler:
                     break
             if victim is seq:
                 break
-            if n == 1 and seq.num_computed_tokens >= seq.prefill_target:
-                decodes.append(seq)
-            else:
-                out.prefills.append((seq, seq.num_computed_tokens, n))
+            self._book(out, seq, n)
             budget -= n
             i += 1
 
@@ -206,27 +222,90 @@ class Scheduler:
             out.breakdown = alloc.breakdown(waiting_head)
         return out, rejected
 
+    @staticmethod
+    def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
+        """Put `n` tokens of running `seq` in `out`: a decode (one token past its prefill) or a prefill chunk."""
+        if n == 1 and seq.num_computed_tokens >= seq.prefill_target:
+            out.decodes.append(seq)
+        else:
+            out.prefills.append((seq, seq.num_computed_tokens, n))
+
     def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
-        """Advance computed tokens by what `out` computed, sample where a request computed all its tokens
-        (vLLM's `update_from_output`), and free and return the requests that finished (`check_stop`)."""
-        finished: list[SchedSeq] = []
+        """After `out` has run: advance computed tokens by what it computed, then process sampled tokens (vLLM's
+        `update_from_output`) and free and return the requests that finished (`check_stop`).
+
+        Synchronous: `out`'s own samples. Async scheduling: those of the step before it, which was in flight
+        while `out` was scheduled; `out` stays in flight until the next `postprocess` or `flush`.
+        """
+        self._advance(out)
+        if not self.async_scheduling:
+            return self._update_from_output(out)
+        previous, self._in_flight = self._in_flight, out
+        return self._update_from_output(previous) if previous is not None else []
+
+    def flush(self) -> list[SchedSeq]:
+        """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
+        previous, self._in_flight = self._in_flight, None
+        return self._update_from_output(previous) if previous is not None else []
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """What vLLM's `_update_after_schedule` does: computed tokens advance; a request whose tokens are all
+        computed samples one (async: an output placeholder until its output is processed)."""
+        sampled = out.sampled
         for seq, _, n in out.prefills:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= seq.num_tokens:  # prefill complete: it samples a token
-                seq.num_output_tokens += 1
-                if seq.num_output_tokens >= seq.max_tokens:
-                    finished.append(seq)
+            if seq.num_computed_tokens >= seq.num_tokens + seq.num_output_placeholders:
+                sampled.append(seq)
         k = out.num_steps
         for seq in out.decodes:
             seq.num_computed_tokens += k
-            seq.num_output_tokens += k
+        sampled += out.decodes
+        if self.async_scheduling:
+            for seq in sampled:
+                seq.num_output_placeholders += 1
+
+    def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
+        """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
+        `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting."""
+        stale = set()
+        if self.async_scheduling:
+            for seq in [chunk[0] for chunk in out.prefills] + out.decodes:
+                if seq.stale_output:
+                    seq.stale_output = False
+                    stale.add(seq.seq_id)
+        finished: list[SchedSeq] = []
+        num_prefill_samples = len(out.sampled) - len(out.decodes)
+        k = out.num_steps
+        cache_blocks = getattr(self.allocator, "cache_blocks", None) if self.async_scheduling else None
+        in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
+        if cache_blocks is not None and self._in_flight is not None:
+            for seq in self._in_flight.decodes:
+                in_flight[seq.seq_id] = 1
+            for seq, _, n in self._in_flight.prefills:
+                in_flight[seq.seq_id] = in_flight.get(seq.seq_id, 0) + n
+        for j, seq in enumerate(out.sampled):
+            count = 1 if j < num_prefill_samples else k
+            seq.num_output_tokens += count
+            if self.async_scheduling:
+                seq.num_known_tokens = seq.num_tokens
+            if seq.num_output_placeholders and seq.seq_id not in stale:
+                seq.num_output_placeholders -= count
+                if cache_blocks is not None:  # vLLM caches what the steps processed so far computed
+                    cache_blocks(seq, seq.num_computed_tokens - in_flight.get(seq.seq_id, 0))
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         if finished:
+            running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
             self.running = [seq for seq in self.running if seq.seq_id not in done]
             for seq in finished:
-                self.allocator.free(seq)
+                if seq.seq_id in running_ids:
+                    self.allocator.free(seq)
+                elif seq in self.swapped:  # async: finished by output that was in flight when it was swapped out
+                    self.swapped.remove(seq)
+                    self._drop_swap(seq)
+                else:  # async: preempted for recompute while its last token was in flight
+                    self.waiting.remove(seq)
                 seq.token_ids = None  # host memory follows live requests, not tokens replayed
         return finished
 
@@ -281,6 +360,10 @@ class Scheduler:
         assert self.running[-1] is seq
         self.running.pop()
         seq.num_preemptions += 1
+        if self.async_scheduling:  # vLLM drops its placeholders; output in flight is delivered as stale
+            flight = self._in_flight
+            seq.stale_output = flight is not None and (seq in flight.decodes or any(c[0] is seq for c in flight.prefills))
+            seq.num_output_placeholders = 0
         out.preempted.append(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
         computed = seq.num_computed_tokens

@@ -27,6 +27,8 @@ class SchedSeq(Sequence):
     index: int = 0  # position in the request stream: the row of the per-request records
     prefill_target: int = 0
     num_output_tokens: int = 0  # sampled so far
+    num_output_placeholders: int = 0  # async scheduling: tokens sampled in a step whose output is not back yet
+    stale_output: bool = False  # async scheduling: preempted with a step's output still in flight
     num_preemptions: int = 0
     swap_handle: object = None  # the cache's handle of KV swapped to the CPU pool (None: accounting only)
     swap_tokens: int = 0  # computed tokens that sit in the CPU pool while swapped out
@@ -62,7 +64,10 @@ class SchedulerOutput:
     A plain class with slots: one is built per row, on the replay's hot path.
     """
 
-    __slots__ = ("prefills", "decodes", "num_steps", "admitted", "preempted", "swapped_in", "swap_bytes", "breakdown", "run_time_s")
+    __slots__ = (
+        "prefills", "decodes", "num_steps", "admitted", "preempted", "swapped_in", "swap_bytes", "breakdown",
+        "run_time_s", "sampled",
+    )
 
     def __init__(self) -> None:
         self.prefills: list[tuple[SchedSeq, int, int]] = []
@@ -74,6 +79,7 @@ class SchedulerOutput:
         self.swap_bytes = 0
         self.breakdown: MemoryBreakdown | None = None
         self.run_time_s: float | None = None  # a decode run's roofline time, computed while sizing it
+        self.sampled: list[SchedSeq] = []  # requests that sample a token in this row (set when it has run)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -34,6 +34,8 @@ class SchedulerConfig:
     `watermark` is the fraction of KV blocks kept free when admitting a waiting request while others run
     (vLLM's default 0); a paged allocator inherits it unless it sets its own. `scheduler_reserve_full_isl`:
     admit a waiting request only if blocks for all its tokens are free (vLLM's default True).
+    `async_scheduling`: schedule step n + 1 before step n's output is processed (vLLM's AsyncScheduler;
+    `vllm serve` turns it on, the scheduler's own default is off).
     `swap_space_bytes` is the CPU pool that `preemption: swap` (beyond vLLM v1) moves KV to.
     """
 
@@ -43,6 +45,7 @@ class SchedulerConfig:
     watermark: float = 0.0
     swap_space_bytes: int = 4 * 2**30
     scheduler_reserve_full_isl: bool = True
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
         watermark=f.float("watermark", d.watermark, min=0, max=1, exclusive=False),
         swap_space_bytes=f.bytes("swap_space", d.swap_space_bytes, allow_zero=True),
         scheduler_reserve_full_isl=f.bool("scheduler_reserve_full_isl", d.scheduler_reserve_full_isl),
+        async_scheduling=f.bool("async_scheduling", d.async_scheduling),
     )
     if config.watermark >= 1:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")

@@ -355,3 +355,20 @@ def test_integrity_holds_for_a_sliding_window_model_swapped_out_and_back(tmp_pat
     paged = result.runs[1]
     assert paged.num_preemptions.sum() > 0  # swaps happened, after the window had freed blocks
     assert all(reason is None for reason in paged.rejected_reason)
+
+
+def test_async_scheduling_replays_every_request_with_intact_kv(tmp_path):
+    """`scheduler: {async_scheduling: true}` (vLLM's AsyncScheduler): under pressure every request finishes,
+    the KV written and read in the pool stays intact (integrity), and the budget always adds up."""
+    path = write_tiny(tmp_path, budget_tokens=440, count=10)
+    path.write_text(path.read_text().replace("swap_space: 1GiB}", "swap_space: 1GiB, async_scheduling: true}"))
+    workload = load_workload(path)
+    assert workload.scheduler.async_scheduling
+    options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=1, read_every=50)
+    result = run_replay(workload, options, workers=1)
+    for run in result.runs:
+        assert not np.isnan(run.finished_s).any(), run.label
+        st = run.steps
+        total = sum(st[c] for c in BYTE_COLUMNS[:5])
+        assert (total == result.budget_bytes).all()
+    assert sum(run.steps["num_preemptions"].sum() for run in result.runs) > 0

@@ -396,3 +396,109 @@ def test_decode_runs_equal_stepping_one_by_one_under_pressure():
         assert with_runs == exact, seqs
         preempted += exact[2] > 0
     assert coalesced >= 15 and preempted >= 5  # the comparison covered runs and preemptions
+
+
+def run_async_steps(sched: Scheduler, max_steps: int = 500) -> list[tuple]:
+    """Step an async `sched` until idle: per row (admitted, prefills, decodes, preempted, finished), where
+    `finished` comes from the row before (its output was in flight); ("flush", finished) where nothing was
+    scheduled and the step in flight came back; ("empty", []) for a step that only preempted."""
+    rows = []
+    while sched.has_work and len(rows) < max_steps:
+        out, rejected = sched.schedule()
+        assert not rejected
+        if not out.prefills and not out.decodes:  # only preemptions, or nothing to schedule
+            rows.append(("flush", sched.flush()) if sched.has_in_flight else ("empty", []))
+            continue
+        admitted, prefills, decodes, preempted = list(out.admitted), list(out.prefills), list(out.decodes), list(out.preempted)
+        rows.append((admitted, prefills, decodes, preempted, sched.postprocess(out)))
+    assert not sched.has_work
+    return rows
+
+
+def test_async_scheduling_schedules_the_next_step_before_the_last_output_is_back():
+    """5 blocks (4 usable), budget 16. A = 8 + 1 (2 blocks), C = 4 + 5 (2 blocks at most), B = 8 + 1 waits
+    for A's blocks. vLLM's AsyncScheduler with a batch queue of two: step n + 1 is scheduled before step n's
+    tokens are processed, so A's blocks come back one step later and B is admitted one step later than in
+    the synchronous loop. A request whose last token is in flight is not scheduled again (its placeholder
+    already reaches max_tokens); with nothing else to run, the step in flight comes back (a flush).
+    """
+    def requests():
+        return make_seq(0, 8, 1), make_seq(1, 4, 5), make_seq(2, 8, 1)
+
+    sync = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=20, max_num_batched_tokens=16)
+    a, c, b = requests()
+    for seq in (a, c, b):
+        sync.add_request(seq)
+    assert run_steps(sync) == [
+        ([a, c], [(a, 0, 8), (c, 0, 4)], [], [], [a]),
+        ([b], [(b, 0, 8)], [c], [], [b]),
+        ([], [], [c], [], []),
+        ([], [], [c], [], []),
+        ([], [], [c], [], [c]),
+    ]
+
+    sched = make_scheduler(AllocatorConfig("paged", block_size=4), budget_tokens=20, max_num_batched_tokens=16,
+                           async_scheduling=True)
+    a, c, b = requests()
+    for seq in (a, c, b):
+        sched.add_request(seq)
+    assert run_async_steps(sched) == [
+        ([a, c], [(a, 0, 8), (c, 0, 4)], [], [], []),
+        ([], [], [c], [], [a]),  # A's token is in flight: not scheduled; C decodes into the last free block
+        ([b], [(b, 0, 8)], [c], [], []),  # A's blocks are back: B is admitted
+        ([], [], [c], [], [b]),
+        ([], [], [c], [], []),
+        ("flush", [c]),  # C's 5th token was in flight: nothing left to schedule
+    ]
+    assert c.num_output_tokens == 5 and c.num_computed_tokens == 8 and c.num_output_placeholders == 0
+    assert sched.allocator.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_under_pressure_finishes_everything_and_leaks_nothing(mode):
+    """Random streams with preemptions while a step is in flight: a preempted request's in-flight token is
+    still delivered (it may even finish while waiting), and every request ends with exactly max_tokens."""
+    import random
+
+    rng = random.Random(1)
+    preempted = 0
+    for _ in range(20):
+        sched = make_scheduler(
+            AllocatorConfig("paged", block_size=4), budget_tokens=80, max_num_batched_tokens=24, max_num_seqs=6,
+            max_model_len=128, async_scheduling=True, preemption=mode, swap_space_bytes=1 << 20,
+        )
+        seqs = [make_seq(i, rng.randint(1, 30), rng.randint(1, 40)) for i in range(rng.randint(2, 10))]
+        for seq in seqs:
+            assert sched.add_request(seq) is None
+        rows = run_async_steps(sched, max_steps=5000)
+        finished = [seq for row in rows for seq in row[-1]]
+        assert sorted(s.seq_id for s in finished) == [s.seq_id for s in seqs]
+        assert all(s.num_output_tokens == s.max_tokens for s in seqs)
+        assert sched.allocator.num_free_blocks == 19 and sched.swap_used_bytes == 0
+        preempted += sum(len(row[3]) for row in rows if len(row) == 5)
+    assert preempted > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_block_is_cached_once_its_last_token_is_known(async_scheduling):
+    """Prefix caching, blocks of 4: A = 3 + 3. Step 0 prefills positions 0-2 and samples the token at 3;
+    step 1 computes position 3, filling block 0. Synchronous: that token is known when step 1 is scheduled,
+    so block 0 is cached then. Async: step 1 is scheduled before step 0's output is back; block 0 is cached
+    once the output of step 1 (which computed its last token) is processed, after step 2 is scheduled."""
+    import numpy as np
+
+    sched = make_scheduler(
+        AllocatorConfig("paged", block_size=4, prefix_caching=True), budget_tokens=32, async_scheduling=async_scheduling,
+        make_token_ids=lambda seq: 1000 * seq.seq_id + np.arange(seq.num_prompt_tokens + seq.max_tokens, dtype=np.int64),
+    )
+    a = make_seq(0, 3, 3)
+    sched.add_request(a)
+    alloc = sched.allocator
+
+    cached_after, block0 = [], None
+    for _ in range(3):
+        out, _ = sched.schedule()
+        block0 = block0 or alloc.pool.blocks[alloc.block_table(a)[0]]
+        sched.postprocess(out)
+        cached_after.append(block0.block_hash is not None)  # a freed cached block keeps its hash
+    assert cached_after == ([False, True, True] if not async_scheduling else [False, False, True])

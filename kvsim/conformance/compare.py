@@ -39,10 +39,12 @@ class Comparison:
     vllm_state: StepState | None
     rejected_kvsim: tuple[int, ...]  # request indices refused at arrival
     rejected_vllm: tuple[int, ...]
+    blocks_kvsim: int  # the pools, null block included
+    blocks_vllm: int
 
     @property
     def differs(self) -> bool:
-        return self.differing_steps > 0 or self.rejected_kvsim != self.rejected_vllm
+        return self.differing_steps > 0 or self.rejected_kvsim != self.rejected_vllm or self.blocks_kvsim != self.blocks_vllm
 
 
 def _events_by_step(trace: Trace) -> dict[int, dict[str, tuple[int, ...]]]:
@@ -79,4 +81,6 @@ def compare(kvsim: Trace, vllm: Trace) -> Comparison:
         vllm_state=state(vllm, ev, first) if first is not None else None,
         rejected_kvsim=tuple(sorted(kvsim.rejected)),
         rejected_vllm=tuple(sorted(vllm.rejected)),
+        blocks_kvsim=kvsim.num_gpu_blocks,
+        blocks_vllm=vllm.num_gpu_blocks,
     )

@@ -13,8 +13,14 @@ def run_kvsim(rs: ResolvedStream) -> Trace:
     from kvsim.replay_options import ReplayOptions
 
     trace = Trace("kvsim")
+    lag = 1 if getattr(rs.workload.scheduler, "async_scheduling", False) else 0  # outputs come a row late
 
     def observe(step, now, dt, out, finished, sched, preemptions):
+        trace.num_gpu_blocks = sched.allocator.num_blocks
+        for seq in finished:  # finished by the output of row `step - lag`
+            trace.finished[seq.index] = step - lag
+        if out is None:  # async: the last row's output, flushed
+            return
         admitted = {id(seq) for seq in out.admitted}
         hits = 0
         for seq, start, num in out.prefills:
@@ -25,8 +31,6 @@ def run_kvsim(rs: ResolvedStream) -> Trace:
                 trace.first_token.setdefault(seq.index, step)
         for seq in out.decodes:
             trace.first_token.setdefault(seq.index, step)
-        for seq in finished:
-            trace.finished[seq.index] = step
         # postprocess removed the finished ones from the running queue; they were running when scheduled
         running = len(sched.running) + len(finished)
         trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits))

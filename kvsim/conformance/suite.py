@@ -18,9 +18,8 @@ def _streams() -> tuple[Stream, ...]:
         "chunked-long", "max-model-len", "block-32", "block-256",
         "gpt-oss-pressure", "gemma3-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
     ]
-    both = ["plenty", "pressure-heavy", "prefix-pressure", "poisson-prefix-pressure", "chunked-long"]
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
-    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in both]
+    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     return tuple(streams)
 
 
@@ -110,6 +109,8 @@ def format_difference(result: StreamResult) -> str:
             f"  kvsim: {c.kvsim_state.describe()}",
             f"  vLLM:  {c.vllm_state.describe()}",
         ]
+    if c.blocks_kvsim != c.blocks_vllm:
+        lines.append(f"{name}: GPU blocks: kvsim {c.blocks_kvsim:,}, vLLM {c.blocks_vllm:,}")
     if c.rejected_kvsim != c.rejected_vllm:
         lines.append(f"{name}: rejected at arrival: kvsim {list(c.rejected_kvsim)}, vLLM {list(c.rejected_vllm)}")
     return "\n".join(lines)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step as seen right after it was scheduled (`time_s`: the clock when it was scheduled).
+    """One step as seen right after it was scheduled; `time_s` is when it starts to run (with async
+    scheduling a step is scheduled while the one before runs, and starts when that one ends).
 
     `running`: requests in the running queue after scheduling; `prefill_tokens`: tokens of (re)prefills, a
     prompt or, after a recompute preemption, every token the request had; `decode_tokens`: one per request
@@ -36,10 +37,12 @@ class StepRecord:
 class Trace:
     """A side's steps and, per request index, the step of its first scheduling, first token and finish.
 
-    `rejected` holds the indices of requests refused at arrival (never scheduled).
+    `rejected` holds the indices of requests refused at arrival (never scheduled); `num_gpu_blocks` is the
+    pool the side ran with, null block included.
     """
 
     side: str
+    num_gpu_blocks: int = 0
     steps: list[StepRecord] = field(default_factory=list)
     first_scheduled: dict[int, int] = field(default_factory=dict)
     first_token: dict[int, int] = field(default_factory=dict)

@@ -161,7 +161,7 @@ class VllmEngine:
         self._Request = import_vllm("vllm.v1.request").Request
         self._SamplingParams = import_vllm("vllm.sampling_params").SamplingParams
         self._ModelRunnerOutput = import_vllm("vllm.v1.outputs").ModelRunnerOutput
-        self.trace = Trace("vllm")
+        self.trace = Trace("vllm", num_gpu_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
         self._ids: dict[str, list[int]] = {}  # live requests' token ids
         self._target: dict[str, int] = {}  # tokens a request had when (re)admitted: its prefill ends there
         self._index: dict[str, int] = {}
@@ -172,8 +172,9 @@ class VllmEngine:
         sched = self.scheduler
         reqs = self.requests
         n, i, now = len(reqs), 0, 0.0
-        queue: deque = deque()  # (scheduler_output, model_runner_output, seconds, step), newest at the left
+        queue: deque = deque()  # (scheduler_output, model_runner_output, end time, step), newest at the left
         size = 2 if self.setup.async_scheduling else 1
+        self._gpu_free_at = 0.0  # when the last batch queued ends: batches run one after another
         while True:
             while i < n and reqs[i].arrival_time <= now:
                 self._add(i)
@@ -188,8 +189,8 @@ class VllmEngine:
                 executed = queue[0][0].total_num_scheduled_tokens > 0
                 if size > 1 and len(queue) < size and (executed or sched.has_requests()):
                     continue  # step_with_batch_queue: fill the queue before waiting on an output
-            so, out, seconds, step = queue.pop()
-            now += seconds
+            so, out, end, step = queue.pop()
+            now = max(now, end)  # its output is back
             sched.update_from_output(so, out)
             self._after_update(so, step)
             if so.total_num_scheduled_tokens == 0 and not queue and sched.has_requests():
@@ -221,7 +222,7 @@ class VllmEngine:
             self._target[r.request_id] = r.num_tokens
         so = sched.schedule()
         if so.total_num_scheduled_tokens == 0:
-            return so, self._model_output([], {}), 0.0, None
+            return so, self._model_output([], {}), now, None
         step = len(self.trace.steps)
         chunks, sampled = [], {}
         prefill = decode = hits = 0
@@ -242,9 +243,12 @@ class VllmEngine:
                 ids = self._ids[req_id]
                 assert end < len(ids), (req_id, end, len(ids))  # never past prompt + max_tokens
                 sampled[req_id] = [ids[end]]
-        record = StepRecord(now, len(sched.running), prefill, decode, len(so.preempted_req_ids or ()), hits)
+        # With async scheduling a batch is scheduled while the one before runs, and starts when that one ends.
+        start = max(now, self._gpu_free_at)
+        self._gpu_free_at = start + self.step_time(chunks)
+        record = StepRecord(start, len(sched.running), prefill, decode, len(so.preempted_req_ids or ()), hits)
         self.trace.steps.append(record)
-        return so, self._model_output(list(so.num_scheduled_tokens), sampled), self.step_time(chunks), step
+        return so, self._model_output(list(so.num_scheduled_tokens), sampled), self._gpu_free_at, step
 
     def _model_output(self, req_ids: list[str], sampled: dict[str, list[int]]):
         return self._ModelRunnerOutput(

@@ -54,9 +54,10 @@ def fetch_wheel(cache: Path) -> Path:
     local = os.environ.get("KVSIM_VLLM_WHEEL")
     if local:
         path = Path(local).expanduser()
-        if not path.is_file() or not path.name.startswith(f"vllm-{VLLM_VERSION}-"):
-            raise VllmWheelUnavailable(
-                f"not a vllm {VLLM_VERSION} wheel", source="KVSIM_VLLM_WHEEL", field=str(path))
+        if not path.is_file():
+            raise VllmWheelUnavailable("no such file", source="KVSIM_VLLM_WHEEL", field=str(path))
+        if not path.name.startswith(f"vllm-{VLLM_VERSION}-"):
+            raise VllmWheelUnavailable(f"not a vllm {VLLM_VERSION} wheel", source="KVSIM_VLLM_WHEEL", field=str(path))
         return _move_in(path, cache, copy=True)
     return _pip_download(cache)
 

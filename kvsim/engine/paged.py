@@ -306,6 +306,9 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
             return True
         j = req.num_hashed
         filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
+        known = req.seq.num_known_tokens
+        if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
+            filled = known // bs
         if filled == j + 1:  # one block filled: _register, inlined
             h = hashes[j]
             block = req.tables[0][j]

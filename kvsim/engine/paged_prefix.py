@@ -27,6 +27,7 @@ class PrefixCaching:
     enable_prefix_caching: bool
     block_size: int
     pool: BlockPool
+    _reqs: dict[Sequence, PagedRequest]
     _block_bytes_dtype: np.dtype
 
     def _token_blocks(self, seq: Sequence) -> list[bytes] | None:
@@ -69,13 +70,22 @@ class PrefixCaching:
             append(h)
         return hashes
 
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
+        `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
+        req = self._reqs[seq]
+        self._register(req, num_tokens)
+        self._refresh(req)
+
     def _register(self, req: PagedRequest, total: int) -> None:
-        """Cache every full block whose tokens are all within `total` (computed + scheduled) under its hash."""
+        """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
+        its hash."""
         hashes = req.hashes
         if hashes is None:
             return
         j = req.num_hashed
-        end = min(total, req.final) // self.block_size
+        known = req.seq.num_known_tokens
+        end = min(total, req.final, req.final if known is None else known) // self.block_size
         if j >= end:
             return
         cached = self.pool.cached_block_hash_to_block

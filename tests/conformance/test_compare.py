@@ -7,7 +7,7 @@ from kvsim.conformance.trace import StepRecord, Trace
 
 
 def _trace(side, steps, finished, rejected=()):
-    t = Trace(side, [StepRecord(0.01 * i, *s) for i, s in enumerate(steps)])
+    t = Trace(side, 100, [StepRecord(0.01 * i, *s) for i, s in enumerate(steps)])
     t.first_scheduled = {0: 0, 1: 0}
     t.first_token = {0: 0, 1: 0}
     t.finished = finished

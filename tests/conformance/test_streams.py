@@ -11,8 +11,7 @@ from kvsim.conformance.suite import STREAMS, run_stream
 pytestmark = pytest.mark.conformance
 
 # Streams kvsim does not yet follow, each with the reason (strict: one that starts to conform fails here).
-_NO_ASYNC = "kvsim's scheduler has no async_scheduling option yet (vllm serve's default in 0.33)"
-KNOWN_DIFFERENCES: dict[str, str] = {s.name: _NO_ASYNC for s in STREAMS if s.async_scheduling}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def _params():
@@ -31,6 +30,7 @@ def test_stream_has_no_differing_step(vllm_loaded, stream):
     assert c.rejected_kvsim == c.rejected_vllm
     assert c.differing_steps == 0, (c.first_step, c.kvsim_state.describe(), c.vllm_state.describe())
     assert c.kvsim_steps == c.vllm_steps > 0
+    assert c.blocks_kvsim == c.blocks_vllm
 
 
 def test_the_harness_sees_a_smaller_pool(vllm_loaded):
@@ -45,6 +45,7 @@ def test_the_harness_sees_a_smaller_pool(vllm_loaded):
     c = compare(kvsim, run_vllm(rs))
     assert c.differs and c.first_step is not None
     assert c.vllm_preemptions > c.kvsim_preemptions
+    assert (c.blocks_kvsim, c.blocks_vllm) == (2048, 1048)
 
 
 def test_mixed_model_streams_run_vllms_group_managers_and_a_pool_without_null_blocks_differs(vllm_loaded, monkeypatch):

@@ -48,3 +48,9 @@ def test_a_wheel_path_of_another_version_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSIM_VLLM_WHEEL", str(other))
     with pytest.raises(VllmWheelUnavailable, match="KVSIM_VLLM_WHEEL"):
         vllm_source_root(tmp_path / "cache")
+
+
+def test_a_missing_wheel_path_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSIM_VLLM_WHEEL", str(tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"))
+    with pytest.raises(VllmWheelUnavailable, match="KVSIM_VLLM_WHEEL: .*: no such file"):
+        vllm_source_root(tmp_path / "cache")
