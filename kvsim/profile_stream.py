@@ -74,12 +74,26 @@ class PagedPool:
         return "ok"
 
     def decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        failed = self.paged.append_decode(seqs)
-        for seq in failed:
-            self.paged.free(seq)
-            seq.extra["recompute"] = seq.num_computed_tokens
-            seq.num_computed_tokens = 0
-        return failed
+        """One token each, in admission order; a request that cannot grow preempts the newest (possibly itself)
+        until it can (vLLM's running loop). Returns the preempted ones, in admission order."""
+        live, preempted, i = list(seqs), [], 0
+        while i < len(live):
+            seq = live[i]
+            if self.paged.append_slots(seq, 1):
+                i += 1
+                continue
+            while True:
+                victim = live.pop()
+                self.paged.free(victim)
+                victim.extra["recompute"] = victim.num_computed_tokens
+                victim.num_computed_tokens = 0
+                preempted.append(victim)
+                if victim is seq or self.paged.append_slots(seq, 1):
+                    break
+            if victim is seq:
+                break
+            i += 1
+        return preempted[::-1]
 
     def free(self, seq: Sequence) -> None:
         self.paged.free(seq)

@@ -1,4 +1,5 @@
-"""Continuous batching over one allocator (vLLM-like): admission, chunked prefill, decode, preemption.
+"""Continuous batching over one allocator as vLLM v1 0.33.0 schedules: admission, chunked prefill, decode,
+preemption (`scheduler_preemption`), decode runs (`scheduler_runs`), sampling and finishing.
 
 One `Scheduler` per allocator config. Each `schedule()` builds one step's batch and makes room for it through
 the allocator's capacity protocol; `postprocess()` advances the computed tokens and frees finished requests.
@@ -11,12 +12,11 @@ from collections import deque
 
 from kvsim.engine.allocator import KVAllocator
 from kvsim.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.scheduler_preemption import Preemption
+from kvsim.scheduler_runs import MAX_DECODE_RUN, DecodeRuns
 
-# Longest run of identical decode steps one `schedule()` may cover (one row of the step records).
-MAX_DECODE_RUN = 256
 
-
-class Scheduler:
+class Scheduler(Preemption, DecodeRuns):
     """FCFS continuous batching of `SchedSeq`s over `allocator`, one step (or one decode run) at a time, with
     vLLM v1's semantics (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`; see docs/scheduler.md).
 
@@ -308,104 +308,3 @@ class Scheduler:
                     self.waiting.remove(seq)
                 seq.token_ids = None  # host memory follows live requests, not tokens replayed
         return finished
-
-    # --- decode runs --------------------------------------------------------------------------------
-
-    def _extend_decode_run(self, out: SchedulerOutput, time_to_next_arrival: float, waiting_head) -> None:
-        """Cover k identical decode steps in this row when nothing can change before the k-th.
-
-        Every running request decodes in every step of the run and nothing is admitted during it: either
-        nothing waits and the next arrival is after the run's last step starts, or the queue head just failed
-        to fit (or found no budget or seat) and memory only shrinks while requests grow.
-        Requests finish no earlier than the run's end. A paged allocator must have the free blocks for every
-        request's growth up front, so no decode step inside the run could fail (no preemption is skipped).
-        """
-        decodes = out.decodes
-        n = len(decodes)
-        k = min(self._max_run, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
-        if not self._is_flat:
-            if not self._free_blocks:
-                return
-            # Each request grows by <= ceil((k - 1) / block_size) blocks during the run.
-            per_seq = self.allocator.num_free_blocks // n // self._pages_per_block
-            k = min(k, per_seq * self.block_size + 1)
-        if k < 2:
-            return
-        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
-        if waiting_head is None:
-            k, run_time = self.roofline.decode_steps_before(n, ctx_sum, k, time_to_next_arrival)
-            if k < 2:
-                return
-        else:
-            run_time = self.roofline.decode_run(n, ctx_sum, k)
-        out.num_steps = k
-        out.run_time_s = run_time
-        # Room for the middle step, the memory breakdown there, then room for the whole run.
-        mid = (k - 1) // 2
-        alloc = self.allocator
-        for seq in decodes:
-            ok = alloc.append_slots(seq, mid + 1)
-            assert ok, seq
-            seq.num_computed_tokens += mid
-        out.breakdown = alloc.breakdown(waiting_head)
-        for seq in decodes:
-            ok = alloc.append_slots(seq, k - mid)
-            assert ok, seq
-            seq.num_computed_tokens -= mid
-
-    # --- preemption ---------------------------------------------------------------------------------
-
-    def _preempt(self, seq: SchedSeq, out: SchedulerOutput) -> None:
-        """Take `seq` (the running tail) off the GPU: to the CPU pool (swap) or back to waiting (recompute)."""
-        assert self.running[-1] is seq
-        self.running.pop()
-        seq.num_preemptions += 1
-        if self.async_scheduling:  # vLLM drops its placeholders; output in flight is delivered as stale
-            flight = self._in_flight
-            seq.stale_output = flight is not None and (seq in flight.decodes or any(c[0] is seq for c in flight.prefills))
-            seq.num_output_placeholders = 0
-        out.preempted.append(seq)
-        out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
-        computed = seq.num_computed_tokens
-        swap_bytes = computed * self.bytes_per_token
-        if self.preemption == "swap" and computed and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes:
-            if self.cache is not None:
-                slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
-                seq.swap_handle = self.cache.swap_out(slots)
-            self.swap_used_bytes += swap_bytes
-            seq.swap_tokens = computed
-            out.swap_bytes += swap_bytes
-            self.allocator.free(seq)
-            self.swapped.appendleft(seq)  # victims go out newest first, so the oldest ends up at the head
-            return
-        self.allocator.free(seq)
-        seq.num_computed_tokens = 0  # vLLM recomputes prompt + output so far when it is admitted again
-        self.waiting.appendleft(seq)
-
-    def _drop_swap(self, seq: SchedSeq) -> None:
-        """Turn a swapped request into one to recompute: its CPU copy is dropped."""
-        self.swap_used_bytes -= seq.swap_tokens * self.bytes_per_token
-        seq.swap_tokens = 0
-        seq.swap_handle = None
-        seq.num_computed_tokens = 0
-
-    def _swap_in(self, seq: SchedSeq, out: SchedulerOutput) -> bool:
-        """Bring a swapped request back if room for its KV fits now; its KV returns from the CPU pool."""
-        computed = seq.swap_tokens
-        seq.num_computed_tokens = 0
-        hit = self.allocator.allocate(seq, computed, num_tokens=computed, apply_watermark=bool(self.running))
-        if hit is None:
-            seq.num_computed_tokens = computed
-            return False
-        seq.num_computed_tokens = computed
-        if self.cache is not None and seq.swap_handle is not None:
-            slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
-            self.cache.swap_in(seq.swap_handle, slots)
-            seq.swap_handle = None
-        swap_bytes = computed * self.bytes_per_token
-        self.swap_used_bytes -= swap_bytes
-        seq.swap_tokens = 0
-        out.swap_bytes += swap_bytes
-        out.swapped_in.append(seq)
-        self.running.append(seq)
-        return True

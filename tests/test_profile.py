@@ -97,11 +97,11 @@ def test_an_oom_on_an_idle_device_rejects_the_request():
 
 
 def test_paged_pool_preempts_instead_of_failing_allocations():
-    # 40 bytes of 8-byte blocks (block_size 2) = 5 blocks, no watermark
-    device = FakeDevice(40)
-    paged = make_allocator(AllocatorConfig("paged", block_size=2, watermark=0.0), spec(), 40, max_model_len=100)
-    backend = PagedPool(paged, 40, device.empty)
-    assert device.used == 40 and device.calls == 1  # the whole budget, once
+    # 48 bytes of 8-byte blocks (block_size 2) = 6 blocks, 5 usable (block 0 is the null block), no watermark
+    device = FakeDevice(48)
+    paged = make_allocator(AllocatorConfig("paged", block_size=2, watermark=0.0), spec(), 48, max_model_len=100)
+    backend = PagedPool(paged, 48, device.empty)
+    assert device.used == 48 and device.calls == 1  # the whole budget, once
     rows, totals = run(requests((3, 3), (3, 2)), backend)
     # step 0: both admitted with 2 blocks each, both grow to 4 tokens in place;
     # step 1: r0 takes the last block, r1 cannot grow -> preempted (recompute 4 tokens);
