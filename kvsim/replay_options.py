@@ -65,12 +65,13 @@ class ReplayContext:
 
     def spec(self, block_size: int) -> KVCacheSpec:
         """The model's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
-        sized with the scheduler's token budget and kvsim's synchronous scheduling."""
+        sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)."""
         from kvsim.sizing import kv_cache_spec
         from kvsim.vllm_sizing import VllmSettings, with_pool
 
         spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
-        settings = VllmSettings(max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, async_scheduling=False)
+        sc = self.scheduler_config
+        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=getattr(sc, "async_scheduling", False))
         return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings)
 
 

@@ -109,11 +109,11 @@ def hybrid_kv_cache_config(setup: EngineSetup):
     """vLLM's scheduler KV cache config for a mixed model: its layers' specs (the size check's), grouped and
     sized over the budget by `get_kv_cache_groups`, `get_kv_cache_configs`, `generate_scheduler_kv_cache_config`.
     Its block count must be the one kvsim's pool computed (`setup.num_gpu_blocks`)."""
-    from kvsim.conformance.size_check import _vllm, _vllm_config, vllm_specs
+    from kvsim.conformance.size_specs import vllm_config, vllm_modules, vllm_specs
     from kvsim.sizing import kv_cache_spec
     from kvsim.vllm_sizing import VllmSettings
 
-    v = _vllm()
+    v = vllm_modules()
     spec = kv_cache_spec(setup.model, kv_dtype=setup.kv_dtype, block_size=setup.block_size)
     report = {
         "tp": 1, "block_size": setup.block_size, "kv_dtype": setup.kv_dtype, "context_tokens": setup.max_model_len,
@@ -121,7 +121,7 @@ def hybrid_kv_cache_config(setup: EngineSetup):
     }
     specs = vllm_specs(v, setup.model, report)
     settings = VllmSettings(max_num_batched_tokens=setup.max_num_batched_tokens, async_scheduling=setup.async_scheduling)
-    cfg = _vllm_config(v, settings, setup.max_model_len, 1)
+    cfg = vllm_config(v, settings, setup.max_model_len, 1)
     groups = v.planning.get_kv_cache_groups(cfg, dict(specs))
     configs = v.planning.get_kv_cache_configs(cfg, [specs], [setup.kv_budget_bytes], groups)
     config = v.utils.generate_scheduler_kv_cache_config(configs)

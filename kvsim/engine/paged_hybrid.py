@@ -39,8 +39,8 @@ class HybridPagedAllocator(KVAllocator):
         tensor 0  [ blk 0 = null | blk 1: sliding-0 | blk 2: full | blk 3: sliding-4 | ... ]
         tensor 9  [ blk 0 = null | blk 1: sliding-0 | blk 2: full | blk 3: padding   | ... ]
 
-    Before every allocation each group nulls the blocks it no longer reads against the computed tokens
-    (kvsim's scheduler settles each step before the next, so computed = processed); then each group grows
+    Before every allocation each group nulls the blocks it no longer reads against the settled tokens
+    (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
     to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens. Prefix caching and forks are not modelled here yet.
     """
 
@@ -123,9 +123,10 @@ class HybridPagedAllocator(KVAllocator):
         req = self._reqs[seq]
         computed = seq.num_computed_tokens
         total = computed + num_new_tokens
-        if total <= req.quiet_until and computed < req.next_skip:
+        settled = computed - seq.num_in_flight_tokens
+        if total <= req.quiet_until and settled < req.next_skip:
             return True
-        return self._grow(req, computed, min(total, self.max_model_len))
+        return self._grow(req, max(0, settled), min(total, self.max_model_len))
 
     def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
         return [seq for seq in seqs if not self.append_slots(seq, 1)]
@@ -224,7 +225,8 @@ class HybridPagedAllocator(KVAllocator):
     # --- internals ---------------------------------------------------------------------------------------
 
     def _grow(self, req: HybridRequest, computed: int, total: int) -> bool:
-        """Null what left each window at `computed`, then give every group room for `total` tokens, or False."""
+        """Null what left each window at `computed` (settled) tokens, then give every group room for `total`
+        tokens, or False."""
         coordinator, tables = self.coordinator, req.tables
         for g in self._windowed:  # the other groups skip nothing
             req.held[g] -= coordinator.managers[g].remove_skipped_blocks(tables[g], computed)

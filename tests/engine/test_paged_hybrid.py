@@ -151,3 +151,17 @@ def test_a_replayed_mixed_model_gets_vllm_num_gpu_blocks(model):
     startup = vllm_startup(vllm_layers(m, spec), budget, 32768, 16, settings)
     assert alloc.num_blocks == startup.num_blocks
     assert [len(t) for t in alloc.coordinator.new_tables()] == [0] * startup.num_groups
+
+
+def test_blocks_leave_the_window_against_settled_tokens_not_those_in_flight():
+    """Async scheduling: a step in flight still reads its window, so the tokens it computes do not count
+    (vLLM: `processed_computed_tokens` = computed - num_in_flight_tokens)."""
+    alloc = make()
+    seq = Sequence(0, 12, 20)
+    alloc.allocate(seq, 12)
+    seq.num_computed_tokens, seq.num_in_flight_tokens = 12, 12  # the prefill's output has not returned
+    assert alloc.append_slots(seq, 1)
+    assert [t[0] for t in alloc.block_tables(seq)] == [1, 4, 7]  # nothing nulled: 0 tokens settled
+    seq.num_in_flight_tokens = 1  # the prefill returned; a decode is in flight
+    assert alloc.append_slots(seq, 1)
+    assert [t[0] for t in alloc.block_tables(seq)] == [0, 0, 7]  # 11 settled: tokens 0-3 left the window
