@@ -31,8 +31,10 @@ def run_kvsim(rs: ResolvedStream) -> Trace:
                 trace.first_token.setdefault(seq.index, step)
         for seq in out.decodes:
             trace.first_token.setdefault(seq.index, step)
-        # postprocess removed the finished ones from the running queue; they were running when scheduled
-        running = len(sched.running) + len(finished)
+        # postprocess removed the finished ones from the running queue; they were running when scheduled, unless
+        # preempted while building this row (async: a stale output then finishes a request that waits)
+        preempted = {id(seq) for seq in out.preempted}
+        running = len(sched.running) + sum(1 for seq in finished if id(seq) not in preempted)
         trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits))
 
     run = replay_allocator(rs.config, rs.requests, rs.ctx, ReplayOptions(tensors=False), observer=observe)

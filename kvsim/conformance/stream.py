@@ -37,7 +37,8 @@ def resolve(stream: Stream) -> ResolvedStream:
     """Load the workload and build kvsim's replay context and vLLM's setup from the same numbers.
 
     The KV budget must be given in bytes (`kv_budget`) and the workload must name exactly one paged allocator;
-    vLLM gets budget // block bytes blocks, the count kvsim's paged allocator computes from the same budget.
+    vLLM gets budget // block bytes blocks, the count kvsim's paged allocator computes from the same budget (a
+    mixed model: vLLM plans its groups and blocks from its layers' specs, and must arrive at kvsim's count).
     """
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
@@ -63,13 +64,15 @@ def resolve(stream: Stream) -> ResolvedStream:
     gpu = get_gpu(workload.hardware)
     weights = weight_bytes(model)
     spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=config.block_size)
-    if not spec.is_uniform:
-        raise KvsimError(f"{model.name} has layers other than full attention; streams cover uniform models", source=source, field="model")
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=spec.bytes_per_token)
     sc = workload.scheduler
     ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed)
+    pool = ctx.spec(config.block_size).pool  # a mixed model: vLLM's groups, which kvsim's pool follows
+    if not spec.is_uniform and pool is None:
+        raise KvsimError(f"kvsim's replay does not follow vLLM's KV cache groups for {model.name}", source=source, field="model")
+    num_gpu_blocks = workload.kv_budget_bytes // (spec.block_bytes if pool is None else pool.bytes_per_block)
     setup = EngineSetup(
-        num_gpu_blocks=workload.kv_budget_bytes // spec.block_bytes,
+        num_gpu_blocks=num_gpu_blocks,
         block_size=config.block_size,
         num_layers=spec.num_attention_layers,
         num_kv_heads=spec.num_kv_heads,
@@ -82,5 +85,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         reserve_full_isl=sc.scheduler_reserve_full_isl,
         enable_prefix_caching=config.prefix_caching,
         async_scheduling=stream.async_scheduling,
+        model=None if pool is None else model,
+        kv_budget_bytes=workload.kv_budget_bytes,
     )
     return ResolvedStream(stream, workload, config, ctx, generate_requests(workload), setup)

@@ -35,6 +35,10 @@ class EngineSetup:
     reserve_full_isl: bool  # scheduler_reserve_full_isl
     enable_prefix_caching: bool
     async_scheduling: bool
+    # A mixed model (kvsim ModelSpec) and the KV budget: vLLM's KV cache config is then built from its layers'
+    # specs by vLLM's own planning functions, as the size check does; None: one full-attention group.
+    model: object = None
+    kv_budget_bytes: int = 0
 
 
 def build_scheduler(setup: EngineSetup):
@@ -56,7 +60,10 @@ def build_scheduler(setup: EngineSetup):
         scheduler_reserve_full_isl=setup.reserve_full_isl,
         async_scheduling=setup.async_scheduling,
     )
-    cache_config = CacheConfig(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
+    hybrid_config = hybrid_kv_cache_config(setup) if setup.model is not None else None
+    # cache_config.block_size after start-up: the smallest group's (a hybrid mamba model's raised block)
+    block_size = setup.block_size if hybrid_config is None else min(g.kv_cache_spec.block_size for g in hybrid_config.kv_cache_groups)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=setup.enable_prefix_caching)
     cache_config.num_gpu_blocks = setup.num_gpu_blocks
     concurrent_batches = 2 if setup.async_scheduling else 1  # VllmConfig.max_concurrent_batches, pp = 1
     # The VllmConfig fields the scheduler reads, nothing else (a missing one fails loudly).
@@ -84,18 +91,52 @@ def build_scheduler(setup: EngineSetup):
         max_in_flight_tokens=concurrent_batches * setup.max_num_batched_tokens,
         use_v2_model_runner=True,  # 0.33's default on a CUDA GPU with Triton
     )
-    spec = kvi.FullAttentionSpec(
-        block_size=setup.block_size, num_kv_heads=setup.num_kv_heads, head_size=setup.head_size,
-        dtype=getattr(torch, _TORCH_DTYPES[setup.kv_dtype]),
-    )
-    kv_cache_config = kvi.KVCacheConfig(
-        num_blocks=setup.num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[kvi.KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(setup.num_layers)], kv_cache_spec=spec)],
+    if hybrid_config is not None:
+        kv_cache_config = hybrid_config
+    else:
+        spec = kvi.FullAttentionSpec(
+            block_size=setup.block_size, num_kv_heads=setup.num_kv_heads, head_size=setup.head_size,
+            dtype=getattr(torch, _TORCH_DTYPES[setup.kv_dtype]),
+        )
+        kv_cache_config = kvi.KVCacheConfig(
+            num_blocks=setup.num_gpu_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvi.KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(setup.num_layers)], kv_cache_spec=spec)],
+        )
+    # the engine core's choice (vllm/v1/engine/core.py): one group's block size, else the lcm of the groups'
+    scheduler_block_size, hash_block_size = import_vllm("vllm.v1.core.kv_cache_utils").resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
     )
     cls = sched_mod.AsyncScheduler if setup.async_scheduling else sched_mod.Scheduler
     return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, structured_output_manager=_NoGrammar(),
-               block_size=setup.block_size, log_stats=False)
+               block_size=scheduler_block_size, hash_block_size=hash_block_size, log_stats=False)
+
+
+def hybrid_kv_cache_config(setup: EngineSetup):
+    """vLLM's scheduler KV cache config for a mixed model: its layers' specs (the size check's), grouped and
+    sized over the budget by `get_kv_cache_groups`, `get_kv_cache_configs`, `generate_scheduler_kv_cache_config`.
+    Its block count must be the one kvsim's pool computed (`setup.num_gpu_blocks`)."""
+    from kvsim.conformance.size_specs import vllm_config, vllm_modules, vllm_specs
+    from kvsim.size.sizing import kv_cache_spec
+    from kvsim.size.vllm import VllmSettings, hybrid_pages, vllm_layers
+
+    v = vllm_modules()
+    spec = kv_cache_spec(setup.model, kv_dtype=setup.kv_dtype, block_size=setup.block_size)
+    settings = VllmSettings(max_num_batched_tokens=setup.max_num_batched_tokens, async_scheduling=setup.async_scheduling)
+    report = {
+        "tp": 1, "block_size": setup.block_size, "kv_dtype": setup.kv_dtype, "context_tokens": setup.max_model_len,
+        "state_bytes_per_sequence": spec.state_bytes_per_sequence,
+    }
+    hybrid = hybrid_pages(vllm_layers(setup.model, spec), setup.block_size, settings)
+    if hybrid is not None:  # the raised attention block and the state page padded to its page
+        report |= {"vllm_block_size": hybrid.block_size, "vllm_state_page_padded_bytes": hybrid.page_bytes}
+    specs = vllm_specs(v, setup.model, report)
+    cfg = vllm_config(v, settings, setup.max_model_len, 1)
+    groups = v.planning.get_kv_cache_groups(cfg, dict(specs))
+    configs = v.planning.get_kv_cache_configs(cfg, [specs], [setup.kv_budget_bytes], groups)
+    config = v.utils.generate_scheduler_kv_cache_config(configs)
+    assert config.num_blocks == setup.num_gpu_blocks, (config.num_blocks, setup.num_gpu_blocks)
+    return config
 
 
 class _NoGrammar:

@@ -28,6 +28,8 @@ class MemoryBreakdown:
       although their total would fit it (always 0 for paged);
     - free: the rest (cached-but-unreferenced prefix blocks count as free: they are reusable).
     `shared_saved_bytes` is not a category: the bytes that sharing (prefix cache, forks) avoided allocating.
+    `padding_bytes` is not a category either: the part of internal fragmentation that is vLLM's page padding
+    (the pages of a mixed model's padding layers, and pages padded past what their layer needs).
     """
 
     budget_bytes: int
@@ -37,6 +39,7 @@ class MemoryBreakdown:
     external_fragmentation_bytes: int
     free_bytes: int
     shared_saved_bytes: int = 0
+    padding_bytes: int = 0
 
     def __post_init__(self) -> None:
         parts = (

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.engine.arena import Placement
-from kvsim.engine.flat import Reserve
 from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.errors import KvsimError
 
 
 
@@ -40,12 +39,17 @@ class AllocatorConfig:
 
 
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
-    """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`."""
+    """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`: a paged one over
+    vLLM's KV cache groups when `spec.pool` carries them (a mixed model), else over one group."""
     assert spec.block_size == config.block_size or config.kind == "flat"
-    if spec.bytes_per_token == 0:
-        from kvsim.errors import KvsimError
+    if config.kind == "paged" and spec.pool is not None:
+        from kvsim.engine.paged_hybrid import HybridPagedAllocator
 
-        raise KvsimError("not modelled: replaying an attention-free model (no per-token KV, only a state per sequence)", field="model")
+        if config.prefix_caching:
+            raise KvsimError(
+                "prefix caching is not supported for models with sliding-window or state layers", field="prefix_caching"
+            )
+        return HybridPagedAllocator(spec, budget_bytes, max_model_len=max_model_len, watermark=config.watermark)
     if config.kind == "paged":
         from kvsim.engine.paged import PagedAllocator
 

@@ -32,6 +32,9 @@ class Sequence:
     # Tokens whose ids are known so far; None: all of them. Prefix caching hashes only known tokens' blocks
     # (vLLM's async scheduling computes a token before the step that samples it has returned it).
     num_known_tokens: int | None = None
+    # Async scheduling: computed tokens of steps whose output has not returned yet (vLLM's
+    # `num_in_flight_tokens`); a sliding window frees only blocks before the settled tokens, computed - these.
+    num_in_flight_tokens: int = 0
     extra: dict = field(default_factory=dict)  # scheduler / report bookkeeping, never read by allocators
 
     def __post_init__(self) -> None:

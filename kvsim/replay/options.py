@@ -83,9 +83,15 @@ class ReplayContext:
     clock: object | None = None  # kvsim.clock.kernels_db.KernelClock for --timing kernels-db; None: the roofline
 
     def spec(self, block_size: int) -> KVCacheSpec:
+        """The model's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
+        sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)."""
         from kvsim.size.sizing import kv_cache_spec
+        from kvsim.size.vllm import VllmSettings, with_pool
 
-        return kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+        spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+        sc = self.scheduler_config
+        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=getattr(sc, "async_scheduling", False))
+        return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings)
 
 
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)

@@ -263,12 +263,20 @@ class Scheduler(Preemption, DecodeRuns):
         if self.async_scheduling:
             for seq in sampled:
                 seq.num_output_placeholders += 1
+            for seq, _, n in out.prefills:
+                seq.num_in_flight_tokens += n
+            for seq in out.decodes:
+                seq.num_in_flight_tokens += k
 
     def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
         `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting."""
         stale = set()
         if self.async_scheduling:
+            for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
+                seq.num_in_flight_tokens -= n
+            for seq in out.decodes:
+                seq.num_in_flight_tokens -= out.num_steps
             for seq in [chunk[0] for chunk in out.prefills] + out.decodes:
                 if seq.stale_output:
                     seq.stale_output = False

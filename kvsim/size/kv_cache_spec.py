@@ -39,6 +39,43 @@ class KVCacheGroupSpec:
 
 
 @dataclass(frozen=True)
+class PoolGroupSpec:
+    """One of vLLM's KV cache groups as the paged pool allocates it: its own block table and manager.
+
+    `kind` is vLLM's spec kind ("full", "mla", "sliding", "chunked", "state"). Every group's page is equal
+    (`page_bytes`, padded where a layer's own page is smaller: `layer_page_bytes`); a group with fewer than
+    the pool's `group_size` layers leaves the other layers' pages of its blocks as padding.
+    """
+
+    kind: str
+    num_layers: int
+    block_size: int  # tokens per block (a state group without prefix caching: max_model_len, one block)
+    page_bytes: int  # one block of one layer, padded
+    layer_page_bytes: int  # one block of one layer as the layer needs it (block_size x bytes per token, or a state)
+    window: int | None = None  # sliding: the window; chunked: the chunk
+    max_admission_blocks: int | None = None  # sliding/chunked: vLLM's max_admission_blocks_per_request
+
+    def __post_init__(self) -> None:
+        assert 0 < self.layer_page_bytes <= self.page_bytes and self.num_layers > 0 and self.block_size > 0
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """vLLM's KV cache config for a mixed model: the groups, in vLLM's order, and layers per group.
+
+    One block id is one page in each of `group_size` layer tensors and belongs to one group, so every block
+    costs `bytes_per_block` and `num_gpu_blocks = budget // bytes_per_block`.
+    """
+
+    groups: tuple[PoolGroupSpec, ...]
+    group_size: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.group_size * self.groups[0].page_bytes
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """Everything the allocators and cache tensors need, per tensor-parallel rank.
 
@@ -54,6 +91,7 @@ class KVCacheSpec:
     num_kv_heads: int  # of a representative attention layer (MLA: 1)
     head_dim: int  # of a representative attention layer (MLA: kv_lora_rank + qk_rope_head_dim)
     num_attention_layers: int  # layers holding per-token KV (full + sliding)
+    pool: PoolSpec | None = None  # mixed models: vLLM's groups, which the paged allocator follows
 
     @property
     def bytes_per_token(self) -> int:

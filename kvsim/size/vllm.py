@@ -8,10 +8,10 @@ those functions themselves and compares.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.errors import KvsimError
 from kvsim.models.spec import LayerKind, ModelSpec
 from kvsim.size.sizing import cdiv, positive_int
@@ -234,6 +234,8 @@ class VllmGroup:
     block_size: int  # tokens per block (a state group's: mamba_block_size)
     page_bytes: int  # one block of one layer (padded)
     blocks_per_request: int  # a request of max_model_len tokens
+    window: int | None = None  # sliding: the window; chunked: the chunk
+    layer_page_bytes: int = 0  # one block of one layer before padding (a state layer: its state)
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,8 @@ def vllm_startup(
         for i in range(n):
             size = len(members[i::n])  # vLLM deals layers round-robin: layers[i::num_groups]
             widest = max(widest, size)
-            groups.append(VllmGroup(layer.kind, size, bs, page, blocks))
+            layer_page = layer.state_bytes if layer.kind == "state" else layer.bytes_per_token * bs
+            groups.append(VllmGroup(layer.kind, size, bs, page, blocks, layer.window, layer_page))
     bytes_per_block = widest * groups[0].page_bytes
     return VllmStartup(
         groups=tuple(groups),
@@ -417,3 +420,34 @@ def vllm_startup(
         settings=settings,
         hybrid=hybrid,
     )
+
+
+def pool_spec(startup: VllmStartup) -> PoolSpec:
+    """vLLM's groups as the replay's paged pool allocates them (`KVCacheSpec.pool`)."""
+    groups = tuple(
+        PoolGroupSpec(
+            g.kind,
+            g.num_layers,
+            g.block_size,
+            g.page_bytes,
+            g.layer_page_bytes,
+            window=g.window,
+            max_admission_blocks=g.blocks_per_request if g.kind in ("sliding", "chunked") else None,
+        )
+        for g in startup.groups
+    )
+    return PoolSpec(groups, startup.group_size)
+
+
+def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings: VllmSettings) -> KVCacheSpec:
+    """`spec` with vLLM's groups for a mixed model (uniform models and models whose arithmetic vLLM
+    0.33.0 would not run, or kvsim does not model, keep the spec as it is: one pool of kvsim's lanes)."""
+    if spec.is_uniform:
+        return spec
+    try:
+        startup = vllm_startup(vllm_layers(model, spec), budget_bytes, max_model_len, spec.block_size, settings)
+    except KvsimError:
+        return spec
+    if startup is None or startup.num_blocks < 2:
+        return spec
+    return replace(spec, pool=pool_spec(startup))

@@ -48,6 +48,27 @@ def test_the_harness_sees_a_smaller_pool(vllm_loaded):
     assert (c.blocks_kvsim, c.blocks_vllm) == (2048, 1048)
 
 
+def test_mixed_model_streams_run_vllms_group_managers_and_a_pool_without_null_blocks_differs(vllm_loaded, monkeypatch):
+    """gemma-3-27b's stream runs vLLM's coordinator over 7 groups (6 sliding, 1 full; without prefix caching
+    vLLM's `KVCacheCoordinatorNoPrefixCache`, which holds the same per-group managers); kvsim's
+    replay with its sliding groups never nulling a block holds more blocks and preempts where vLLM does not."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+    from kvsim.engine.paged_groups import SlidingWindowManager
+
+    rs = resolve(next(s for s in STREAMS if s.name == "gemma3-pressure"))
+    manager = build_scheduler(rs.setup).kv_cache_manager
+    assert type(manager.coordinator).__name__ == "KVCacheCoordinatorNoPrefixCache"
+    kinds = [type(m).__name__ for m in manager.coordinator.single_type_managers]
+    assert kinds == ["SlidingWindowManager"] * 6 + ["FullAttentionManager"]
+    vllm = run_vllm(rs)
+    monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", lambda self, num_computed_tokens: 0)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.kvsim_preemptions > c.vllm_preemptions
+
+
 def test_cli_prints_the_table_and_exits_0(vllm_loaded, cli):
     result = cli(["conformance", "--stream", "plenty"])
     assert result.exit_code == 0, result.output

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsim.engine.factory import AllocatorConfig
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.engine.sequence import Sequence
 
 from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, build
@@ -260,3 +261,104 @@ def test_random_operations_against_model(config, num_slots, extra_bytes, words):
             model.fork(b, c)
         model.check()
     model.finish_all()
+
+
+# --- mixed models: vLLM's KV cache groups (kvsim/engine/paged_hybrid.py) -----------------------------------
+
+MIXED_LEN = 48
+# group_size 2, pages of 32 B: two sliding groups (window 6; the second with a padding layer), a full group,
+# and a state group whose 20 B state is padded to the page (block_size max_model_len: one block a request)
+MIXED_POOL = PoolSpec(
+    (
+        PoolGroupSpec("sliding", 2, 4, 32, 32, window=6, max_admission_blocks=4),
+        PoolGroupSpec("sliding", 1, 4, 32, 32, window=6, max_admission_blocks=4),
+        PoolGroupSpec("full", 2, 4, 32, 32),
+        PoolGroupSpec("state", 1, MIXED_LEN, 32, 20),
+    ),
+    group_size=2,
+)
+MIXED_SPEC = KVCacheSpec(
+    groups=(
+        KVCacheGroupSpec("sliding", 3, bytes_per_token=24, window=6),
+        KVCacheGroupSpec("full", 2, bytes_per_token=16),
+        KVCacheGroupSpec("state", 1, state_bytes=20),
+    ),
+    block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=2, num_attention_layers=5, pool=MIXED_POOL,
+)
+
+
+def check_mixed(alloc, live: dict, pool: np.ndarray, settled: dict) -> None:
+    """Every held block in exactly one table entry with ref count 1; null blocks only as a table's head, exactly
+    the blocks wholly before the window at the computed count of the last allocation (`settled`); free =
+    usable - held; padding exact; the slot group's tokens from its first held block read back intact."""
+    null = alloc.pool.null_block
+    held = Counter()
+    padding = 0
+    for seq in live.values():
+        for group, table in zip(MIXED_POOL.groups, alloc._reqs[seq].tables):
+            nulls = next((i for i, b in enumerate(table) if b is not null), len(table))
+            assert all(b is not null for b in table[nulls:])
+            assert len(table) * group.block_size >= seq.num_computed_tokens
+            skipped = max(0, settled[seq.seq_id] - group.window + 1) if group.kind == "sliding" else 0
+            assert nulls == min(skipped // group.block_size, len(table)), (nulls, skipped, group)
+            held.update(b.block_id for b in table[nulls:])
+            padding += (len(table) - nulls) * (alloc.bytes_per_block - group.num_layers * group.layer_page_bytes)
+        table = alloc.block_table(seq)
+        first = next((i for i, b in enumerate(table) if b is not None), len(table)) * alloc.block_size
+        slots = alloc.slot_mapping(seq, first, seq.num_computed_tokens)
+        assert np.array_equal(pool[slots], seq.token_ids[first : seq.num_computed_tokens])
+    assert all(n == 1 for n in held.values()) and 0 not in held
+    assert all(b.ref_count == (b.block_id in held) for b in alloc.pool.blocks)
+    assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
+    b = alloc.breakdown()
+    assert b.padding_bytes == padding <= b.internal_fragmentation_bytes
+    assert b.free_bytes == alloc.num_free_blocks * alloc.bytes_per_block
+
+
+@settings(max_examples=NUM_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(4, 60),
+    extra_bytes=st.integers(0, 63),
+    words=st.lists(st.integers(0, 2**27 - 1), min_size=1, max_size=25),
+)
+def test_mixed_model_random_operations(num_blocks, extra_bytes, words):
+    """Admissions in chunks, prefill chunks, decode, frees over vLLM's groups; freeing everything restores
+    the pool and leaves only the null block and the remainder as internal fragmentation."""
+    alloc = make_allocator(AllocatorConfig("paged", block_size=4), MIXED_SPEC, num_blocks * 64 + extra_bytes, max_model_len=MIXED_LEN)
+    pool = np.full(alloc.num_slots, -1, dtype=np.int64)
+    live: dict[int, Sequence] = {}
+    settled: dict[int, int] = {}  # computed tokens at each request's last allocation
+
+    def compute(seq, n):
+        start = seq.num_computed_tokens
+        slots = alloc.slot_mapping(seq, start, start + n)
+        pool[slots[slots >= 0]] = seq.token_ids[start : start + n][slots >= 0]
+        seq.num_computed_tokens += n
+
+    for i, (op, a, b, c) in enumerate(map(decode, words)):
+        for seq in [s for s in live.values() if s.num_computed_tokens == s.num_final_tokens]:
+            alloc.free(live.pop(seq.seq_id))
+        if op in ("admit", "fork"):
+            output = min(b, MIXED_LEN - a)
+            seq = Sequence(i, a, output, token_ids=10_000 * (i + 1) + np.arange(a + output, dtype=np.int64))
+            chunk = 1 + c % a
+            if alloc.allocate(seq, chunk) is not None:
+                live[i], settled[i] = seq, 0
+                compute(seq, chunk)
+        elif op == "step" and live:
+            seq = live[sorted(live)[c % len(live)]]
+            n = max(1, min(a, seq.num_prompt_tokens - seq.num_computed_tokens))  # a prefill chunk or a decode
+            settled[seq.seq_id] = seq.num_computed_tokens
+            if alloc.append_slots(seq, n):
+                compute(seq, n)
+            else:
+                alloc.free(live.pop(seq.seq_id))
+        elif op == "free" and live:
+            alloc.free(live.pop(sorted(live)[c % len(live)]))
+        check_mixed(alloc, live, pool, settled)
+    for seq in list(live.values()):
+        alloc.free(seq)
+    b = alloc.breakdown()
+    assert (b.token_states_bytes, b.reservation_bytes, b.padding_bytes) == (0, 0, 0)
+    assert b.internal_fragmentation_bytes == alloc.budget_bytes - alloc.pool.num_usable_blocks * alloc.bytes_per_block
+    assert alloc.num_free_blocks == alloc.pool.num_usable_blocks

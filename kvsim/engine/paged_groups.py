@@ -1,0 +1,110 @@
+"""One manager per KV cache group, as vLLM 0.33.0's `single_type_kv_cache_manager.py`: how many blocks a group
+needs for `num_tokens`, which of its blocks fall outside the attention window (replaced by the null block)."""
+
+from __future__ import annotations
+
+from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.size.kv_cache_spec import PoolGroupSpec
+
+
+class SingleTypeManager:
+    """vLLM's `SingleTypeKVCacheManager` for one group over the shared pool (prefix caching off).
+
+    The per-request block table is the caller's (`HybridCoordinator` keeps one per group and request); a
+    manager only reads and extends it. Tables hold the pool's null block where blocks were skipped:
+
+        sliding window 8, block_size 4, 13 tokens computed (processed):
+        table  [ null ][ 7 ][ 9 ][ 4 ]     tokens 0-3 lie before the window of token 13 (6-13): block freed
+    """
+
+    def __init__(self, group: PoolGroupSpec, pool: BlockPool):
+        self.group = group
+        self.block_size = group.block_size
+        self.pool = pool
+        self.null_block = pool.null_block
+
+    def get_num_blocks_to_allocate(self, table: list[Block], num_tokens: int, apply_admission_cap: bool = False) -> int:
+        """New blocks `table` needs to hold `num_tokens` tokens (null blocks count as held, as in vLLM).
+
+        `apply_admission_cap`: the full-sequence admission gate caps a sliding or chunked group's need at
+        `max_admission_blocks_per_request` (`SingleTypeKVCacheManager.get_num_blocks_to_allocate`).
+        """
+        required = -(-num_tokens // self.block_size)
+        cap = self.group.max_admission_blocks
+        if apply_admission_cap and cap is not None and cap < required:
+            required = cap
+        return max(required - len(table), 0)
+
+    def allocate_new_blocks(self, table: list[Block], num_tokens: int) -> None:
+        """Extend `table` to `cdiv(num_tokens, block_size)` blocks from the pool (`allocate_new_blocks`)."""
+        num_new = -(-num_tokens // self.block_size) - len(table)
+        if num_new > 0:
+            table += self.pool.get_new_blocks(num_new)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens attention will never read again: none for full attention and state groups."""
+        return 0
+
+    def remove_skipped_blocks(self, table: list[Block], processed_computed_tokens: int) -> int:
+        """Replace the blocks wholly before the skipped tokens with the null block and free them, the latest
+        first, stopping at the first block already nulled (`_remove_blocks_in_range`). Returns how many."""
+        skipped = self.get_num_skipped_tokens(processed_computed_tokens)
+        if skipped <= 0:
+            return 0
+        null = self.null_block
+        freed = []
+        for i in range(min(skipped // self.block_size, len(table)) - 1, -1, -1):
+            if table[i] is null:
+                break
+            freed.append(table[i])
+            table[i] = null
+        if freed:
+            self.pool.free_blocks(freed)
+        return len(freed)
+
+    def free(self, table: list[Block]) -> None:
+        """Return every real block of `table`, tail first (`free`: `pop_blocks_for_free` trims the null head)."""
+        null = self.null_block
+        start = 0
+        while start < len(table) and table[start] is null:
+            start += 1
+        self.pool.free_blocks(reversed(table[start:]))
+        table.clear()
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention and MLA groups: every token's block is kept for the request's life."""
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding-window groups: tokens before `num_computed_tokens - window + 1` are never read again."""
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.group.window + 1)
+
+
+class ChunkedLocalAttentionManager(SingleTypeManager):
+    """Chunked local attention: a token reads only its own chunk, so the finished chunks are skipped."""
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        chunk = self.group.window
+        return num_computed_tokens // chunk * chunk
+
+
+class MambaManager(SingleTypeManager):
+    """State groups without prefix caching (`mamba_cache_mode` none): the group's block size is
+    max_model_len, so a request holds one block, its running state, for its life."""
+
+
+MANAGERS: dict[str, type[SingleTypeManager]] = {
+    "full": FullAttentionManager,
+    "mla": FullAttentionManager,
+    "sliding": SlidingWindowManager,
+    "chunked": ChunkedLocalAttentionManager,
+    "state": MambaManager,
+}
+
+
+def make_manager(group: PoolGroupSpec, pool: BlockPool) -> SingleTypeManager:
+    """The manager vLLM's `get_manager_for_kv_cache_spec` picks for `group`'s kind."""
+    return MANAGERS[group.kind](group, pool)

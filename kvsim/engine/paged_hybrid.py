@@ -1,0 +1,254 @@
+"""The paged allocator for mixed models, as vLLM 0.33.0's hybrid KV cache manager: vLLM's KV cache groups with
+padded equal pages, one block table per group, blocks outside a window replaced by the null block."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged_coordinator import HybridCoordinator
+from kvsim.engine.paged_layout import Lane
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+
+
+class HybridRequest:
+    """The allocator's state for one admitted request: a block table per group, real blocks held per group."""
+
+    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip")
+
+    def __init__(self, seq: Sequence, tables: list[list[Block]]):
+        self.seq = seq
+        self.tables = tables
+        self.held = [0] * len(tables)  # blocks of each table that are not the null block
+        self.quiet_until = -1  # an append up to this many computed + new tokens needs no block
+        self.next_skip = 0  # an append at this many computed tokens may null a block of a window group
+
+
+class HybridPagedAllocator(KVAllocator):
+    """vLLM's `KVCacheManager` over `HybridKVCacheCoordinator` for a model with several KV cache groups.
+
+    The pool is `num_gpu_blocks = budget // bytes_per_block` blocks, block 0 the null block. One block id is
+    one page in each of `group_size` layer tensors and belongs to one group (gemma-3-27b: 6 sliding groups
+    and 1 full group of 10 layers, the last two sliding groups holding 8 real layers and 2 padding layers):
+
+        tensor 0  [ blk 0 = null | blk 1: sliding-0 | blk 2: full | blk 3: sliding-4 | ... ]
+        tensor 9  [ blk 0 = null | blk 1: sliding-0 | blk 2: full | blk 3: padding   | ... ]
+
+    Before every allocation each group nulls the blocks it no longer reads against the settled tokens
+    (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
+    to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens. Prefix caching and forks are not modelled here yet.
+    """
+
+    def __init__(self, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int, watermark: float = 0.0):
+        if not 0.0 <= watermark < 1.0:
+            raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
+        if max_model_len <= 0:
+            raise KvsimError(f"max_model_len must be positive, got {max_model_len}", field="max_model_len")
+        assert spec.pool is not None, "a mixed model's paged pool needs vLLM's groups (KVCacheSpec.pool)"
+        self.spec = spec
+        self.pool_spec = pool_spec = spec.pool
+        self.groups = pool_spec.groups
+        self.budget_bytes = budget_bytes
+        self.max_model_len = max_model_len
+        self.watermark = watermark
+        self.enable_prefix_caching = False
+        # slots and block_table follow the first group that keeps tokens (a state group's block is a state)
+        self._slot_group = next(i for i, g in enumerate(self.groups) if g.kind != "state")
+        self.block_size = self.groups[self._slot_group].block_size
+        self.bytes_per_block = bpb = pool_spec.bytes_per_block
+        self.num_blocks = budget_bytes // bpb  # num_gpu_blocks, the null block included
+        self.num_slots = self.num_blocks * self.block_size
+        self.watermark_blocks = int(watermark * self.num_blocks)
+        self.pool = BlockPool(self.num_blocks)
+        self.coordinator = HybridCoordinator(pool_spec, self.pool)
+        self._reqs: dict[Sequence, HybridRequest] = {}
+        # The scheduler's view: a lane per group that grows with the tokens (one block each per block_size).
+        self.lanes = [
+            Lane(g.num_layers * g.layer_page_bytes // g.block_size, g.window if g.kind == "sliding" else None, 1, 0)
+            for g in self.groups
+            if g.kind != "state"
+        ]
+        # breakdown(): bytes one token occupies in a group's block, and the padding of each of its blocks
+        self._token_bytes = [g.num_layers * g.layer_page_bytes // g.block_size for g in self.groups]
+        self._pad_bytes = [bpb - g.num_layers * g.layer_page_bytes for g in self.groups]
+        self._windowed = [i for i, g in enumerate(self.groups) if g.kind in ("sliding", "chunked")]
+
+    # --- the KVAllocator protocol -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+        apply_watermark: bool = True,
+    ) -> int | None:
+        """Admit `seq` with room for `num_new_tokens`, or None (nothing changed): `allocate_slots` for a waiting
+        request. With `full_sequence_must_fit` every group must have room for all `num_tokens` first, a sliding
+        or chunked group capped at its `max_admission_blocks_per_request`."""
+        assert seq not in self._reqs, f"{seq} is already admitted"
+        if num_tokens is None:
+            num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
+        coordinator, free = self.coordinator, self.pool.num_free_blocks
+        tables = coordinator.new_tables()
+        watermark = self.watermark_blocks if apply_watermark else 0
+        if full_sequence_must_fit:
+            need = coordinator.get_num_blocks_to_allocate(tables, min(num_tokens, self.max_model_len), apply_admission_cap=True)
+            if need + watermark > free:
+                return None
+        total = min(min(num_new_tokens, num_tokens), self.max_model_len)
+        if coordinator.get_num_blocks_to_allocate(tables, total) + watermark > free:
+            return None
+        req = HybridRequest(seq, tables)
+        self._reqs[seq] = req
+        self._grow(req, 0, total)
+        return 0
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for `seq.num_computed_tokens + num_new_tokens` tokens: `allocate_slots` for a running request.
+
+        The blocks that left a window are nulled first, even when the growth then does not fit (vLLM frees
+        them "even if we cannot schedule this request"); growth ignores the watermark.
+        """
+        req = self._reqs[seq]
+        computed = seq.num_computed_tokens
+        total = computed + num_new_tokens
+        settled = computed - seq.num_in_flight_tokens
+        if total <= req.quiet_until and settled < req.next_skip:
+            return True
+        return self._grow(req, max(0, settled), min(total, self.max_model_len))
+
+    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        return [seq for seq in seqs if not self.append_slots(seq, 1)]
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of `seq`, group by group, each table's tail first."""
+        self.coordinator.free(self._reqs.pop(seq).tables)
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        """Whether `seq` runs alone, within max_model_len, in one of two ways.
+
+        vLLM's admission bound: its blocks, each window group capped at `max_admission_blocks_per_request`,
+        within the usable blocks (what vLLM's start-up check guarantees for a request of max_model_len; the
+        cap assumes prompt chunks of at most `max_num_batched_tokens`). Or without chunking: the whole prompt
+        admitted at once, then every decode step's blocks after the window groups nulled theirs. A window
+        group's blocks at computed c repeat with period block_size once c passes the window and the other
+        groups' only grow, so the decode peak lies in the last lcm(block sizes, chunks) steps.
+        """
+        final, prompt = seq.num_final_tokens, seq.num_prompt_tokens
+        if final > self.max_model_len:
+            return False
+        usable = self.pool.num_usable_blocks
+        managers = self.coordinator.managers
+        if self.coordinator.get_num_blocks_to_allocate(self.coordinator.new_tables(), final, apply_admission_cap=True) <= usable:
+            return True
+        if sum(-(-prompt // m.block_size) for m in managers) > usable:
+            return False
+        period = math.lcm(*(g.block_size for g in self.groups if g.kind != "state"), *(g.window for g in self.groups if g.kind == "chunked"))
+        for c in range(max(prompt, final - 1 - period), final):
+            held = 0
+            for m in managers:
+                bs = m.block_size
+                held += -(-(c + 1) // bs) - m.get_num_skipped_tokens(c) // bs
+            if held > usable:
+                return False
+        return True
+
+    def block_table(self, seq: Sequence) -> list[int | None]:
+        """Block ids of the slot group; None where the block was replaced by the null block (vLLM: block 0)."""
+        null = self.pool.null_block
+        return [None if b is null else b.block_id for b in self._reqs[seq].tables[self._slot_group]]
+
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """Every group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the null block)."""
+        return [[b.block_id for b in table] for table in self._reqs[seq].tables]
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Slots of positions [start, end) in the slot group's table; -1 where its block is the null block."""
+        bs, table = self.block_size, self._reqs[seq].tables[self._slot_group]
+        assert 0 <= start <= end <= len(table) * bs, (start, end)
+        if start == end:
+            return np.empty(0, dtype=np.int64)
+        first, last = start // bs, (end - 1) // bs
+        ids = np.fromiter((b.block_id for b in table[first : last + 1]), dtype=np.int64, count=last - first + 1)
+        pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
+        block_ids = ids[pos // bs - first]
+        slots = block_ids * bs + pos % bs
+        slots[block_ids == 0] = -1
+        return slots
+
+    def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
+        """Slot by slot per group: a real block's token slots are token states (computed), reservation (before
+        the final length) or internal fragmentation (after it); its padding layers and padded pages are
+        padding, counted in internal fragmentation and named in `padding_bytes`. The null block and the
+        budget's remainder smaller than a block are internal fragmentation too."""
+        token = reservation = internal = padding = 0
+        groups, token_bytes, pad_bytes = self.groups, self._token_bytes, self._pad_bytes
+        for req in self._reqs.values():
+            c, final = req.seq.num_computed_tokens, req.seq.num_final_tokens
+            for g, table in enumerate(req.tables):
+                held = req.held[g]
+                if not held:
+                    continue
+                padding += held * pad_bytes[g]
+                if groups[g].kind == "state":
+                    token += held * (self.bytes_per_block - pad_bytes[g])
+                    continue
+                bs = groups[g].block_size
+                cap, lo = len(table) * bs, (len(table) - held) * bs
+                cc = min(max(c, lo), cap)
+                used = max(min(cap, final), cc)
+                token += (cc - lo) * token_bytes[g]
+                reservation += (used - cc) * token_bytes[g]
+                internal += (cap - used) * token_bytes[g]
+        unusable = self.budget_bytes - self.pool.num_usable_blocks * self.bytes_per_block
+        return MemoryBreakdown(
+            budget_bytes=self.budget_bytes,
+            token_states_bytes=token,
+            reservation_bytes=reservation,
+            internal_fragmentation_bytes=internal + padding + unusable,
+            external_fragmentation_bytes=0,
+            free_bytes=self.pool.num_free_blocks * self.bytes_per_block,
+            padding_bytes=padding,
+        )
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _grow(self, req: HybridRequest, computed: int, total: int) -> bool:
+        """Null what left each window at `computed` (settled) tokens, then give every group room for `total`
+        tokens, or False."""
+        coordinator, tables = self.coordinator, req.tables
+        for g in self._windowed:  # the other groups skip nothing
+            req.held[g] -= coordinator.managers[g].remove_skipped_blocks(tables[g], computed)
+        if coordinator.get_num_blocks_to_allocate(tables, total) > self.pool.num_free_blocks:
+            self._refresh(req, computed)
+            return False
+        before = [len(t) for t in tables]
+        coordinator.allocate_new_blocks(tables, total)
+        for g, table in enumerate(tables):
+            req.held[g] += len(table) - before[g]
+        self._refresh(req, computed)
+        return True
+
+    def _refresh(self, req: HybridRequest, computed: int) -> None:
+        """The next append that needs the slow path: a group's next block, or a window group's next skip."""
+        req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
+        next_skip = math.inf
+        for g in self._windowed:
+            group = self.groups[g]
+            bs, w = group.block_size, group.window
+            if group.kind == "sliding":  # skipped blocks grow when (computed - w + 1) // bs does
+                next_skip = min(next_skip, (max(0, computed - w + 1) // bs + 1) * bs + w - 1)
+            else:
+                next_skip = min(next_skip, (computed // w + 1) * w)
+        req.next_skip = next_skip
