@@ -32,8 +32,8 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, PagedGrowth
 
     Uniform models have one lane and page = one block. Mixed models get one lane for the full-attention
     groups and one per sliding window; the primary lane (full, else the first) defines slots. Prefix caching,
-    forks with copy-on-write and `breakdown()` are mixins (paged_prefix, paged_fork, paged_breakdown) over
-    the state this class keeps.
+    forks with copy-on-write, `breakdown()`, growth and slot mapping are mixins (paged_prefix, paged_fork,
+    paged_breakdown, paged_growth, paged_slots) over the state this class keeps.
     """
 
     def __init__(
