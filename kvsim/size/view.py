@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
-from kvsim.size.view_vllm import _print_hybrid_pages, _print_vllm_lines
+from kvsim.size.view_vllm import print_hybrid_pages, print_vllm_lines
 
 
 def _b(num_bytes: int | None) -> str:
@@ -205,10 +205,10 @@ def _print_report(console: Console, report) -> None:
         style="dim",
     )
     if report.hybrid is not None:
-        _print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
+        print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
-        _print_vllm_lines(console, report)
+        print_vllm_lines(console, report)
         if cap.max_sequences_uncapped != cap.max_sequences:
             console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
 
