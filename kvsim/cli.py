@@ -109,7 +109,7 @@ def models(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
     """List the model catalogue: layers by kind, KV heads, head_dim, KV bytes per token in bf16."""
-    from kvsim.size.view import show_models
+    from kvsim.size.view_models import show_models
 
     show_models(as_json=json_out)
 
