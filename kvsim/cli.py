@@ -109,7 +109,7 @@ def models(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
     """List the model catalogue: layers by kind, KV heads, head_dim, KV bytes per token in bf16."""
-    from kvsim.size.view import show_models
+    from kvsim.size.view_models import show_models
 
     show_models(as_json=json_out)
 
@@ -260,7 +260,7 @@ def sweep(
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run on Ray: auto (a running cluster, else a local one) or a cluster ADDRESS.", show_default=False)] = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="Replay with cache tensors (default: accounting only).")] = False,
     device: Annotated[str, typer.Option("--device", help="With --tensors: cuda, cpu or auto.")] = "auto",
-    timing: Annotated[str, typer.Option("--timing", help="Every replay's step clock: roofline, measured, kernels-db or auto (passed through).")] = "roofline",
+    timing: Annotated[Optional[str], typer.Option("--timing", help="Every replay's step clock: roofline, measured, kernels-db or auto (passed through; default: the sweep file's timing:, else roofline).", show_default=False)] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write results.csv next to results.parquet.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:

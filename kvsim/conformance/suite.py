@@ -13,8 +13,9 @@ from kvsim.errors import KvsimError
 
 def _streams() -> tuple[Stream, ...]:
     sync = [
-        "plenty", "max-num-seqs", "pressure", "pressure-heavy", "watermark", "whole-pool",
-        "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure",
+        "plenty", "max-num-seqs", "pressure", "pressure-heavy", "batch-200", "batch-200-pressure", "batch-200-prefix",
+        "watermark", "whole-pool",
+        "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure", "poisson-1000",
         "chunked-long", "max-model-len", "block-32", "block-256",
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
     ]

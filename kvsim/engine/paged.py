@@ -6,8 +6,6 @@ sliding-window groups free blocks that fall wholly outside the window, state gro
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator
@@ -15,15 +13,15 @@ from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged_breakdown import PagedBreakdown
 from kvsim.engine.paged_fork import ForkCopyOnWrite
+from kvsim.engine.paged_growth import PagedGrowth
 from kvsim.engine.paged_layout import Lane, PagedRequest, page_layout
 from kvsim.engine.paged_prefix import PrefixCaching
+from kvsim.engine.paged_slots import PagedSlots
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
-_BLOCK_ID = operator.attrgetter("block_id")
 
-
-class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator):
+class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, PagedGrowth, PagedSlots, KVAllocator):
     """Block tables over a pool of `budget // page_bytes` pages; slot = block_id * block_size + offset.
 
     Layout of one request (block_size 4, 10 tokens computed, final length 13, 4 blocks held):
@@ -34,8 +32,8 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
 
     Uniform models have one lane and page = one block. Mixed models get one lane for the full-attention
     groups and one per sliding window; the primary lane (full, else the first) defines slots. Prefix caching,
-    forks with copy-on-write and `breakdown()` are mixins (paged_prefix, paged_fork, paged_breakdown) over
-    the state this class keeps.
+    forks with copy-on-write, `breakdown()`, growth and slot mapping are mixins (paged_prefix, paged_fork,
+    paged_breakdown, paged_growth, paged_slots) over the state this class keeps.
     """
 
     def __init__(
@@ -228,156 +226,3 @@ class PagedAllocator(PrefixCaching, ForkCopyOnWrite, PagedBreakdown, KVAllocator
             if lane.window is not None:
                 peak_pages -= max(0, (c - lane.window + 1) // bs) * lane.pages_per_block
         return peak_pages <= usable
-
-    def block_table(self, seq: Sequence) -> list[int | None]:
-        """Block ids of `seq`'s primary lane (first page of each block); None where a sliding block was freed."""
-        lane, table = self.lanes[0], self._reqs[seq].tables[0]
-        if lane.window is None and lane.pages_per_block == 1:
-            return list(map(_BLOCK_ID, table))  # every decode step of a replay with tensors reads this
-        return [None if b is None else b.block_id for b in table[:: lane.pages_per_block]]
-
-    def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        """Slots of positions [start, end); -1 where a sliding window freed the block (a model whose every
-        layer slides: its primary lane is a sliding one), so swap and verify can skip those positions."""
-        bs, k = self.block_size, self.lanes[0].pages_per_block
-        table = self._reqs[seq].tables[0]
-        assert 0 <= start <= end <= len(table) // k * bs, (start, end)
-        if start == end:
-            return np.empty(0, dtype=np.int64)
-        first, last = start // bs, (end - 1) // bs
-        if first == last and table[first * k] is not None:  # a decode run inside one block: the common case
-            base = table[first * k].block_id * bs - first * bs
-            return np.arange(base + start, base + end, dtype=np.int64)
-        blocks = (table[j * k] for j in range(first, last + 1))
-        ids = np.fromiter((-1 if b is None else b.block_id for b in blocks), dtype=np.int64, count=last - first + 1)
-        pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
-        block_ids = ids[pos // bs - first]
-        slots = block_ids * bs + pos % bs
-        if self.lanes[0].window is not None:
-            slots[block_ids < 0] = -1
-        return slots
-
-    def decode_slot_mapping(self, seqs: list[Sequence], starts: np.ndarray, k: int) -> np.ndarray:
-        """Slots of positions [starts[n], starts[n] + k) of each of `seqs`, as (k, N): a decode run's
-        `slot_mapping` for the whole batch at once. A run of at most one block's tokens touches at most two
-        blocks per request, so two block ids per request and array arithmetic replace N calls."""
-        bs, lane = self.block_size, self.lanes[0]
-        if lane.window is not None or lane.pages_per_block != 1 or k > bs or not len(seqs):
-            return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, starts.tolist())], axis=1)
-        tables = [self._reqs[s].tables[0] for s in seqs]
-        first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
-        assert all(len(t) > b for t, b in zip(tables, last.tolist())), "decode run past the allocated blocks"
-        b0 = np.fromiter((t[b].block_id for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
-        b1 = np.fromiter((t[b].block_id for t, b in zip(tables, last.tolist())), dtype=np.int64, count=len(seqs))
-        pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
-        block_ids = np.where(pos // bs == first[None, :], b0[None, :], b1[None, :])  # (k, N)
-        return block_ids * bs + pos % bs
-
-    # --- internals ---------------------------------------------------------------------------------------
-
-    def _refresh(self, req: PagedRequest) -> None:
-        """`quiet_until`: the most computed + new tokens an append serves with one compare (the next block to
-        open, to hash, or to leave a sliding window comes one token later)."""
-        bs = self.block_size
-        event = req.cap + 1
-        if req.hashes is not None:
-            event = min(event, (req.num_hashed + 1) * bs)
-        for lane_idx, lane in enumerate(self.lanes):
-            if lane.window is not None:
-                event = min(event, (req.freed[lane_idx] + 1) * bs + lane.window)
-        req.quiet_until = event - 1
-
-    def _set_cap(self, req: PagedRequest, cap: int) -> None:
-        used = min(cap, req.final)
-        self._sum_cap += cap - req.cap
-        self._sum_used += used - req.used
-        req.cap, req.used = cap, used
-
-    def _grow_uniform(self, req: PagedRequest, computed: int, total: int) -> bool:
-        """`_grow` for one lane of one-page blocks with no copy-on-write pending: the decode hot path's slow step.
-
-        A decode token comes here twice per block: when it fills the last block (hash and cache it) and when
-        it opens the next one (one block from the pool). Both single-block cases are inlined.
-        """
-        if req.quiet_until < 0:  # just forked: the general path checks copy-on-write
-            return self._grow(req, computed, total)
-        bs, cap = self.block_size, req.cap
-        if total > cap:
-            pool = self.pool
-            if total - cap <= bs:
-                if not pool.free_queue.num_free_blocks:
-                    return False
-                req.tables[0].append(pool.get_new_block())
-                cap += bs
-            else:
-                num_new = (total - cap + bs - 1) // bs
-                if pool.free_queue.num_free_blocks < num_new:
-                    return False
-                req.tables[0] += pool.get_new_blocks(num_new)
-                cap += num_new * bs
-            final = req.final
-            used = cap if cap < final else final
-            self._sum_cap += cap - req.cap
-            self._sum_used += used - req.used
-            req.cap, req.used = cap, used
-        hashes = req.hashes
-        if hashes is None:
-            req.quiet_until = cap
-            return True
-        j = req.num_hashed
-        filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
-        known = req.seq.num_known_tokens
-        if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
-            filled = known // bs
-        if filled == j + 1:  # one block filled: _register, inlined
-            h = hashes[j]
-            block = req.tables[0][j]
-            cached = self.pool.cached_block_hash_to_block
-            if block.block_hash is None and h not in cached:
-                block.block_hash = h
-                cached[h] = block
-            req.num_hashed = j = filled
-        elif filled > j:
-            self._register(req, total)
-            j = req.num_hashed
-        event = (j + 1) * bs  # the next block to hash fills here
-        req.quiet_until = cap if cap < event else event - 1
-        return True
-
-    def _grow(self, req: PagedRequest, computed: int, total: int) -> bool:
-        """The slow path of an append: copy-on-write, sliding-window freeing, new blocks, prefix registration."""
-        bs = self.block_size
-        pool = self.pool
-        table0 = req.tables[0]
-        cow = self._shareable and computed % bs != 0 and table0[computed // bs].ref_count > 1
-        num_blocks = -(-total // bs)
-        grow_blocks = max(0, num_blocks - req.cap // bs)
-        skip_blocks = []  # per lane: blocks now wholly outside the window
-        reclaim = 0
-        for lane_idx, lane in enumerate(self.lanes):
-            if lane.window is None:
-                skip_blocks.append(0)
-            else:
-                skip = min(max(0, (computed - lane.window + 1) // bs), req.cap // bs) - req.freed[lane_idx]
-                skip_blocks.append(max(0, skip))
-                reclaim += max(0, skip) * lane.pages_per_block
-        if pool.num_free_blocks + reclaim < grow_blocks * self._pages_per_block + cow:
-            return False
-
-        for lane_idx, lane in enumerate(self.lanes):
-            if skip_blocks[lane_idx]:
-                k, table, start = lane.pages_per_block, req.tables[lane_idx], req.freed[lane_idx]
-                stop = start + skip_blocks[lane_idx]
-                pool.free_blocks(reversed(table[start * k : stop * k]))
-                table[start * k : stop * k] = [None] * (stop - start) * k
-                req.freed[lane_idx] = stop
-                self._sum_freed[lane_idx] += (stop - start) * bs
-        if cow:
-            self._copy_on_write(table0, computed // bs)
-        if grow_blocks:
-            for lane_idx, lane in enumerate(self.lanes):
-                req.tables[lane_idx] += pool.get_new_blocks(grow_blocks * lane.pages_per_block)
-            self._set_cap(req, num_blocks * bs)
-        self._register(req, total)
-        self._refresh(req)
-        return True

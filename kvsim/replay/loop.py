@@ -139,6 +139,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         for seq in out.admitted:
             if admitted[seq.index] != admitted[seq.index]:  # NaN: first admission
                 admitted[seq.index] = now
+                cached_tokens[seq.index] = seq.num_cached_tokens
         pending_preemptions += len(out.preempted)
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
@@ -190,6 +191,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
                 b.external_fragmentation_bytes,
                 b.free_bytes,
                 b.shared_saved_bytes,
+                b.padding_bytes,
                 pending_preemptions,
                 *kernels,
             )

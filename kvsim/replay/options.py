@@ -86,7 +86,8 @@ class ReplayContext:
         """The model's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
         sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)."""
         from kvsim.size.sizing import kv_cache_spec
-        from kvsim.size.vllm import VllmSettings, with_pool
+        from kvsim.size.vllm import VllmSettings
+        from kvsim.size.vllm_pool import with_pool
 
         spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
         sc = self.scheduler_config

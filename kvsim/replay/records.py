@@ -30,6 +30,7 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("external_fragmentation_bytes", "q"),
     ("free_bytes", "q"),
     ("shared_saved_bytes", "q"),
+    ("padding_bytes", "q"),  # vLLM's page padding of mixed models, inside internal_fragmentation_bytes
     ("num_preemptions", "q"),
     ("write_us", "d"),
     ("read_us", "d"),
@@ -50,7 +51,7 @@ class AllocatorRun:
     first_token_s: np.ndarray
     finished_s: np.ndarray
     num_preemptions: np.ndarray  # (num_requests,) int64
-    num_cached_tokens: np.ndarray
+    num_cached_tokens: np.ndarray  # prompt tokens the prefix cache served at first admission
     rejected_reason: list[str | None]
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0

@@ -20,7 +20,6 @@ import pandas as pd
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_dir
 from kvsim.replay.records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
-from kvsim.replay.records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
 from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
 CATEGORIES = (
@@ -115,7 +114,7 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
             "sim_time_s": end,
             "num_steps": int(st["num_steps"].sum()),
         }
-        for cat in CATEGORIES + ("shared_saved",):
+        for cat in CATEGORIES + ("shared_saved", "padding"):  # padding: a part of internal_fragmentation
             col = st[f"{cat}_bytes"].astype(np.float64)
             rec[f"{cat}_pct"] = 100.0 * float((col * dt).sum()) / total_time / budget if total_time else math.nan
         running = st["num_running"].astype(np.float64)
@@ -128,7 +127,13 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
         rec["preemptions"] = int(st["num_preemptions"].sum())
         rec["ttft_p50_s"], rec["ttft_p99_s"] = _percentiles(ttft[finished], (50, 99))
         rec["tpot_p50_s"], rec["tpot_p99_s"] = _percentiles(tpot[finished], (50, 99))
+        # Every admission's lookup, re-admissions after a recompute preemption (finding their own blocks) too:
         rec["prefix_hit_rate"] = run.prefix_hit_tokens / run.prefix_query_tokens if run.prefix_query_tokens else math.nan
+        # The prefill the prefix cache spared: prompt tokens served at first admission, of admitted prompts.
+        admitted = ~np.isnan(run.admitted_s)
+        admitted_prompt = int(result.num_prompt_tokens[admitted].sum())
+        rec["prefill_tokens_saved"] = int(run.num_cached_tokens[admitted].sum())
+        rec["prefill_saved_pct"] = 100.0 * rec["prefill_tokens_saved"] / admitted_prompt if admitted_prompt else math.nan
         if kernels:  # kernel columns are per step (a run's row: the mean of its steps), weighted by steps
             rec["num_read_samples"] = run.num_read_samples  # decode steps whose read + attention were timed
             for name in KERNEL_COLUMNS:

@@ -63,7 +63,8 @@ def _fmt(value: float | None, spec: str, *, scale: float = 1.0, suffix: str = ""
 
 # (header, cell, essential) per column. Headers break over two lines; optional columns are shown only
 # while the table fits the terminal, so 80 columns still get the budget split and the headline rates.
-_COLUMNS: tuple[tuple[str, Callable[[dict], str], bool], ...] = (
+# essential None: essential when some allocator has a figure (prefill saved: with prefix caching only).
+_COLUMNS: tuple[tuple[str, Callable[[dict], str], bool | None], ...] = (
     ("tokens\n%", lambda r: _fmt(r["token_states_pct"], ".1f"), True),
     ("resv\n%", lambda r: _fmt(r["reservation_pct"], ".1f"), True),
     ("intl\n%", lambda r: _fmt(r["internal_fragmentation_pct"], ".1f"), True),
@@ -73,19 +74,20 @@ _COLUMNS: tuple[tuple[str, Callable[[dict], str], bool], ...] = (
     ("output\ntok/s", lambda r: _fmt(r["throughput_tokens_per_s"], ",.0f"), True),
     ("pre-\nempt", lambda r: str(r["preemptions"]), True),
     ("TTFT\np50 s", lambda r: _fmt(r["ttft_p50_s"], ".3f"), True),
+    ("prefill\nsaved", lambda r: _fmt(r["prefill_saved_pct"], ".0f", suffix="%"), None),
     ("prefix\nhit", lambda r: _fmt(r["prefix_hit_rate"], ".0f", scale=100, suffix="%"), False),
     ("running\npeak", lambda r: str(r["peak_running"]), False),
     ("TTFT\np99 s", lambda r: _fmt(r["ttft_p99_s"], ".3f"), False),
     ("TPOT\np50 ms", lambda r: _fmt(r["tpot_p50_s"], ".2f", scale=1e3), False),
     ("rejected", lambda r: str(r["rejected"]), False),
 )
-_EMPTY = {"-", "0"}
+_EMPTY = {"-", "0", "0%"}
 
 
 LEGEND = (
     "tokens: KV of computed tokens; resv: reserved for tokens a request will still produce; intl: internal "
     "fragmentation (allocated, never to be used); extl: external fragmentation (free, but too scattered to "
-    "admit the waiting request); free: unused; pre-empt: preemptions; TTFT: time to first token; TPOT: time "
+    "admit the waiting request); free: unused; pre-empt: preemptions; prefill saved: prompt tokens the prefix cache served at first admission; prefix hit: cached share of every admission's lookup (re-admissions too); TTFT: time to first token; TPOT: time "
     "per output token"
 )
 
@@ -107,6 +109,8 @@ def summary_table(records: list[dict], *, title: str | None = None, width: int =
     pages: list[list[int]] = [[]]
     used = first + edges
     for j, (_, _, essential) in enumerate(_COLUMNS):
+        if essential is None:
+            essential = any(row[j] not in _EMPTY for row in cells)
         fits = used + col_width(j) <= width
         if essential and not fits and pages[-1]:
             pages.append([])

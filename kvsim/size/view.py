@@ -1,16 +1,17 @@
-"""Rich tables (and --json) for `kvsim size` and `kvsim models`: presentation only, the math is in sizing."""
+"""Rich tables (and --json) for `kvsim size`: presentation only, the math is in sizing; vLLM's lines are
+`view_vllm`, `kvsim models` is `view_models`."""
 
 from __future__ import annotations
 
 import json
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
+from kvsim.size.view_vllm import print_hybrid_pages, print_vllm_lines
 
 
 def _b(num_bytes: int | None) -> str:
@@ -204,110 +205,12 @@ def _print_report(console: Console, report) -> None:
         style="dim",
     )
     if report.hybrid is not None:
-        _print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
+        print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
     if cap is not None:
         console.print(f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences:.2f}x", highlight=False, soft_wrap=True)
-        _print_vllm_lines(console, report)
+        print_vllm_lines(console, report)
         if cap.max_sequences_uncapped != cap.max_sequences:
             console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
-
-
-def _print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
-    """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
-    how = (
-        f"raised from --block-size {h.requested_block_size}, in multiples of {h.alignment}, until one attention page holds one layer's state"
-        if h.raised
-        else f"--block-size {h.requested_block_size} already holds one layer's state"
-    )
-    pad = f"state page padded to {h.page_bytes:,} B (+{h.padding_pct:.2f}%)" if h.padding_pct else "state page needs no padding"
-    console.print(
-        f"vLLM block_size for this model: {h.block_size:,} tokens ({how}: {h.block_size:,} x "
-        f"{h.attention_bytes_per_token:,} B = {h.page_bytes:,} B >= {h.state_page_bytes:,} B); {pad}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    if h.mamba_cache_mode == "none":
-        prefix = "off (mamba_cache_mode none; vllm serve turns it on for hybrid models: --mamba-cache-mode align)"
-    elif checkpoint:
-        prefix = f"on (mamba_cache_mode align, state checkpoints every {checkpoint} tokens: 3 state blocks per request)"
-    else:
-        prefix = (
-            "on (mamba_cache_mode align, 2 state blocks per request; gated delta net layers with FlashInfer's "
-            "prefill, vLLM's choice on Hopper, also checkpoint: --mamba-checkpoint-alignment 64)"
-        )
-    console.print(
-        f"vLLM settings assumed: attention kernel block {h.kernel_block_size} "
-        f"({'FlashAttention / FlashInfer default' if h.kernel_block_size == 16 else '--kernel-block-size'}), "
-        f"prefix caching {prefix}",
-        style="dim",
-        highlight=False,
-        soft_wrap=True,
-    )
-
-
-def _print_vllm_lines(console: Console, report) -> None:
-    """vLLM's start-up line (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
-    from kvsim.size.vllm import VLLM_VERSION
-
-    cap, n, st = report.capacity, report.context_tokens, report.settings
-    if report.spec.bytes_per_token == 0:  # attention-free (Mamba, RWKV): no per-token KV, a state per sequence
-        console.print(
-            f"no per-token KV cache (attention-free): the budget holds {cap.max_sequences_block_rounded:,.2f} sequences' "
-            "states, whatever their length"
-            + (f"; vLLM {VLLM_VERSION} does not serve it ({report.model.vllm_unserved})" if report.model.vllm_unserved else ""),
-            highlight=False,
-            soft_wrap=True,
-        )
-        if cap.vllm is None:
-            return
-    tokens = f"{cap.max_tokens_block_rounded:,}" if cap.max_tokens_block_rounded is not None else "0"
-    v = cap.vllm
-    if v is None:
-        how = "in whole blocks, state once (vLLM's arithmetic not followed for this layout)"
-    else:
-        sched = "async" if st.async_scheduling else "sync"
-        how = f"as vLLM {VLLM_VERSION} computes it (max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling"
-        how += f", block_size {v.hybrid.block_size:,})" if v.hybrid else ")"
-    console.print(
-        f"{how}: GPU KV cache size: {tokens} tokens, "
-        f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",
-        highlight=False,
-        soft_wrap=True,
-    )
-    if v is None:
-        return
-    kinds: dict[str, list] = {}
-    for g in v.groups:
-        kinds.setdefault(g.kind, []).append(g)
-    per_kind = "; ".join(
-        f"{len(gs)} {kind} group{'s' if len(gs) > 1 else ''} x {gs[0].blocks_per_request:,} block{'s' if gs[0].blocks_per_request > 1 else ''}"
-        for kind, gs in kinds.items()
-    )
-    pages = f"{v.group_size} layers x {v.page_bytes:,} B pages"
-    if v.bytes_per_block != v.group_size * v.page_bytes:  # one group of one type, pages of unequal sizes
-        pages = f"one page of each of {v.group_size} layers, unequal"
-    console.print(
-        f"  vLLM pool: num_gpu_blocks {v.num_blocks:,} = KV budget // {v.bytes_per_block:,} B ({pages}); "
-        f"per request of {n:,} tokens: {per_kind} = {v.blocks_per_request:,} blocks",
-        style="dim",
-        highlight=False,
-        soft_wrap=True,
-    )
-    if not v.starts:
-        console.print(
-            f"vLLM {VLLM_VERSION} would refuse to start: one request of {n:,} tokens needs {v.blocks_per_request:,} blocks "
-            f"of {v.bytes_per_block:,} B beside the null block (lower --context or add memory)",
-            highlight=False,
-            soft_wrap=True,
-        )
-    if v.hybrid is not None:
-        own = f"{cap.own_tokens_block_rounded:,}" if cap.own_tokens_block_rounded is not None else "0"
-        console.print(
-            f"kvsim's own estimate, whole {report.spec.block_size}-token blocks, each sequence's state once (not paged): {own} tokens, "
-            f"{cap.own_sequences_block_rounded:.2f}x",
-            highlight=False,
-            soft_wrap=True,
-        )
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:
@@ -322,58 +225,3 @@ def _print_layout(console: Console, pool, address: str | None, offset: int | Non
     console.print(f"pool bytes: {_b(pool.total_bytes)}")
     if offset is not None:
         console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False, soft_wrap=True)
-
-
-def _short_kind(label: str) -> str:
-    """A layer kind label for narrow terminals: 'sliding(4096)' -> 'swa(4096)', 'linear-state' -> 'state'."""
-    return label.replace("linear-state", "state").replace("sliding", "swa").replace("chunked", "chunk")
-
-
-def show_models(*, as_json: bool = False) -> None:
-    """The catalogue: name, HF id, layers by kind, KV heads, head_dim, KV bytes/token in bf16, params."""
-    from kvsim.models.catalogue import catalogue_models
-    from kvsim.size.sizing import kv_cache_spec
-
-    rows = []
-    for model in catalogue_models():
-        spec = kv_cache_spec(model)
-        rows.append(
-            {
-                "name": model.name,
-                "hf_id": model.hf_id,
-                "layers": model.layer_counts,
-                "num_kv_heads": model.num_kv_heads,
-                "head_dim": model.head_dim,
-                "kv_bytes_per_token_bf16": spec.bytes_per_token,
-                "state_bytes_per_sequence_bf16": spec.state_bytes_per_sequence,
-                "max_model_len": model.max_model_len,
-                "num_params": model.num_params,
-            }
-        )
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    console = Console()
-    wide = console.width >= 150  # narrow terminals get the essential columns only
-    table = Table(title="kvsim model catalogue (KV per token in bf16, tp=1)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
-    cols = ["name", "hf id", "layers", "KV heads", "head dim", "KV B/token", "state B/seq", "max len", "params"]
-    if not wide:
-        cols = ["name", "layers", "KV HxD", "B/token", "params"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("name", "hf id", "layers") else "right", no_wrap=True)
-    for r in rows:
-        cells = {
-            "name": r["name"],
-            "hf id": r["hf_id"],
-            "layers": (" + " if wide else "+").join(f"{n} {k if wide else _short_kind(k)}" for k, n in r["layers"].items()),
-            "KV heads": str(r["num_kv_heads"]),
-            "head dim": str(r["head_dim"]),
-            "KV HxD": f"{r['num_kv_heads']}x{r['head_dim']}",
-            "KV B/token": f"{r['kv_bytes_per_token_bf16']:,}",
-            "B/token": f"{r['kv_bytes_per_token_bf16']:,}",
-            "state B/seq": f"{r['state_bytes_per_sequence_bf16']:,}" if r["state_bytes_per_sequence_bf16"] else "-",
-            "max len": f"{r['max_model_len']:,}",
-            "params": f"{r['num_params'] / 1e9:.{0 if r['num_params'] >= 1e11 else 1}f}B",
-        }
-        table.add_row(*(cells[c] for c in cols))
-    console.print(table)

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from kvsim.errors import KvsimError
+from kvsim.replay.options import TIMINGS
 from kvsim.workload.yaml_fields import Fields
 
 COMBINES = ("grid", "zip")
@@ -67,12 +68,15 @@ class SweepSpec:
     combine: str
     search: Search | None
     metrics: tuple[str, ...] = DEFAULT_METRICS  # what `kvsim plot` draws of the table
+    timing: str | None = None  # the replay clock the file names (TIMINGS); None: the CLI's (roofline)
 
-    def meta(self) -> dict:
-        """What the table's charts need to know of the sweep (written beside it as sweep.json)."""
+    def meta(self, timing: str | None = None) -> dict:
+        """What the table's charts need to know of the sweep (written beside it as sweep.json); `timing`: the
+        clock its replays ran on."""
         return {"name": self.name, "axes": [a.path for a in self.axes], "combine": self.combine,
                 "search_axis": self.search.axis if self.search else None,
-                "search_target": dict(self.search.targets) if self.search else None, "metrics": list(self.metrics)}
+                "search_target": dict(self.search.targets) if self.search else None, "metrics": list(self.metrics),
+                "timing": timing or self.timing or "roofline"}
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -112,8 +116,9 @@ def load_sweep(path: str | Path) -> SweepSpec:
     metrics = f.get("metrics", list(DEFAULT_METRICS))
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
         raise f.error("metrics", f"must be a non-empty list of table columns, got {metrics!r}")
+    timing = f.choice("timing", TIMINGS) if "timing" in f.raw else None  # validated as the CLI's --timing
     f.done()
-    return SweepSpec(name, path, base, base_path, tuple(fixed), tuple(axes), combine, search, tuple(metrics))
+    return SweepSpec(name, path, base, base_path, tuple(fixed), tuple(axes), combine, search, tuple(metrics), timing)
 
 
 def _read_yaml(path: Path, *, source: str) -> Any:

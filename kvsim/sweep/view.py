@@ -31,22 +31,22 @@ class SweepOutcome:
 
 
 def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int | None = None, ray: str | None = None,
-              tensors: bool = False, timing: str = "roofline", device: str = "auto", csv: bool = False,
+              tensors: bool = False, timing: str | None = None, device: str = "auto", csv: bool = False,
               quiet: bool = True, console: Console | None = None) -> SweepOutcome:
     """Run the sweep file at `path` into `out` (default reports/sweeps/<name>/); see the module docstring.
 
-    Accounting only unless `tensors`; `timing` is passed through to every replay (the clock is the
-    replay's choice). Raises KeyboardInterrupt after writing the table when interrupted.
+    Accounting only unless `tensors`; `timing` (else the file's `timing:`, else roofline) is passed through
+    to every replay (the clock is the replay's choice). Raises KeyboardInterrupt after writing the table when interrupted.
     """
     from kvsim.sweep.runners import run_local, run_ray
 
     if workers is not None and workers < 1:  # checked before the sweep file is even read
         raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
     spec = load_sweep(path)
-    options = ReplayOptions(device=device, tensors=tensors, timing=timing)
+    options = _options(spec, device=device, tensors=tensors, timing=timing)
     tasks = make_tasks(spec, options)
     out_dir = Path(out) if out is not None else Path("reports") / "sweeps" / spec.name
-    results = Results(out_dir, tasks, meta=spec.meta())
+    results = Results(out_dir, tasks, meta=spec.meta(options.timing))
     pending = results.pending()
     if not pending:
         rows: Iterable = iter(())
@@ -79,6 +79,19 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
         if interrupted:
             console.print(f"interrupted: {outcome.num_rows} of {len(tasks)} rows kept in {out_dir}; rerun to resume")
     return outcome
+
+
+def _options(spec, *, device: str, tensors: bool, timing: str | None) -> ReplayOptions:
+    """Every replay's options; `--timing` wins over the file's `timing:`, and a mistake in the file's (measured
+    without --tensors) names the file and field."""
+    if timing is not None or spec.timing is None:
+        return ReplayOptions(device=device, tensors=tensors, timing=timing or "roofline")
+    try:
+        return ReplayOptions(device=device, tensors=tensors, timing=spec.timing)
+    except KvsimError as exc:
+        if exc.field != "--timing":
+            raise
+        raise KvsimError(str(exc).removeprefix("--timing: "), source=str(spec.path), field="timing") from None
 
 
 def run_sweep_cli(path: str, **kwargs) -> None:

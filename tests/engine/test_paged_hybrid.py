@@ -141,7 +141,8 @@ def test_a_replayed_mixed_model_gets_vllm_num_gpu_blocks(model):
     """The replay's pool and `kvsim size`'s vLLM line come from the same arithmetic."""
     from kvsim.models.catalogue import resolve_model
     from kvsim.size.sizing import kv_cache_spec
-    from kvsim.size.vllm import VllmSettings, vllm_layers, vllm_startup, with_pool
+    from kvsim.size.vllm import VllmSettings, vllm_layers, vllm_startup
+    from kvsim.size.vllm_pool import with_pool
 
     m = resolve_model(model)
     spec = kv_cache_spec(m)

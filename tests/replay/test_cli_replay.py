@@ -186,3 +186,18 @@ def test_the_summary_table_cuts_no_cell_at_80_columns(cli, tmp_path):
             if essential:
                 assert f" {cell(r)}" in out, (r["allocator"], cell(r))
     assert "resv: reserved for tokens a request will still" in out and "pre-empt: preemptions" in out
+
+
+def test_prefill_saved_shows_at_80_columns_only_with_prefix_caching(cli, tmp_path):
+    # Essential when an allocator caches prefixes (it goes on to the second table rather than be dropped).
+    path = write_tiny(tmp_path)
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    records = json.loads((tmp_path / "o" / "summary.json").read_text())
+    saved = next(r for r in records if r["allocator"] == "paged-16+prefix")["prefill_saved_pct"]
+    assert saved > 0 and "prefill" in result.stdout and f" {saved:.0f}%" in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+    path.write_text(path.read_text().replace("  - {kind: paged, block_size: 16, prefix_caching: true}\n", ""))
+    plain = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "p")], env={"COLUMNS": "80"})
+    assert plain.exit_code == 0, plain.output
+    assert "prefill" not in plain.stdout.split("tokens: KV")[0]  # the table, not the legend

@@ -389,3 +389,44 @@ def test_async_scheduling_replays_every_request_with_intact_kv(tmp_path):
         total = sum(st[c] for c in BYTE_COLUMNS[:5])
         assert (total == result.budget_bytes).all()
     assert sum(run.steps["num_preemptions"].sum() for run in result.runs) > 0
+
+
+def test_prefill_saved_counts_first_admissions_and_the_hit_rate_every_admission(tmp_path):
+    """Recompute preemptions re-admit requests that find their own blocks: the hit rate counts those lookups,
+    the prefill saved only the prompt tokens served from the cache at each request's first admission."""
+    result = run_replay(tiny_workload(tmp_path, budget_tokens=512, count=24), ReplayOptions(tensors=False), workers=1)
+    prefix = next(r for r in result.runs if r.config.prefix_caching)
+    assert prefix.steps["num_preemptions"].sum() > 0  # re-admissions happened
+    from kvsim.replay.reports import summary_records
+
+    rec = next(r for r in summary_records(result) if r["allocator"] == prefix.label)
+    admitted = ~np.isnan(prefix.admitted_s)
+    assert rec["prefill_tokens_saved"] == prefix.num_cached_tokens.sum() > 0
+    assert rec["prefill_saved_pct"] == pytest.approx(100 * rec["prefill_tokens_saved"] / result.num_prompt_tokens[admitted].sum())
+    # Every first-admission hit is whole shared-prefix blocks: 48 tokens = 3 blocks of 16, or none.
+    assert set(prefix.num_cached_tokens[admitted].tolist()) <= {0, 16, 32, 48}
+    # The hit tokens include the first admissions' and the re-admissions' own blocks.
+    assert prefix.prefix_hit_tokens > rec["prefill_tokens_saved"]
+    plain = next(r for r in summary_records(result) if r["allocator"] == "paged-16")
+    assert plain["prefill_tokens_saved"] == 0 and plain["prefill_saved_pct"] == 0
+
+
+def test_padding_reaches_the_steps_and_summary_of_a_mixed_model(tmp_path):
+    """gemma-3-27b's paged pool pads (padding layers of its sliding groups): a share of internal fragmentation
+    at every row, time-averaged in the summary; a flat slab and a one-group model have none."""
+    from kvsim.replay.reports import summary_records
+
+    path = Path(__file__).parents[2] / "workloads" / "sliding-window.yaml"
+    result = run_replay(load_workload(path, limit=12), ReplayOptions(tensors=False), workers=1)
+    recs = {r["allocator"]: r for r in summary_records(result)}
+    for run in result.runs:
+        st = run.steps
+        assert (st["padding_bytes"] <= st["internal_fragmentation_bytes"]).all()
+        dt = st["step_time_s"]
+        expected = 100 * (st["padding_bytes"] * dt).sum() / dt.sum() / run.budget_bytes
+        assert recs[run.label]["padding_pct"] == pytest.approx(expected)
+    paged = next(r for r in result.runs if r.config.kind == "paged")
+    assert paged.steps["padding_bytes"].max() > 0 and recs[paged.label]["padding_pct"] > 0
+    assert all(recs[r.label]["padding_pct"] == 0 for r in result.runs if r.config.kind == "flat")
+    tiny = run_replay(tiny_workload(tmp_path), ReplayOptions(tensors=False), workers=1)
+    assert all((r.steps["padding_bytes"] == 0).all() for r in tiny.runs)

@@ -30,7 +30,7 @@ def hand_result() -> ReplayResult:
         token_states_bytes=np.array([10, 50]), reservation_bytes=np.array([20, 10]),
         internal_fragmentation_bytes=np.array([0, 20]), external_fragmentation_bytes=np.array([0, 0]),
         free_bytes=np.array([70, 20]), shared_saved_bytes=np.array([0, 8]), num_preemptions=np.array([0, 2]),
-        write_us=np.array([5.0, 100.0]), read_us=np.array([np.nan, 40.0]), attention_us=np.array([np.nan, np.nan]),
+        padding_bytes=np.array([0, 12]), write_us=np.array([5.0, 100.0]), read_us=np.array([np.nan, 40.0]), attention_us=np.array([np.nan, np.nan]),
     )
     run = AllocatorRun(
         config=AllocatorConfig("paged", block_size=16, prefix_caching=True), label="paged-16+prefix", budget_bytes=100,
@@ -65,6 +65,10 @@ def test_summary_figures_by_hand():
     assert rec["ttft_p50_s"] == pytest.approx(1.25) and rec["ttft_p99_s"] == pytest.approx(1.0 + 0.5 * 0.99)
     assert rec["tpot_p50_s"] == pytest.approx(0.375)
     assert rec["prefix_hit_rate"] == pytest.approx(0.25)
+    # Page padding, a part of internal fragmentation: (0*1 + 12*3) / 4 of 100 bytes.
+    assert rec["padding_pct"] == pytest.approx(9.0) and rec["padding_pct"] <= rec["internal_fragmentation_pct"]
+    # Prefill saved: 16 cached tokens at first admission of the admitted prompts' 10 + 20 (the rejected 900 not).
+    assert rec["prefill_tokens_saved"] == 16 and rec["prefill_saved_pct"] == pytest.approx(100 * 16 / 30)
     # Kernel columns are per step; row 1 stands for 4 steps: writes [5, 100, 100, 100, 100], reads [40] x 4.
     assert rec["write_us_p50"] == 100.0 and rec["write_us_p90"] == 100.0 and rec["read_us_p50"] == 40.0
     assert math.isnan(rec["attention_us_p50"])

@@ -207,3 +207,36 @@ def test_the_sweep_package_imports_only_the_workload_and_replay_stages():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvsim"):
                 assert node.module in allowed or node.module.startswith("kvsim.sweep"), (path.name, node.module)
+
+
+def test_the_sweep_file_names_the_clock_and_the_flag_wins(tmp_path):
+    """`timing:` is the replays' clock unless --timing names one; it reaches every task and sweep.json."""
+    assert load_sweep(make_sweep(tmp_path, axes={"kv_budget": ["128MiB"]})).timing is None
+    path = make_sweep(tmp_path, axes={"kv_budget": ["128MiB"]}, timing="auto")
+    assert load_sweep(path).timing == "auto"
+    outcome = run_sweep(path, out=tmp_path / "file", workers=1)
+    assert json.loads((tmp_path / "file" / "sweep.json").read_text())["timing"] == "auto"
+    flag = run_sweep(path, out=tmp_path / "flag", workers=1, timing="roofline")
+    assert json.loads((tmp_path / "flag" / "sweep.json").read_text())["timing"] == "roofline"
+    roofline = run_sweep(make_sweep(tmp_path, axes={"kv_budget": ["128MiB"]}), out=tmp_path / "plain", workers=1)
+    assert pd.read_parquet(flag.paths[0]).equals(pd.read_parquet(roofline.paths[0]))  # the flag's clock, not the file's
+    from kvsim.clock import kernels_db
+
+    if not kernels_db.available():  # auto fell back to the roofline: the same table
+        return
+    ttft = pd.read_parquet(outcome.paths[0])["ttft_p99_s"]
+    assert not ttft.equals(pd.read_parquet(roofline.paths[0])["ttft_p99_s"])
+
+
+@pytest.mark.parametrize(
+    ("timing", "message"),
+    [
+        ("fast", "timing: must be one of roofline, measured, kernels-db, auto; got 'fast'"),
+        ("measured", "timing: measured timing needs the cache tensors (drop --no-tensors)"),
+    ],
+)
+def test_a_bad_clock_in_the_sweep_file_names_the_file_and_field(tmp_path, timing, message):
+    path = make_sweep(tmp_path, axes={"kv_budget": ["128MiB"]}, timing=timing)
+    with pytest.raises(KvsimError) as info:
+        run_sweep(path, out=tmp_path / "out", workers=1)
+    assert str(info.value) == f"{path}: {message}"

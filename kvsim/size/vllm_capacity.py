@@ -1,0 +1,69 @@
+"""vLLM 0.33.0's KV cache groups and start-up config: num_gpu_blocks, and the capacity line
+"GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsim.size.vllm_hybrid import HybridPages
+from kvsim.size.vllm_settings import VllmSettings
+
+
+@dataclass(frozen=True)
+class VllmGroup:
+    """One of vLLM's KV cache groups: layers of one kind sharing a block table."""
+
+    kind: str
+    num_layers: int  # real layers; a group with fewer than group_size holds padding
+    block_size: int  # tokens per block (a state group's: mamba_block_size)
+    page_bytes: int  # one block of one layer (padded)
+    blocks_per_request: int  # a request of max_model_len tokens
+    window: int | None = None  # sliding: the window; chunked: the chunk
+    layer_page_bytes: int = 0  # one block of one layer before padding (a state layer: its state)
+
+
+@dataclass(frozen=True)
+class VllmStartup:
+    """vLLM's KV cache config for a model and budget, and the line it logs at start-up."""
+
+    groups: tuple[VllmGroup, ...]
+    group_size: int  # layers per group (the pool: group_size tensors, one block id spans each group)
+    bytes_per_block: int  # one block id across a group's layers: num_blocks = budget // bytes_per_block
+    num_blocks: int  # num_gpu_blocks (the null block included)
+    budget_bytes: int
+    max_model_len: int
+    settings: VllmSettings
+    hybrid: HybridPages | None = None
+
+    @property
+    def block_size(self) -> int:
+        """`cache_config.block_size` after start-up: the smallest group block size."""
+        return min(g.block_size for g in self.groups)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.groups[0].page_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks one request of max_model_len tokens needs, summed over groups (they share one pool)."""
+        return sum(g.blocks_per_request for g in self.groups)
+
+    @property
+    def concurrency(self) -> float:
+        """`get_max_concurrency_for_kv_cache_config`: 'Maximum concurrency for L tokens per request: X.XXx'."""
+        return self.num_blocks / self.blocks_per_request
+
+    @property
+    def tokens(self) -> int:
+        """`get_kv_cache_capacity`: 'GPU KV cache size: N tokens' = int(concurrency x max_model_len)."""
+        return int(self.concurrency * self.max_model_len)
+
+    @property
+    def starts(self) -> bool:
+        """`_check_enough_kv_cache_memory`: one request of max_model_len fits beside the null block, else vLLM refuses to start."""
+        return self.bytes_per_block * self.blocks_per_request <= self.budget_bytes - self.bytes_per_block
