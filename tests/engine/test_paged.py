@@ -84,7 +84,7 @@ def test_num_blocks_tables_slots_and_breakdown():
     assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + BLOCK + 5, 0, 5 * BLOCK)
     alloc.free(a)
     c = make_seq(2, 4, 0)
-    assert admit(alloc, c) == 0 and alloc.block_table(c) == [1]  # a's first block is the head of the free queue
+    assert admit(alloc, c) == 0 and alloc.block_table(c) == [5]  # a's last block, freed first, is reused first
     alloc.free(b)
     alloc.free(c)
     assert alloc.num_free_blocks == 10 and parts(alloc) == (0, 0, BLOCK + 5, 0, 10 * BLOCK)
@@ -240,9 +240,9 @@ def test_mixed_model_pages_sliding_window_and_state():
     # token 12 opens block 3; at computed 15 sliding block 1 goes.
     assert free_after == [19, 19, 19, 21, 18, 18, 18, 20]
     assert alloc._reqs[seq].tables[1][:4] == [None] * 4
-    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 3 (freed by the
-    # window) for block 3
-    assert alloc.block_table(seq) == [1, 2, 9, 3]
+    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 4 for block 3
+    # (the window freed sliding block 0's pages 3, 4 last first, and the first freed is reused first)
+    assert alloc.block_table(seq) == [1, 2, 9, 4]
     # 16 computed: full 16 x 16, sliding (16 - 8 freed) x 32, state 100.
     assert parts(alloc) == (256 + 256 + 100, 0, 28 + 64 + 10, 0, 20 * 64)
     other = make_seq(1, 4, 0)
