@@ -142,6 +142,28 @@ def test_uncached_blocks_reused_first_and_cached_evicted_lru():
     assert admit(alloc, make_seq(0, 5, 1)) == 0  # a's was evicted
 
 
+def test_a_recomputed_prefix_block_is_cached_as_a_duplicate():
+    """A prompt wholly covered by the cache recomputes its last block (the hit is capped at num_tokens - 1).
+    As vLLM's BlockPool, the recomputed block is cached too, freed to the tail, and serves once the first is
+    evicted."""
+    alloc = make_alloc(6, enable_prefix_caching=True)
+    a = make_seq(0, 8, 0)
+    admit(alloc, a)
+    b = make_seq(1, 8, 0, prefix=a.token_ids)
+    assert admit(alloc, b) == 4 and alloc.block_table(a) == [1, 2] and alloc.block_table(b) == [1, 3]
+    pool = alloc.pool
+    assert pool.blocks[3].block_hash == pool.blocks[2].block_hash is not None
+    assert pool.get_cached_block(pool.blocks[2].block_hash) is pool.blocks[2]  # the older block answers
+    alloc.free(a)
+    alloc.free(b)
+    assert [blk.block_id for blk in pool.free_queue.blocks()] == [4, 5, 6, 2, 3, 1]
+    d = make_seq(2, 16, 0)
+    admit(alloc, d)
+    assert alloc.block_table(d) == [4, 5, 6, 2]  # block 2 evicted: its younger copy, block 3, still caches
+    alloc.free(d)
+    assert probe_hit(alloc, np.concatenate([a.token_ids, [7]])) == 8
+
+
 def probe_hit(alloc: PagedAllocator, token_ids: np.ndarray) -> int:
     """Prefix-cache hit (tokens) of a request with these token ids, admitted and freed at once."""
     seq = Sequence(99, len(token_ids), 0, token_ids=token_ids)
