@@ -11,13 +11,7 @@ from kvsim.conformance.suite import STREAMS, run_stream
 pytestmark = pytest.mark.conformance
 
 # Streams kvsim does not yet follow, each with the reason (strict: one that starts to conform fails here).
-KNOWN_DIFFERENCES: dict[str, str] = {
-    "batch-200-prefix+async": (
-        "kvsim's BlockPool caches a block only if no other block holds its hash; vLLM's caches duplicates too "
-        "(vllm/v1/core/block_pool.py, BlockHashToBlockMap, NOTE #1), so a freed duplicate goes to the free queue's "
-        "tail in vLLM but to its head in kvsim, and the two evict different prefix blocks (first visible at step 398)"
-    ),
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def _params():
