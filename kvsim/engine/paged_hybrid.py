@@ -173,7 +173,7 @@ class HybridPagedAllocator(KVAllocator):
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
         self._register(req, num_tokens)
-        self._refresh(req, max(0, seq.num_computed_tokens - seq.num_in_flight_tokens))
+        self._set_quiet(req)  # next_skip stays: the window's blocks are nulled by the next append
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` runs alone, within max_model_len, in one of two ways.
@@ -306,10 +306,9 @@ class HybridPagedAllocator(KVAllocator):
             req.num_cached = end
 
     def _refresh(self, req: HybridRequest, computed: int) -> None:
-        """The next append that needs the slow path: a group's next block, or a window group's next skip."""
-        req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
-        if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
-            req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
+        """The next append that needs the slow path: a group's next block, the next block to cache, or a
+        window group's next skip after nulling at `computed` (settled) tokens."""
+        self._set_quiet(req)
         next_skip = math.inf
         for g in self._windowed:
             group = self.groups[g]
@@ -319,6 +318,12 @@ class HybridPagedAllocator(KVAllocator):
             else:
                 next_skip = min(next_skip, (computed // w + 1) * w)
         req.next_skip = next_skip
+
+    def _set_quiet(self, req: HybridRequest) -> None:
+        """`quiet_until`: the most tokens an append serves without a new block or a block to cache."""
+        req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
+        if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
+            req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
 
 
 def check_prefix_caching(groups) -> None:
