@@ -172,8 +172,9 @@ class HybridPagedAllocator(KVAllocator):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
-        self._register(req, num_tokens)
-        self._set_quiet(req)  # next_skip stays: the window's blocks are nulled by the next append
+        if req.hashes is not None:
+            self._register(req, num_tokens)
+            self._set_quiet(req)  # next_skip stays: the window's blocks are nulled by the next append
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` runs alone, within max_model_len, in one of two ways.

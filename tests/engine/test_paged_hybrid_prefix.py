@@ -110,3 +110,29 @@ def test_factory_enables_it_for_sliding_and_full_groups_and_refuses_state_groups
         HybridPagedAllocator(
             SPEC.__class__(**{**SPEC.__dict__, "pool": state}), 20 * 64, max_model_len=64, enable_prefix_caching=True
         )
+
+
+def test_caching_a_steps_output_leaves_the_window_to_the_next_append():
+    """Async scheduling: tokens in flight, blocks cached when a step's output returns (`cache_blocks`);
+    every append still nulls exactly the blocks wholly before the window of the settled tokens."""
+    alloc = make(num_blocks=30)
+    a = Sequence(0, 8, 32, token_ids=np.arange(40))
+    assert alloc.allocate(a, 8) == 0
+    a.num_computed_tokens = 8
+    a.num_in_flight_tokens = 2  # two steps in flight: a window's edge falls between the blocks' edges
+    for _ in range(20):
+        settled = a.num_computed_tokens - a.num_in_flight_tokens
+        assert alloc.append_slots(a, 1)  # schedule the next step while the older ones run
+        a.num_computed_tokens += 1  # one more in flight, and the oldest step's output returns:
+        alloc.cache_blocks(a, a.num_computed_tokens - a.num_in_flight_tokens)  # its blocks are cached
+        nulls = [sum(b == 0 for b in t) for t in alloc.block_tables(a)]
+        assert nulls == [max(0, settled - 8 + 1) // 4] * 2 + [0], (settled, nulls)
+
+
+def test_without_prefix_caching_cache_blocks_does_nothing():
+    alloc = HybridPagedAllocator(SPEC, 20 * 64, max_model_len=64)
+    a = Sequence(0, 8, 8, token_ids=np.arange(16))
+    assert alloc.allocate(a, 8) == 0
+    a.num_computed_tokens = 8
+    alloc.cache_blocks(a, 8)
+    assert alloc.pool.cached_block_hash_to_block == {} and alloc.block_tables(a) == [[1, 2], [3, 4], [5, 6]]
