@@ -11,7 +11,7 @@ from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged_coordinator import HybridCoordinator
-from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, DuplicateCachingPool, HybridPrefixCache, block_hashes
+from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache, block_hashes
 from kvsim.engine.paged_layout import Lane
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
@@ -80,7 +80,7 @@ class HybridPagedAllocator(KVAllocator):
         self.num_blocks = budget_bytes // bpb  # num_gpu_blocks, the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = DuplicateCachingPool(self.num_blocks, enable_caching=True) if enable_prefix_caching else BlockPool(self.num_blocks)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.coordinator = HybridCoordinator(pool_spec, self.pool)
         self.prefix = HybridPrefixCache(self.groups, self.pool) if enable_prefix_caching else None
         self.prefix_query_tokens = 0

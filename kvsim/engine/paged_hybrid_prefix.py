@@ -28,62 +28,6 @@ def block_hashes(token_ids: np.ndarray, num_tokens: int, block_size: int) -> lis
     return out
 
 
-class DuplicateCachingPool(BlockPool):
-    """A `BlockPool` whose cache keeps every block of a key (vLLM's `BlockHashToBlockMap`): two requests that
-    computed the same prefix each cache their block. A hit takes the earliest cached; a freed duplicate goes to
-    the free queue's tail like any cached block, and eviction drops just that block from its key.
-
-    `cached_block_hash_to_block[key]` is a Block, or a dict of block id -> Block once a key has several.
-    """
-
-    def evict(self, block: Block) -> None:
-        """Forget `block`'s cache entry (it is being reused for other tokens)."""
-        key, cached = block.block_hash, self.cached_block_hash_to_block
-        entry = cached[key]
-        if entry is block:
-            del cached[key]
-        else:
-            del entry[block.block_id]
-            if not entry:
-                del cached[key]
-        block.block_hash = None
-
-    def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Take `num_blocks` from the head of the free queue, evicting their cache entries; ref_count 1."""
-        assert num_blocks <= self.free_queue.num_free_blocks, (num_blocks, self.free_queue.num_free_blocks)
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self.evict(block)
-            block.ref_count = 1
-            out.append(block)
-        self.num_blocks_allocated += num_blocks
-        return out
-
-    def get_new_block(self) -> Block:
-        return self.get_new_blocks(1)[0]
-
-    def get_cached_block(self, key) -> Block | None:
-        """The earliest cached block of `key`, or None."""
-        entry = self.cached_block_hash_to_block.get(key)
-        if entry is None or isinstance(entry, Block):
-            return entry
-        return next(iter(entry.values()))
-
-    def cache_block(self, block: Block, key) -> None:
-        """Add `block` to `key`'s blocks (`BlockHashToBlockMap.insert`)."""
-        cached = self.cached_block_hash_to_block
-        entry = cached.get(key)
-        if entry is None:
-            cached[key] = block
-        elif isinstance(entry, Block):
-            cached[key] = {entry.block_id: entry, block.block_id: block}
-        else:
-            entry[block.block_id] = block
-        block.block_hash = key
-
-
 class HybridPrefixCache:
     """The cache lookups and registrations of every group over one `BlockPool`.
 
@@ -92,7 +36,7 @@ class HybridPrefixCache:
     looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
-    def __init__(self, groups: tuple[PoolGroupSpec, ...], pool: DuplicateCachingPool):
+    def __init__(self, groups: tuple[PoolGroupSpec, ...], pool: BlockPool):
         self.groups = groups
         self.pool = pool
         kinds: dict[tuple, list[int]] = {}
@@ -195,4 +139,4 @@ class HybridPrefixCache:
                 continue
             for block, h in zip(table[start:end], hashes[start:end]):
                 if block is not null and block.block_hash is None:
-                    pool.cache_block(block, (h, g))
+                    pool.cache_full_block(block, (h, g))

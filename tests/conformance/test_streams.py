@@ -78,20 +78,20 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
     from kvsim.conformance.vllm_engine import build_scheduler
-    from kvsim.engine.paged_hybrid_prefix import DuplicateCachingPool
+    from kvsim.engine.block_pool import BlockPool
 
     rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-pressure"))
     manager = build_scheduler(rs.setup).kv_cache_manager
     assert type(manager.coordinator).__name__ == "HybridKVCacheCoordinator"
     kvsim, vllm = run_kvsim(rs), run_vllm(rs)
     assert compare(kvsim, vllm).differing_steps == 0 and sum(r.prefix_hit_tokens for r in kvsim.steps) > 0
-    first_only = DuplicateCachingPool.cache_block
+    first_only = BlockPool.cache_full_block
 
     def cache_first_only(self, block, key):
         if key not in self.cached_block_hash_to_block:
             first_only(self, block, key)
 
-    monkeypatch.setattr(DuplicateCachingPool, "cache_block", cache_first_only)
+    monkeypatch.setattr(BlockPool, "cache_full_block", cache_first_only)
     c = compare(run_kvsim(rs), vllm)
     assert c.differs and c.first_step is not None
 
