@@ -36,6 +36,11 @@ def run_replay(
     with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
         model = resolve_model(workload.model)
         weights = weight_bytes(model)
+    if workload.max_model_len > model.max_model_len and model.attention_layers:
+        # vLLM refuses it too (ModelConfig: "User-specified max_model_len ... is greater than the derived
+        # max_model_len"): positions past the model's length are garbage, and the replay would size them anyway.
+        raise KvsimError(f"{workload.max_model_len:,} is more than {model.name} serves ({model.max_model_len:,} "
+                         "tokens, from its config.json)", source=source, field="max_model_len")
     with _workload_field(source, "hardware"):
         gpu = get_gpu(workload.hardware)
     if workload.kv_budget_bytes is not None:

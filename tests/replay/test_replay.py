@@ -389,3 +389,16 @@ def test_async_scheduling_replays_every_request_with_intact_kv(tmp_path):
         total = sum(st[c] for c in BYTE_COLUMNS[:5])
         assert (total == result.budget_bytes).all()
     assert sum(run.steps["num_preemptions"].sum() for run in result.runs) > 0
+
+
+def test_a_max_model_len_past_the_models_own_is_refused_as_vllm_does(tmp_path):
+    """vLLM refuses a max_model_len above the config's length; the replay used to size and run it silently."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    path.write_text(path.read_text().replace("max_model_len: 512", "max_model_len: 4096"))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == f"{path}: max_model_len: 4,096 is more than tiny-model serves (2,048 tokens, from its config.json)"
+    path.write_text(path.read_text().replace("max_model_len: 4096", "max_model_len: 2048"))  # its own length is fine
+    assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
