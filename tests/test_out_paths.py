@@ -104,3 +104,19 @@ def test_help_shows_the_perfdb_extra_in_brackets(cli):
     # rich reads `[perfdb]` as markup and drops it unless escaped: "pip install kvsim" names no extra
     assert "pip install kvsim[perfdb]" in " ".join(cli(["replay", "--help"]).output.split())
     assert "(needs kvsim[perfdb])" in " ".join(cli(["size", "--help"]).output.split())
+
+
+@pytest.mark.parametrize("case", ["existing file", "file as parent"])
+def test_sweep_out_on_a_file_says_so_before_any_replay(cli, tmp_path, monkeypatch, case):
+    # it said "cannot write a.csv/rows.jsonl: File exists" (or "Not a directory")
+    from kvsim.sweep import runners
+    from tests.conftest import REPO
+
+    monkeypatch.setattr(runners, "run_local", lambda *a, **kw: pytest.fail("replayed before checking --out"))
+    a_file = tmp_path / "a.csv"
+    a_file.write_text("x")
+    target = a_file if case == "existing file" else a_file / "sub"
+    result = cli(["sweep", str(REPO / "workloads" / "sweeps" / "block-size-x-budget.yaml"), "-q", "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    expected = f"{a_file} is a file, not a directory" if case == "existing file" else f"cannot create the directory {target}: {a_file} is a file"
+    assert result.output.strip() == f"kvsim: error: --out: {expected}"
