@@ -102,6 +102,11 @@ def run_replay(
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
+    for i, config in enumerate(workload.allocators):  # the engine's own error would name neither file nor allocator
+        if config.kind == "paged" and config.prefix_caching and ctx.spec(config.block_size).pool is not None:
+            raise KvsimError(f"kvsim's paged allocator for {model.name}'s sliding-window or state layers (vLLM's hybrid "
+                             "groups) does not cache prefixes; drop prefix_caching for it", source=source,
+                             field=f"allocators[{i}].prefix_caching")
     if device == "cpu":
         _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(

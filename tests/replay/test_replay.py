@@ -402,3 +402,16 @@ def test_a_max_model_len_past_the_models_own_is_refused_as_vllm_does(tmp_path):
     assert str(err.value) == f"{path}: max_model_len: 4,096 is more than tiny-model serves (2,048 tokens, from its config.json)"
     path.write_text(path.read_text().replace("max_model_len: 4096", "max_model_len: 2048"))  # its own length is fine
     assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+
+
+def test_prefix_caching_on_a_mixed_model_is_refused_naming_the_file_and_allocator(tmp_path):
+    """It was `kvsim: error: prefix_caching: ...` from inside the engine, naming neither the file nor which allocator."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("model: tiny-model.json", "model: gpt-oss-120b")
+    path.write_text(text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB"))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: kvsim's paged allocator for gpt-oss-120b's sliding-window "
+                              "or state layers (vLLM's hybrid groups) does not cache prefixes; drop prefix_caching for it")
