@@ -35,6 +35,10 @@ def run_replay(
     source = str(workload.path)
     with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
         model = resolve_model(workload.model)
+        if model.num_params is None and not model.checkpoint_bytes:  # a workload has no --params to give
+            raise KvsimError(f"{model.source}: the parameter count of {model.name} is unknown, and the replay's clock "
+                             "needs its weight bytes (a workload has no --params): use a catalogue model, or for a "
+                             "plain decoder give the config.json vocab_size and intermediate_size to count them from")
         weights = weight_bytes(model)
     if workload.max_model_len > model.max_model_len and model.attention_layers:
         # vLLM refuses it too (ModelConfig: "User-specified max_model_len ... is greater than the derived

@@ -415,3 +415,19 @@ def test_prefix_caching_on_a_mixed_model_is_refused_naming_the_file_and_allocato
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert str(err.value) == (f"{path}: allocators[2].prefix_caching: kvsim's paged allocator for gpt-oss-120b's sliding-window "
                               "or state layers (vLLM's hybrid groups) does not cache prefixes; drop prefix_caching for it")
+
+
+def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_flag_replay_lacks(tmp_path):
+    """The size command's advice ("give --params") was passed on to a workload, which has no such option."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    config = tmp_path / "tiny-model.json"
+    config.write_text(config.read_text().replace('"vocab_size": 1000,', ""))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (
+        f"{path}: model: {config}: the parameter count of tiny-model is unknown, and the replay's clock needs its weight "
+        "bytes (a workload has no --params): use a catalogue model, or for a plain decoder give the config.json "
+        "vocab_size and intermediate_size to count them from"
+    )
