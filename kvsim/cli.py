@@ -14,6 +14,7 @@ import typer
 import typer.core
 
 from kvsim.errors import KvsimError
+from kvsim.out_paths import out_option
 
 app = typer.Typer(
     name="kvsim",
@@ -89,7 +90,7 @@ def size(
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
     address: Annotated[Optional[str], typer.Option("--address", help="kv,layer,block,token,head,dim: print that element's byte offset.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
-    step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim[perfdb]).")] = False,
+    step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim\\[perfdb]).")] = False,
 ) -> None:
     """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
     from kvsim.size.view import show_size
@@ -136,7 +137,7 @@ def bench_allocator(
 
     show_allocator_bench(
         num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching,
-        seed=seed, as_json=json_out, out=Path(out) if out else None,
+        seed=seed, as_json=json_out, out=out_option(out),
     )
 
 
@@ -154,7 +155,7 @@ def plot(
     """Charts of replay and bench reports, written next to them; `kvsim plot size -m A -m B` for bytes per sequence."""
     from kvsim.plots import plot as draw
 
-    for path in draw(targets, fmt, models=model, kv_dtype=kv_dtype, tp=tp, max_context=max_context, out_dir=out):
+    for path in draw(targets, fmt, models=model, kv_dtype=kv_dtype, tp=tp, max_context=max_context, out_dir=out_option(out)):
         typer.echo(str(path))
 
 
@@ -169,7 +170,7 @@ def replay(
     limit: Annotated[Optional[int], typer.Option("--limit", help="Replay only the first N requests.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no table.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
-    timing: Annotated[str, typer.Option("--timing", help="Step clock: roofline (deterministic), measured (this run's kernel times), kernels-db (vLLM kernels measured on real GPUs: pip install kvsim[perfdb]) or auto (kernels-db where it applies, else roofline).")] = "roofline",
+    timing: Annotated[str, typer.Option("--timing", help="Step clock: roofline (deterministic), measured (this run's kernel times), kernels-db (vLLM kernels measured on real GPUs: pip install kvsim\\[perfdb]) or auto (kernels-db where it applies, else roofline).")] = "roofline",
     trace: Annotated[Optional[str], typer.Option("--trace", help="Replay this trace file (Vidur/Azure/BurstGPT CSV, JSONL or Mooncake JSONL) instead of the workload's requests.")] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write steps.csv next to steps.parquet.")] = False,
     layers: Annotated[int, typer.Option("--layers", help="Layers materialised in the cache tensors (byte figures always count all).")] = 1,
@@ -183,7 +184,7 @@ def replay(
     from kvsim.replay.view import run_replay_cli
 
     run_replay_cli(
-        Path(workload), out=Path(out) if out else None, device=device, tensors=not no_tensors, seed=seed, limit=limit,
+        Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
     )
@@ -207,7 +208,7 @@ def bench_kernels(
 
     show_bench_kernels(
         model, block_sizes=block_sizes, batch_sizes=batch_sizes, context_lens=context_lens, kv_dtype=kv_dtype,
-        device=device, reps=reps, out_dir=out, compile_flex=compile_flex,
+        device=device, reps=reps, out_dir=out_option(out), compile_flex=compile_flex,
     )
 
 
@@ -230,7 +231,7 @@ def profile(
 
     show_profile(
         workload, reserve=reserve, block_size=block_size, settings=tuple(s.strip() for s in settings.split(",") if s.strip()),
-        step_ms=step_ms, sample_every=sample_every, seed=seed, limit=limit, snapshot=snapshot, out_dir=out,
+        step_ms=step_ms, sample_every=sample_every, seed=seed, limit=limit, snapshot=snapshot, out_dir=out_option(out),
     )
 
 
@@ -248,7 +249,7 @@ def cache_curve(
     """Prefix-cache hit rate of an LRU cache of blocks at every capacity, exact, in one pass over the requests."""
     from kvsim.cache_curve.view import show_cache_curve
 
-    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out)
+    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out_option(out))
 
 
 @app.command()
@@ -267,7 +268,7 @@ def sweep(
     """Replay every point of a sweep (a grid of workload fields) into one resumable table; rerun to resume."""
     from kvsim.sweep.view import run_sweep_cli
 
-    run_sweep_cli(sweep_file, out=out, workers=workers, ray=ray, tensors=tensors, device=device, timing=timing,
+    run_sweep_cli(sweep_file, out=out_option(out), workers=workers, ray=ray, tensors=tensors, device=device, timing=timing,
                   csv=csv, quiet=quiet)
 
 

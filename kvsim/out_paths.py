@@ -12,6 +12,16 @@ from pathlib import Path
 from kvsim.errors import KvsimError
 
 
+def out_option(value: str | None, *, field: str = "--out") -> Path | None:
+    """`--out` as typed: None when not given; an empty path is refused (it would mean the default, or the
+    current directory, without saying so)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise KvsimError("an empty path; give a directory, or leave the option out for the default", field=field)
+    return Path(value)
+
+
 def output_dir(path: str | Path, *, field: str = "--out", create: bool = True) -> Path:
     """Create directory `path` (and its parents) if needed and check it is writable; returns it.
 

@@ -63,6 +63,8 @@ def parse_bytes(text: str | int | float, *, field: str = "bytes", source: str | 
         value, unit = float(m.group(1)), m.group(2).lower()
     if not value * _UNITS[unit] < float("inf"):  # '1e400GB' would overflow int()
         raise KvsimError(f"byte size must be finite, got {text!r}", source=source, field=field)
+    if _UNITS[unit] == 1 and not value.is_integer():  # '1.5' bytes: int() would say 1 without a word
+        raise KvsimError(f"a count of bytes must be whole, got {text!r} (give a unit: '1.5GiB')", source=source, field=field)
     result = int(value * _UNITS[unit])
     if result < 0 or (result == 0 and not allow_zero):
         raise KvsimError(f"byte size must be {'>= 0' if allow_zero else 'positive'}, got {text!r}", source=source, field=field)

@@ -76,3 +76,47 @@ def test_replay_out_under_a_file_fails_before_the_replay(cli, tmp_path, monkeypa
 
     result = cli(["replay", str(REPO / "workloads" / "poisson.yaml"), "--no-tensors", "--out", str(a_file / "r")])
     assert result.exit_code == 2 and result.output.strip().startswith("kvsim: error: --out:")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["replay", "workloads/poisson.yaml", "--no-tensors", "--limit", "3"],  # was: silently the default reports/poisson/
+        ["bench", "allocator", "--num-requests", "4"],  # was: silently no CSV
+        ["plot", "size", "-m", "qwen3-0.6b"],  # was: the current directory
+        ["cache-curve", "workloads/shared-prefix.yaml"],
+        ["sweep", "workloads/sweeps/block-size-x-budget.yaml"],
+    ],
+    ids=lambda a: a[0] if a[0] != "bench" else "bench-allocator",
+)
+def test_empty_out_is_refused_before_any_work(cli, tmp_path, monkeypatch, args):
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(tmp_path)
+    args = [str(REPO / a) if a.startswith("workloads/") else a for a in args]
+    result = cli([*args, "--out", ""])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == "kvsim: error: --out: an empty path; give a directory, or leave the option out for the default"
+    assert list(tmp_path.iterdir()) == []  # nothing written here either
+
+
+def test_help_shows_the_perfdb_extra_in_brackets(cli):
+    # rich reads `[perfdb]` as markup and drops it unless escaped: "pip install kvsim" names no extra
+    assert "pip install kvsim[perfdb]" in " ".join(cli(["replay", "--help"]).output.split())
+    assert "(needs kvsim[perfdb])" in " ".join(cli(["size", "--help"]).output.split())
+
+
+@pytest.mark.parametrize("case", ["existing file", "file as parent"])
+def test_sweep_out_on_a_file_says_so_before_any_replay(cli, tmp_path, monkeypatch, case):
+    # it said "cannot write a.csv/rows.jsonl: File exists" (or "Not a directory")
+    from kvsim.sweep import runners
+    from tests.conftest import REPO
+
+    monkeypatch.setattr(runners, "run_local", lambda *a, **kw: pytest.fail("replayed before checking --out"))
+    a_file = tmp_path / "a.csv"
+    a_file.write_text("x")
+    target = a_file if case == "existing file" else a_file / "sub"
+    result = cli(["sweep", str(REPO / "workloads" / "sweeps" / "block-size-x-budget.yaml"), "-q", "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    expected = f"{a_file} is a file, not a directory" if case == "existing file" else f"cannot create the directory {target}: {a_file} is a file"
+    assert result.output.strip() == f"kvsim: error: --out: {expected}"

@@ -18,6 +18,7 @@ def _streams() -> tuple[Stream, ...]:
         "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure", "poisson-1000",
         "chunked-long", "max-model-len", "block-32", "block-256",
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
+        "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups
     ]
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]

@@ -136,6 +136,9 @@ def hybrid_kv_cache_config(setup: EngineSetup):
     configs = v.planning.get_kv_cache_configs(cfg, [specs], [setup.kv_budget_bytes], groups)
     config = v.utils.generate_scheduler_kv_cache_config(configs)
     assert config.num_blocks == setup.num_gpu_blocks, (config.num_blocks, setup.num_gpu_blocks)
+    # Dense retention: a sliding-window group caches every full block, as kvsim models it. vLLM's default (0)
+    # keeps only the blocks a replay of the same prompt or a detected shared-prefix junction can hit.
+    config.prefix_cache_retention_interval = None
     return config
 
 

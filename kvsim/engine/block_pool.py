@@ -93,6 +93,11 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out free ones, takes them back by ref count, and keeps the prefix-hash table.
 
+    As vLLM's `BlockHashToBlockMap`, the table does not de-duplicate: a block computed again for a prefix that
+    another block already caches is cached too (block tables stay append-only). `cached_block_hash_to_block`
+    maps a hash to the oldest of its cached blocks (what a lookup returns, vLLM's `get_one_block`);
+    `cached_duplicates` holds the younger ones, oldest first. Evicting a block removes that block only.
+
     Block 0 is vLLM's null block (`BlockPool.null_block`): taken out of the free queue at creation and never
     handed out, so `num_blocks - 1` blocks are usable. `num_shared_refs` is the running sum over blocks of
     (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks, forks)
@@ -106,6 +111,7 @@ class BlockPool:
         self.null_block = self.blocks[0] if num_blocks else None
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[int, Block] = {}
+        self.cached_duplicates: dict[int, list[Block]] = {}  # hash -> its younger cached blocks, oldest first
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out by get_new_blocks since creation (for benchmarks)
         self._uncached_mark, self._cached_mark = Block(-1), Block(-1)  # free_blocks' scratch chain ends
@@ -129,7 +135,10 @@ class BlockPool:
         block = head.next_free
         for _ in range(num_blocks):  # popleft, inlined: this runs once per block of every request
             if block.block_hash is not None:
-                del self.cached_block_hash_to_block[block.block_hash]
+                if self.cached_duplicates:
+                    self._uncache(block)
+                else:
+                    del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
             block.prev_free = None
@@ -152,7 +161,10 @@ class BlockPool:
         head.next_free, nxt.prev_free = nxt, head
         block.prev_free = block.next_free = None
         if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
+            if self.cached_duplicates:
+                self._uncache(block)
+            else:
+                del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
         queue.num_free_blocks -= 1
@@ -160,13 +172,33 @@ class BlockPool:
         return block
 
     def get_cached_block(self, block_hash: int) -> Block | None:
+        """The oldest cached block under `block_hash` (vLLM's `get_one_block`), or None."""
         return self.cached_block_hash_to_block.get(block_hash)
 
     def cache_full_block(self, block: Block, block_hash: int) -> None:
-        """Register a full block under its chained hash, unless another block already holds that prefix."""
-        if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+        """Register a full block under its chained hash, even when another block already caches that prefix."""
+        if block.block_hash is None:
             block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
+            if self.cached_block_hash_to_block.setdefault(block_hash, block) is not block:
+                self.add_duplicate(block)
+
+    def add_duplicate(self, block: Block) -> None:
+        """Cache `block` (its `block_hash` set) behind the older block(s) cached under the same hash."""
+        self.cached_duplicates.setdefault(block.block_hash, []).append(block)
+
+    def _uncache(self, block: Block) -> None:
+        """Drop `block` (cached) from the table; the next oldest block under its hash, if any, takes its place."""
+        block_hash = block.block_hash
+        younger = self.cached_duplicates.get(block_hash)
+        if younger is None:
+            del self.cached_block_hash_to_block[block_hash]
+            return
+        if self.cached_block_hash_to_block[block_hash] is block:
+            self.cached_block_hash_to_block[block_hash] = younger.pop(0)
+        else:
+            younger.remove(block)
+        if not younger:
+            del self.cached_duplicates[block_hash]
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """One more holder for each of `blocks` (a prefix hit or a fork); free ones leave the free queue."""
@@ -180,16 +212,17 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """One holder fewer for each of `blocks`, given in eviction order (a request's tail first).
 
-        A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head.
-        Each kind is first linked into a chain of its own behind a scratch sentinel (two link writes a
-        block), then spliced into the queue once:
+        A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head, each
+        kind in the order given (vLLM's `append_n` / `prepend_n`: the first uncached one freed is reused
+        first). Each kind is first linked into a chain of its own behind a scratch sentinel (two link writes
+        a block), then spliced into the queue once:
 
             head <-> [uncached chain] <-> ...queue... <-> [cached chain] <-> tail
         """
         queue = self.free_queue
         u_mark, c_mark = self._uncached_mark, self._cached_mark
-        u_first = u_mark  # the uncached chain grows at its front: the last one freed is reused first
-        c_last = c_mark  # the cached chain grows at its back: the first one freed is evicted first
+        u_last = u_mark  # both chains grow at their back: the first one freed is reused (evicted) first
+        c_last = c_mark
         still_shared = freed = 0
         for block in blocks:
             ref_count = block.ref_count = block.ref_count - 1
@@ -198,18 +231,18 @@ class BlockPool:
                 still_shared += 1
                 continue
             if block.block_hash is None:
-                block.next_free, u_first.prev_free = u_first, block
-                u_first = block
+                u_last.next_free, block.prev_free = block, u_last
+                u_last = block
             else:
                 c_last.next_free, block.prev_free = block, c_last
                 c_last = block
             freed += 1
-        if u_first is not u_mark:
+        if u_last is not u_mark:
             head = queue._head
-            u_last, nxt = u_mark.prev_free, head.next_free
+            u_first, nxt = u_mark.next_free, head.next_free
             head.next_free, u_first.prev_free = u_first, head
             u_last.next_free, nxt.prev_free = nxt, u_last
-            u_mark.prev_free = None
+            u_mark.next_free = None
         if c_last is not c_mark:
             tail = queue._tail
             c_first, prev = c_mark.next_free, tail.prev_free

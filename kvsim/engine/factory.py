@@ -7,7 +7,6 @@ from typing import Literal
 
 from kvsim.engine.allocator import KVAllocator
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.errors import KvsimError
 
 
 
@@ -45,11 +44,13 @@ def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int
     if config.kind == "paged" and spec.pool is not None:
         from kvsim.engine.paged_hybrid import HybridPagedAllocator
 
-        if config.prefix_caching:
-            raise KvsimError(
-                "prefix caching is not supported for models with sliding-window or state layers", field="prefix_caching"
-            )
-        return HybridPagedAllocator(spec, budget_bytes, max_model_len=max_model_len, watermark=config.watermark)
+        return HybridPagedAllocator(
+            spec,
+            budget_bytes,
+            max_model_len=max_model_len,
+            watermark=config.watermark,
+            enable_prefix_caching=config.prefix_caching,
+        )
     if config.kind == "paged":
         from kvsim.engine.paged import PagedAllocator
 

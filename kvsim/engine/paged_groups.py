@@ -23,17 +23,42 @@ class SingleTypeManager:
         self.pool = pool
         self.null_block = pool.null_block
 
-    def get_num_blocks_to_allocate(self, table: list[Block], num_tokens: int, apply_admission_cap: bool = False) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        table: list[Block],
+        num_tokens: int,
+        apply_admission_cap: bool = False,
+        new_computed_blocks: list[Block] | None = None,
+        num_computed_tokens: int = 0,
+    ) -> int:
         """New blocks `table` needs to hold `num_tokens` tokens (null blocks count as held, as in vLLM).
 
         `apply_admission_cap`: the full-sequence admission gate caps a sliding or chunked group's need at
-        `max_admission_blocks_per_request` (`SingleTypeKVCacheManager.get_num_blocks_to_allocate`).
+        `max_admission_blocks_per_request` (`SingleTypeKVCacheManager.get_num_blocks_to_allocate`). A new
+        request's hit (`new_computed_blocks`, `num_computed_tokens` long): the hit's blocks before the window
+        become null blocks and cost nothing; a cached hit nobody holds counts, as it leaves the free queue.
         """
         required = -(-num_tokens // self.block_size)
         cap = self.group.max_admission_blocks
         if apply_admission_cap and cap is not None and cap < required:
             required = cap
-        return max(required - len(table), 0)
+        if new_computed_blocks is None:
+            return max(required - len(table), 0)
+        skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        num_new = max(required - max(skipped, len(new_computed_blocks) + len(table)), 0)
+        null = self.null_block
+        evictable = sum(b.ref_count == 0 and b is not null for b in new_computed_blocks[max(0, skipped - len(table)) :])
+        return num_new + evictable
+
+    def add_local_computed_blocks(self, table: list[Block], new_computed_blocks: list[Block], num_computed_tokens: int) -> None:
+        """A new request's hit into its empty `table`: null blocks for what lies before the window, the rest
+        touched (held once more, out of the free queue) (`add_local_computed_blocks`)."""
+        assert not table
+        skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        hit = new_computed_blocks[skipped:]
+        self.pool.touch(hit)
+        table += [self.null_block] * skipped
+        table += hit
 
     def allocate_new_blocks(self, table: list[Block], num_tokens: int) -> None:
         """Extend `table` to `cdiv(num_tokens, block_size)` blocks from the pool (`allocate_new_blocks`)."""

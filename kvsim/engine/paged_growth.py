@@ -85,10 +85,10 @@ class PagedGrowth:
         if filled == j + 1:  # one block filled: _register, inlined
             h = hashes[j]
             block = req.tables[0][j]
-            cached = self.pool.cached_block_hash_to_block
-            if block.block_hash is None and h not in cached:
+            if block.block_hash is None:  # BlockPool.cache_full_block, inlined
                 block.block_hash = h
-                cached[h] = block
+                if self.pool.cached_block_hash_to_block.setdefault(h, block) is not block:
+                    self.pool.add_duplicate(block)
             req.num_hashed = j = filled
         elif filled > j:
             self._register(req, total)

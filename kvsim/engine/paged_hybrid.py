@@ -11,6 +11,7 @@ from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged_coordinator import HybridCoordinator
+from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache, block_hashes
 from kvsim.engine.paged_layout import Lane
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
@@ -19,11 +20,14 @@ from kvsim.errors import KvsimError
 class HybridRequest:
     """The allocator's state for one admitted request: a block table per group, real blocks held per group."""
 
-    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip")
+    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit")
 
-    def __init__(self, seq: Sequence, tables: list[list[Block]]):
+    def __init__(self, seq: Sequence, tables: list[list[Block]], hashes: list[int] | None = None):
         self.seq = seq
         self.tables = tables
+        self.hashes = hashes  # chained hashes of the full blocks of its final length (prefix caching on)
+        self.num_cached = 0  # leading blocks of every table already offered to the cache
+        self.hit = 0  # prefix-cache hit at admission, in tokens (computed once the step runs)
         self.held = [0] * len(tables)  # blocks of each table that are not the null block
         self.quiet_until = -1  # an append up to this many computed + new tokens needs no block
         self.next_skip = 0  # an append at this many computed tokens may null a block of a window group
@@ -41,10 +45,20 @@ class HybridPagedAllocator(KVAllocator):
 
     Before every allocation each group nulls the blocks it no longer reads against the settled tokens
     (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
-    to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens. Prefix caching and forks are not modelled here yet.
+    to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens.
+    Prefix caching (full-attention and sliding-window groups) caches each group's full blocks under (hash, group id)
+    and admits a hit the groups agree on (`paged_hybrid_prefix`). Forks are not modelled here yet.
     """
 
-    def __init__(self, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int, watermark: float = 0.0):
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        *,
+        max_model_len: int,
+        watermark: float = 0.0,
+        enable_prefix_caching: bool = False,
+    ):
         if not 0.0 <= watermark < 1.0:
             raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
         if max_model_len <= 0:
@@ -56,7 +70,9 @@ class HybridPagedAllocator(KVAllocator):
         self.budget_bytes = budget_bytes
         self.max_model_len = max_model_len
         self.watermark = watermark
-        self.enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
+        if enable_prefix_caching:
+            check_prefix_caching(spec.pool.groups)
         # slots and block_table follow the first group that keeps tokens (a state group's block is a state)
         self._slot_group = next(i for i, g in enumerate(self.groups) if g.kind != "state")
         self.block_size = self.groups[self._slot_group].block_size
@@ -64,8 +80,11 @@ class HybridPagedAllocator(KVAllocator):
         self.num_blocks = budget_bytes // bpb  # num_gpu_blocks, the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockPool(self.num_blocks)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.coordinator = HybridCoordinator(pool_spec, self.pool)
+        self.prefix = HybridPrefixCache(self.groups, self.pool) if enable_prefix_caching else None
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
         # The scheduler's view: a lane per group that grows with the tokens (one block each per block_size).
         self.lanes = [
@@ -101,18 +120,32 @@ class HybridPagedAllocator(KVAllocator):
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
         coordinator, free = self.coordinator, self.pool.num_free_blocks
         tables = coordinator.new_tables()
+        hashes, hit_blocks, hit, query = None, None, 0, 0
+        if self.prefix is not None and seq.token_ids is not None:
+            hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+            query = min(num_tokens, seq.num_final_tokens)
+            hit_blocks, hit = self.prefix.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         if full_sequence_must_fit:
-            need = coordinator.get_num_blocks_to_allocate(tables, min(num_tokens, self.max_model_len), apply_admission_cap=True)
+            full = min(num_tokens, self.max_model_len)
+            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit)
             if need + watermark > free:
                 return None
-        total = min(min(num_new_tokens, num_tokens), self.max_model_len)
-        if coordinator.get_num_blocks_to_allocate(tables, total) + watermark > free:
+        total = min(hit + min(num_new_tokens, num_tokens - hit), self.max_model_len)
+        if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit) + watermark > free:
             return None
-        req = HybridRequest(seq, tables)
+        req = HybridRequest(seq, tables, hashes)
         self._reqs[seq] = req
-        self._grow(req, 0, total)
-        return 0
+        if hit:
+            coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit)
+            req.held = [sum(b is not self.pool.null_block for b in t) for t in tables]
+            req.num_cached = hit // self.block_size
+            req.hit = hit
+        if query:
+            self.prefix_query_tokens += query
+            self.prefix_hit_tokens += hit
+        self._grow(req, hit, total)
+        return hit
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens: `allocate_slots` for a running request.
@@ -134,6 +167,14 @@ class HybridPagedAllocator(KVAllocator):
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`, group by group, each table's tail first."""
         self.coordinator.free(self._reqs.pop(seq).tables)
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
+        `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
+        req = self._reqs[seq]
+        if req.hashes is not None:
+            self._register(req, num_tokens)
+            self._set_quiet(req)  # next_skip stays: the window's blocks are nulled by the next append
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` runs alone, within max_model_len, in one of two ways.
@@ -195,7 +236,7 @@ class HybridPagedAllocator(KVAllocator):
         token = reservation = internal = padding = 0
         groups, token_bytes, pad_bytes = self.groups, self._token_bytes, self._pad_bytes
         for req in self._reqs.values():
-            c, final = req.seq.num_computed_tokens, req.seq.num_final_tokens
+            c, final = max(req.seq.num_computed_tokens, req.hit), req.seq.num_final_tokens
             for g, table in enumerate(req.tables):
                 held = req.held[g]
                 if not held:
@@ -211,6 +252,18 @@ class HybridPagedAllocator(KVAllocator):
                 token += (cc - lo) * token_bytes[g]
                 reservation += (used - cc) * token_bytes[g]
                 internal += (cap - used) * token_bytes[g]
+        saved = 0
+        if self.pool.num_shared_refs:  # a prefix hit held by several requests was counted once per holder
+            seen: set[int] = set()
+            for req in self._reqs.values():
+                for g, table in enumerate(req.tables):
+                    for b in table:
+                        if b.ref_count > 1 and b.block_id not in seen:
+                            seen.add(b.block_id)
+                            extra = b.ref_count - 1  # a shared block is full and computed for every holder
+                            token -= extra * groups[g].block_size * token_bytes[g]
+                            padding -= extra * pad_bytes[g]
+                            saved += extra * self.bytes_per_block
         unusable = self.budget_bytes - self.pool.num_usable_blocks * self.bytes_per_block
         return MemoryBreakdown(
             budget_bytes=self.budget_bytes,
@@ -220,6 +273,7 @@ class HybridPagedAllocator(KVAllocator):
             external_fragmentation_bytes=0,
             free_bytes=self.pool.num_free_blocks * self.bytes_per_block,
             padding_bytes=padding,
+            shared_saved_bytes=saved,
         )
 
     # --- internals ---------------------------------------------------------------------------------------
@@ -237,12 +291,25 @@ class HybridPagedAllocator(KVAllocator):
         coordinator.allocate_new_blocks(tables, total)
         for g, table in enumerate(tables):
             req.held[g] += len(table) - before[g]
+        if req.hashes is not None:
+            self._register(req, total)
         self._refresh(req, computed)
         return True
 
+    def _register(self, req: HybridRequest, total: int) -> None:
+        """Cache every full block whose tokens are all within `total` (computed + scheduled) and known."""
+        seq = req.seq
+        known = seq.num_known_tokens
+        end = min(total, seq.num_final_tokens, seq.num_final_tokens if known is None else known) // self.block_size
+        end = min(end, len(req.hashes))
+        if end > req.num_cached:
+            self.prefix.cache_blocks(req.tables, req.hashes, req.num_cached, end)
+            req.num_cached = end
+
     def _refresh(self, req: HybridRequest, computed: int) -> None:
-        """The next append that needs the slow path: a group's next block, or a window group's next skip."""
-        req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
+        """The next append that needs the slow path: a group's next block, the next block to cache, or a
+        window group's next skip after nulling at `computed` (settled) tokens."""
+        self._set_quiet(req)
         next_skip = math.inf
         for g in self._windowed:
             group = self.groups[g]
@@ -252,3 +319,23 @@ class HybridPagedAllocator(KVAllocator):
             else:
                 next_skip = min(next_skip, (computed // w + 1) * w)
         req.next_skip = next_skip
+
+    def _set_quiet(self, req: HybridRequest) -> None:
+        """`quiet_until`: the most tokens an append serves without a new block or a block to cache."""
+        req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
+        if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
+            req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
+
+
+def check_prefix_caching(groups) -> None:
+    """Prefix caching is modelled for full-attention and sliding-window groups of one block size; a model with
+    state or chunked-local groups (vLLM: mamba align mode, chunked hits) is a user error here."""
+    unsupported = sorted({g.kind for g in groups if g.kind not in CACHEABLE_KINDS})
+    if unsupported:
+        raise KvsimError(
+            f"prefix caching is not modelled for models with {' or '.join(unsupported)} layer groups "
+            "(mamba align mode and chunked-local hits are not built)",
+            field="prefix_caching",
+        )
+    if len({g.block_size for g in groups}) != 1:
+        raise KvsimError("prefix caching needs one block size across the KV cache groups", field="prefix_caching")

@@ -88,8 +88,11 @@ class PrefixCaching:
         end = min(total, req.final, req.final if known is None else known) // self.block_size
         if j >= end:
             return
-        cached = self.pool.cached_block_hash_to_block
+        pool = self.pool
+        cached = pool.cached_block_hash_to_block
         for block, h in zip(req.tables[0][j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
-            if block.block_hash is None and cached.setdefault(h, block) is block:
+            if block.block_hash is None:
                 block.block_hash = h
+                if cached.setdefault(h, block) is not block:
+                    pool.add_duplicate(block)
         req.num_hashed = end

@@ -35,7 +35,16 @@ def run_replay(
     source = str(workload.path)
     with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
         model = resolve_model(workload.model)
+        if model.num_params is None and not model.checkpoint_bytes:  # a workload has no --params to give
+            raise KvsimError(f"{model.source}: the parameter count of {model.name} is unknown, and the replay's clock "
+                             "needs its weight bytes (a workload has no --params): use a catalogue model, or for a "
+                             "plain decoder give the config.json vocab_size and intermediate_size to count them from")
         weights = weight_bytes(model)
+    if workload.max_model_len > model.max_model_len and model.attention_layers:
+        # vLLM refuses it too (ModelConfig: "User-specified max_model_len ... is greater than the derived
+        # max_model_len"): positions past the model's length are garbage, and the replay would size them anyway.
+        raise KvsimError(f"{workload.max_model_len:,} is more than {model.name} serves ({model.max_model_len:,} "
+                         "tokens, from its config.json)", source=source, field="max_model_len")
     with _workload_field(source, "hardware"):
         gpu = get_gpu(workload.hardware)
     if workload.kv_budget_bytes is not None:
@@ -97,6 +106,11 @@ def run_replay(
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
+    for i, config in enumerate(workload.allocators):  # the engine's own error would name neither file nor allocator
+        if config.kind == "paged" and config.prefix_caching and ctx.spec(config.block_size).pool is not None:
+            raise KvsimError(f"kvsim's paged allocator for {model.name}'s sliding-window or state layers (vLLM's hybrid "
+                             "groups) does not cache prefixes; drop prefix_caching for it", source=source,
+                             field=f"allocators[{i}].prefix_caching")
     if device == "cpu":
         _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(

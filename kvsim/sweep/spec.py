@@ -4,6 +4,7 @@ zipped) and an optional capacity search; frozen dataclasses, errors naming the f
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,17 @@ TARGET_METRICS = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "rejected", "preemptions",
     "preemptions_per_request", "queue_growth_per_s",
 )
+# What `metrics:` may name: the table's numeric columns (the summary of `kvsim replay` without kernel columns,
+# and the derived two), and with a search its capacity columns. A name outside them would vanish from the charts.
+TABLE_METRICS = (
+    "budget_bytes", "num_requests", "finished", "rejected", "sim_time_s", "num_steps", "token_states_pct",
+    "reservation_pct", "internal_fragmentation_pct", "external_fragmentation_pct", "free_pct", "shared_saved_pct",
+    "padding_pct", "mean_running", "peak_running", "throughput_tokens_per_s", "computed_tokens_per_s", "preemptions",
+    "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate", "prefill_tokens_saved",
+    "prefill_saved_pct", "preemptions_per_request",
+    "queue_growth_per_s",
+)
+SEARCH_METRICS = ("capacity", "capacity_replays")
 
 
 @dataclass(frozen=True)
@@ -117,8 +129,22 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
         raise f.error("metrics", f"must be a non-empty list of table columns, got {metrics!r}")
     timing = f.choice("timing", TIMINGS) if "timing" in f.raw else None  # validated as the CLI's --timing
+    _check_metrics(f, metrics, search is not None)
     f.done()
     return SweepSpec(name, path, base, base_path, tuple(fixed), tuple(axes), combine, search, tuple(metrics), timing)
+
+
+def _check_metrics(f: Fields, metrics: list[str], has_search: bool) -> None:
+    """Refuse a metric that is no column of the table, before any replay runs."""
+    known = TABLE_METRICS + SEARCH_METRICS if has_search else TABLE_METRICS
+    for metric in metrics:
+        if metric in known:
+            continue
+        if metric in SEARCH_METRICS:
+            raise f.error("metrics", f"{metric!r} is a column only of a sweep with a search")
+        close = difflib.get_close_matches(metric, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise f.error("metrics", f"{metric!r} is not a column of the table{hint}; columns: {', '.join(known)}")
 
 
 def _read_yaml(path: Path, *, source: str) -> Any:

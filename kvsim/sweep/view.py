@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir
 from kvsim.replay.options import ReplayOptions
 from kvsim.sweep.points import make_tasks
 from kvsim.sweep.results import Results
@@ -45,7 +46,7 @@ def run_sweep(path: str | Path, *, out: str | Path | None = None, workers: int |
     spec = load_sweep(path)
     options = _options(spec, device=device, tensors=tensors, timing=timing)
     tasks = make_tasks(spec, options)
-    out_dir = Path(out) if out is not None else Path("reports") / "sweeps" / spec.name
+    out_dir = output_dir(out if out is not None else Path("reports") / "sweeps" / spec.name, create=False)  # before any replay
     results = Results(out_dir, tasks, meta=spec.meta(options.timing))
     pending = results.pending()
     if not pending:

@@ -11,13 +11,7 @@ from kvsim.conformance.suite import STREAMS, run_stream
 pytestmark = pytest.mark.conformance
 
 # Streams kvsim does not yet follow, each with the reason (strict: one that starts to conform fails here).
-KNOWN_DIFFERENCES: dict[str, str] = {
-    "batch-200-prefix+async": (
-        "kvsim's BlockPool caches a block only if no other block holds its hash; vLLM's caches duplicates too "
-        "(vllm/v1/core/block_pool.py, BlockHashToBlockMap, NOTE #1), so a freed duplicate goes to the free queue's "
-        "tail in vLLM but to its head in kvsim, and the two evict different prefix blocks (first visible at step 398)"
-    ),
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def _params():
@@ -73,6 +67,33 @@ def test_mixed_model_streams_run_vllms_group_managers_and_a_pool_without_null_bl
     monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", lambda self, num_computed_tokens: 0)
     c = compare(run_kvsim(rs), vllm)
     assert c.differs and c.kvsim_preemptions > c.vllm_preemptions
+
+
+def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_key_differs(vllm_loaded, monkeypatch):
+    """gpt-oss-20b with prefix caching runs vLLM's `HybridKVCacheCoordinator` (full attention looked up
+    first, then the sliding window) with kvsim's hits at every admission. kvsim with one block per key
+    (a block that repeats a cached prefix left uncached, as the uniform pool does) frees those duplicates to
+    the free queue's head, evicts other prefixes than vLLM, and differs."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+    from kvsim.engine.block_pool import BlockPool
+
+    rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-pressure"))
+    manager = build_scheduler(rs.setup).kv_cache_manager
+    assert type(manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    kvsim, vllm = run_kvsim(rs), run_vllm(rs)
+    assert compare(kvsim, vllm).differing_steps == 0 and sum(r.prefix_hit_tokens for r in kvsim.steps) > 0
+    first_only = BlockPool.cache_full_block
+
+    def cache_first_only(self, block, key):
+        if key not in self.cached_block_hash_to_block:
+            first_only(self, block, key)
+
+    monkeypatch.setattr(BlockPool, "cache_full_block", cache_first_only)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.first_step is not None
 
 
 def test_cli_prints_the_table_and_exits_0(vllm_loaded, cli):

@@ -11,6 +11,7 @@ categories sum to the budget (exactly as predicted for flat), and at the end not
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -361,4 +362,89 @@ def test_mixed_model_random_operations(num_blocks, extra_bytes, words):
     b = alloc.breakdown()
     assert (b.token_states_bytes, b.reservation_bytes, b.padding_bytes) == (0, 0, 0)
     assert b.internal_fragmentation_bytes == alloc.budget_bytes - alloc.pool.num_usable_blocks * alloc.bytes_per_block
+    assert alloc.num_free_blocks == alloc.pool.num_usable_blocks
+
+
+# prefix caching over the sliding and full groups (state groups have no prefix caching here)
+PREFIX_POOL = PoolSpec(MIXED_POOL.groups[:3], group_size=2)
+PREFIX_SPEC = replace(MIXED_SPEC, groups=MIXED_SPEC.groups[:2], pool=PREFIX_POOL)
+
+
+@settings(max_examples=NUM_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(4, 60),
+    extra_bytes=st.integers(0, 63),
+    words=st.lists(st.integers(0, 2**27 - 1), min_size=1, max_size=25),
+)
+def test_mixed_model_with_prefix_caching_random_operations(num_blocks, extra_bytes, words):
+    """Requests of 3 prefix families over vLLM's groups with prefix caching: a block is held by exactly the
+    table entries that name it (its ref count), the null blocks of a sliding table are exactly those wholly
+    before the window of its last allocation, every computed token from the first held block reads back
+    intact (so hits are real), every cached block is under its own key, and the bytes add up to the budget."""
+    config = AllocatorConfig("paged", block_size=4, prefix_caching=True)
+    alloc = make_allocator(config, PREFIX_SPEC, num_blocks * 64 + extra_bytes, max_model_len=MIXED_LEN)
+    pool = np.full(alloc.num_slots, -1, dtype=np.int64)
+    live: dict[int, Sequence] = {}
+    settled: dict[int, int] = {}
+    null = alloc.pool.null_block
+
+    def compute(seq, n):
+        start = seq.num_computed_tokens
+        slots = alloc.slot_mapping(seq, start, start + n)
+        pool[slots[slots >= 0]] = seq.token_ids[start : start + n][slots >= 0]
+        seq.num_computed_tokens += n
+
+    def check():
+        held = Counter()
+        for seq in live.values():
+            for group, table in zip(PREFIX_POOL.groups, alloc._reqs[seq].tables):
+                nulls = next((i for i, b in enumerate(table) if b is not null), len(table))
+                assert all(b is not null for b in table[nulls:])
+                skipped = max(0, settled[seq.seq_id] - group.window + 1) if group.kind == "sliding" else 0
+                assert nulls == min(skipped // group.block_size, len(table)), (nulls, skipped, group)
+                held.update(b.block_id for b in table[nulls:])
+            table = alloc.block_table(seq)
+            first = next((i for i, b in enumerate(table) if b is not None), len(table)) * alloc.block_size
+            slots = alloc.slot_mapping(seq, first, seq.num_computed_tokens)
+            assert np.array_equal(pool[slots], seq.token_ids[first : seq.num_computed_tokens])
+        assert 0 not in held
+        assert all(b.ref_count == held[b.block_id] for b in alloc.pool.blocks[1:])
+        assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
+        for key, entry in alloc.pool.cached_block_hash_to_block.items():
+            for block in entry.values() if isinstance(entry, dict) else [entry]:
+                assert block.block_hash == key
+        b = alloc.breakdown()
+        parts = (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes, b.free_bytes)
+        assert min(parts) >= 0 and sum(parts) + b.external_fragmentation_bytes == alloc.budget_bytes
+
+    for i, (op, a, b, c) in enumerate(map(decode, words)):
+        for seq in [s for s in live.values() if s.num_computed_tokens == s.num_final_tokens]:
+            alloc.free(live.pop(seq.seq_id))
+        if op in ("admit", "fork"):
+            output = min(b, MIXED_LEN - a)
+            ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
+            shared = min(a, 4 * (c % 7))
+            ids[:shared] = 1_000 * (c % 3 + 1) + np.arange(shared)  # the family's prefix
+            seq = Sequence(i, a, output, token_ids=ids)
+            hit = alloc.allocate(seq, 1 + c % a)
+            if hit is not None:
+                assert hit % alloc.block_size == 0 and hit < a and hit <= shared
+                live[i], settled[i] = seq, hit
+                seq.num_computed_tokens = hit
+                compute(seq, min(1 + c % a, a - hit))
+        elif op == "step" and live:
+            seq = live[sorted(live)[c % len(live)]]
+            n = max(1, min(a, seq.num_prompt_tokens - seq.num_computed_tokens))
+            settled[seq.seq_id] = seq.num_computed_tokens
+            if alloc.append_slots(seq, n):
+                compute(seq, n)
+            else:
+                alloc.free(live.pop(seq.seq_id))
+        elif op == "free" and live:
+            alloc.free(live.pop(sorted(live)[c % len(live)]))
+        check()
+    for seq in list(live.values()):
+        alloc.free(seq)
+    b = alloc.breakdown()
+    assert (b.token_states_bytes, b.reservation_bytes, b.padding_bytes) == (0, 0, 0)
     assert alloc.num_free_blocks == alloc.pool.num_usable_blocks

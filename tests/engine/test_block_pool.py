@@ -82,10 +82,10 @@ def test_uncached_reused_first_then_cached_in_lru_order():
     assert pool.num_free_blocks == 0
     # Freed in this order: b1 (cached) first, then b3, b0 (cached), b2.
     pool.free_blocks([b1, b3, b0, b2])
-    assert pool.free_queue.blocks() == [b2, b3, b1, b0]
+    assert pool.free_queue.blocks() == [b3, b2, b1, b0]  # uncached in the order freed (vLLM's prepend_n)
     assert pool.get_cached_block(101) is b1
     first_two = pool.get_new_blocks(2)
-    assert first_two == [b2, b3]  # uncached before any cached prefix is evicted
+    assert first_two == [b3, b2]  # uncached before any cached prefix is evicted
     assert pool.get_cached_block(100) is b0 and pool.get_cached_block(101) is b1
     (evicted,) = pool.get_new_blocks(1)
     assert evicted is b1  # least recently freed cached block goes first
@@ -95,8 +95,8 @@ def test_uncached_reused_first_then_cached_in_lru_order():
 
 @pytest.mark.parametrize("num_left_free", [0, 1, 3])
 def test_free_splices_uncached_to_the_head_and_cached_to_the_tail(num_left_free):
-    """A request's tail-first free: uncached blocks reused first (last freed first), cached ones evicted in
-    the order freed, shared ones stay held; whatever was already free stays between them."""
+    """A request's tail-first free: uncached blocks reused first (first freed first, vLLM's prepend_n), cached
+    ones evicted in the order freed, shared ones stay held; whatever was already free stays between them."""
     pool = BlockPool(9 + num_left_free, enable_caching=True)  # block 0: the null block
     blocks = pool.get_new_blocks(8)
     assert [b.block_id for b in blocks] == list(range(1, 9))
@@ -109,14 +109,14 @@ def test_free_splices_uncached_to_the_head_and_cached_to_the_tail(num_left_free)
 
     pool.touch([blocks[1], blocks[6]])  # shared: a free leaves them held
     pool.free_blocks(reversed(blocks))  # 7 6 5 4 3 2 1 0
-    assert ids(pool.free_queue.blocks()) == [5, 7] + already_free + [4, 3, 2, 0]
+    assert ids(pool.free_queue.blocks()) == [7, 5] + already_free + [4, 3, 2, 0]
     assert (blocks[1].ref_count, blocks[6].ref_count, pool.num_shared_refs) == (1, 1, 0)
     assert_links(pool.free_queue)
     assert mark_links_are_clear(pool)
     pool.free_blocks([blocks[6], blocks[1]])
-    assert ids(pool.free_queue.blocks()) == [6, 5, 7] + already_free + [4, 3, 2, 0, 1]
+    assert ids(pool.free_queue.blocks()) == [6, 7, 5] + already_free + [4, 3, 2, 0, 1]
     assert_links(pool.free_queue)
-    assert ids(pool.get_new_blocks(4 + num_left_free)) == [6, 5, 7] + already_free + [4]
+    assert ids(pool.get_new_blocks(4 + num_left_free)) == [6, 7, 5] + already_free + [4]
     assert pool.get_cached_block(304) is None and blocks[4].block_hash is None  # evicted
     assert pool.get_cached_block(303) is blocks[3]
 
@@ -134,10 +134,10 @@ def test_free_of_only_shared_or_only_one_kind_keeps_the_links():
     pool.touch([a])
     pool.free_blocks([a])  # still held: nothing moves
     assert pool.free_queue.blocks() == [] and pool.num_free_blocks == 0
-    pool.free_blocks([b, d])  # uncached only, into an empty queue
-    assert pool.free_queue.blocks() == [d, b]
+    pool.free_blocks([b, d])  # uncached only, into an empty queue: in the order freed
+    assert pool.free_queue.blocks() == [b, d]
     pool.free_blocks([c])  # cached only
-    assert pool.free_queue.blocks() == [d, b, c]
+    assert pool.free_queue.blocks() == [b, d, c]
     assert_links(pool.free_queue)
     assert mark_links_are_clear(pool)
 
@@ -183,13 +183,68 @@ def test_ref_counts_and_shared_refs():
     assert pool.num_free_blocks == 2
 
 
-def test_a_hash_is_registered_once():
-    pool = BlockPool(3, enable_caching=True)
-    a, b = pool.get_new_blocks(2)
-    pool.cache_full_block(a, 7)
-    pool.cache_full_block(b, 7)  # same prefix computed twice: the first block keeps the entry
-    assert pool.get_cached_block(7) is a and b.block_hash is None
+def make_duplicates(num_copies: int, block_hash: int = 7) -> tuple[BlockPool, list[Block]]:
+    """A pool whose first `num_copies` blocks each cached the same prefix (computed again by each request)."""
+    pool = BlockPool(num_copies + 3, enable_caching=True)  # block 0: the null block; 2 blocks to spare
+    copies = pool.get_new_blocks(num_copies)
+    for block in copies:
+        pool.cache_full_block(block, block_hash)
+    return pool, copies
+
+
+def cached_under(pool: BlockPool, block_hash: int) -> list[Block]:
+    """Every block cached under `block_hash`, the one a lookup returns first."""
+    first = pool.get_cached_block(block_hash)
+    return ([] if first is None else [first]) + pool.cached_duplicates.get(block_hash, [])
+
+
+def test_a_duplicate_block_is_cached_too():
+    """vLLM's BlockHashToBlockMap does not de-duplicate: both blocks hold the hash, a lookup gets the first."""
+    pool, (a, b) = make_duplicates(2)
+    assert (a.block_hash, b.block_hash) == (7, 7)
+    assert pool.get_cached_block(7) is a and cached_under(pool, 7) == [a, b]
+    pool.cache_full_block(b, 7)  # registering a block again changes nothing
+    assert cached_under(pool, 7) == [a, b]
     assert pool.num_blocks_allocated == 2
+
+
+def test_a_freed_duplicate_goes_to_the_tail_like_any_cached_block():
+    pool, (a, b) = make_duplicates(2)
+    c = pool.get_new_block()  # uncached
+    pool.free_blocks([a, c, b])
+    assert pool.free_queue.blocks()[0] is c  # uncached: reused first
+    assert pool.free_queue.blocks()[-2:] == [a, b]  # both cached: evicted last, in the order freed
+    assert_links(pool.free_queue)
+
+
+@pytest.mark.parametrize("evicted_first", [0, 1, 2])
+def test_evicting_a_duplicate_removes_that_block_only(evicted_first):
+    """Eviction drops the evicted block from the table; a lookup returns the oldest block still cached."""
+    pool, copies = make_duplicates(3)
+    order = [copies[evicted_first]] + [b for b in copies if b is not copies[evicted_first]]
+    pool.free_blocks(order)
+    spare = pool.get_new_blocks(2)  # the two never-used blocks at the head go first
+    assert all(b.block_id > 3 for b in spare)
+    left = list(copies)
+    for victim in order:
+        assert pool.get_new_block() is victim and victim.block_hash is None
+        left.remove(victim)
+        assert cached_under(pool, 7) == left
+        assert pool.get_cached_block(7) is (left[0] if left else None)
+    assert pool.cached_block_hash_to_block == {} and pool.cached_duplicates == {}
+
+
+def test_a_hit_on_the_oldest_copy_keeps_the_younger_one_evictable():
+    """The oldest copy evicted, a younger one answers lookups; a new copy queues behind it."""
+    pool, (a, b) = make_duplicates(2)
+    pool.free_blocks([a, b])
+    pool.get_new_blocks(2)  # the spare blocks
+    assert pool.get_new_block() is a  # a evicted: b now answers
+    assert pool.get_cached_block(7) is b
+    pool.cache_full_block(a, 7)  # a computes the prefix again: behind b
+    assert cached_under(pool, 7) == [b, a]
+    pool.touch([pool.get_cached_block(7)])
+    assert b.ref_count == 1 and pool.free_queue.blocks() == []
 
 
 SCENARIO = """

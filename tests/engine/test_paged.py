@@ -84,7 +84,7 @@ def test_num_blocks_tables_slots_and_breakdown():
     assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + BLOCK + 5, 0, 5 * BLOCK)
     alloc.free(a)
     c = make_seq(2, 4, 0)
-    assert admit(alloc, c) == 0 and alloc.block_table(c) == [1]  # a's first block is the head of the free queue
+    assert admit(alloc, c) == 0 and alloc.block_table(c) == [5]  # a's last block, freed first, is reused first
     alloc.free(b)
     alloc.free(c)
     assert alloc.num_free_blocks == 10 and parts(alloc) == (0, 0, BLOCK + 5, 0, 10 * BLOCK)
@@ -140,6 +140,28 @@ def test_uncached_blocks_reused_first_and_cached_evicted_lru():
     alloc.free(d)  # d's five full blocks join the cached tail behind b's block 3
     assert admit(alloc, make_seq(1, 5, 1)) == 4  # b's prefix survived
     assert admit(alloc, make_seq(0, 5, 1)) == 0  # a's was evicted
+
+
+def test_a_recomputed_prefix_block_is_cached_as_a_duplicate():
+    """A prompt wholly covered by the cache recomputes its last block (the hit is capped at num_tokens - 1).
+    As vLLM's BlockPool, the recomputed block is cached too, freed to the tail, and serves once the first is
+    evicted."""
+    alloc = make_alloc(6, enable_prefix_caching=True)
+    a = make_seq(0, 8, 0)
+    admit(alloc, a)
+    b = make_seq(1, 8, 0, prefix=a.token_ids)
+    assert admit(alloc, b) == 4 and alloc.block_table(a) == [1, 2] and alloc.block_table(b) == [1, 3]
+    pool = alloc.pool
+    assert pool.blocks[3].block_hash == pool.blocks[2].block_hash is not None
+    assert pool.get_cached_block(pool.blocks[2].block_hash) is pool.blocks[2]  # the older block answers
+    alloc.free(a)
+    alloc.free(b)
+    assert [blk.block_id for blk in pool.free_queue.blocks()] == [4, 5, 6, 2, 3, 1]
+    d = make_seq(2, 16, 0)
+    admit(alloc, d)
+    assert alloc.block_table(d) == [4, 5, 6, 2]  # block 2 evicted: its younger copy, block 3, still caches
+    alloc.free(d)
+    assert probe_hit(alloc, np.concatenate([a.token_ids, [7]])) == 8
 
 
 def probe_hit(alloc: PagedAllocator, token_ids: np.ndarray) -> int:
@@ -240,9 +262,9 @@ def test_mixed_model_pages_sliding_window_and_state():
     # token 12 opens block 3; at computed 15 sliding block 1 goes.
     assert free_after == [19, 19, 19, 21, 18, 18, 18, 20]
     assert alloc._reqs[seq].tables[1][:4] == [None] * 4
-    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 3 (freed by the
-    # window) for block 3
-    assert alloc.block_table(seq) == [1, 2, 9, 3]
+    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 4 for block 3
+    # (the window freed sliding block 0's pages 3, 4 last first, and the first freed is reused first)
+    assert alloc.block_table(seq) == [1, 2, 9, 4]
     # 16 computed: full 16 x 16, sliding (16 - 8 freed) x 32, state 100.
     assert parts(alloc) == (256 + 256 + 100, 0, 28 + 64 + 10, 0, 20 * 64)
     other = make_seq(1, 4, 0)

@@ -8,7 +8,6 @@ from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.engine.paged_hybrid import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
-from kvsim.errors import KvsimError
 
 # 3 sliding layers (window 8) and 2 full layers, 8 B per token per layer, block_size 4: every page 32 B.
 # vLLM's grouping: group_size 2, so the sliding layers form 2 groups (2 layers, 1 layer + 1 padding layer)
@@ -130,10 +129,8 @@ def test_can_ever_fit_by_the_admission_bound_or_unchunked_peak():
     assert make(num_blocks=22, max_model_len=64).can_ever_fit(Sequence(1, 8, 52))  # 21 usable
 
 
-def test_factory_builds_it_for_a_spec_with_vllm_groups_and_refuses_prefix_caching():
+def test_factory_builds_it_for_a_spec_with_vllm_groups():
     assert isinstance(make_allocator(AllocatorConfig("paged", block_size=4), SPEC, 20 * 64, max_model_len=64), HybridPagedAllocator)
-    with pytest.raises(KvsimError, match="prefix caching"):
-        make_allocator(AllocatorConfig("paged", block_size=4, prefix_caching=True), SPEC, 20 * 64, max_model_len=64)
 
 
 @pytest.mark.parametrize("model", ["gemma-3-27b", "gpt-oss-120b", "gemma-2-9b", "qwen3-next-80b-a3b"])

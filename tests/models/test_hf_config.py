@@ -540,3 +540,26 @@ def test_a_workload_names_its_config_model_after_the_file(tmp_path):
 
     result = run_replay(load_workload(write_tiny(tmp_path, count=2)), ReplayOptions(tensors=False), workers=1)
     assert result.model_name == "tiny-model"  # tiny.yaml's `model: tiny-model.json`, made absolute on load
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # more KV heads than query heads: vLLM's Attention asserts num_heads % num_kv_heads == 0; kvsim sized it
+        ({"num_key_value_heads": 64}, "num_key_value_heads: 64 KV heads do not divide num_attention_heads 32"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads: 5 KV heads do not divide num_attention_heads 32"),
+        # a negative RoPE factor made a negative max_model_len and an AssertionError traceback
+        ({"rope_scaling": {"type": "linear", "factor": -2}}, "rope_scaling.factor: expected a positive number, got -2"),
+        ({"rope_scaling": {"type": "dynamic", "factor": "x"}}, "rope_scaling.factor: expected a positive number, got 'x'"),
+    ],
+)
+def test_impossible_heads_and_rope_factors_are_one_error_naming_the_field(write_config, fields, message):
+    path = write_config({**LLAMA_8B, **fields})
+    with pytest.raises(KvsimError) as err:
+        load_hf_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_linear_rope_factor_scales_the_length(write_config):
+    config = {**LLAMA_8B, "max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert load_hf_config(write_config(config)).max_model_len == 8192

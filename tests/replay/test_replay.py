@@ -430,3 +430,45 @@ def test_padding_reaches_the_steps_and_summary_of_a_mixed_model(tmp_path):
     assert all(recs[r.label]["padding_pct"] == 0 for r in result.runs if r.config.kind == "flat")
     tiny = run_replay(tiny_workload(tmp_path), ReplayOptions(tensors=False), workers=1)
     assert all((r.steps["padding_bytes"] == 0).all() for r in tiny.runs)
+
+
+def test_a_max_model_len_past_the_models_own_is_refused_as_vllm_does(tmp_path):
+    """vLLM refuses a max_model_len above the config's length; the replay used to size and run it silently."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    path.write_text(path.read_text().replace("max_model_len: 512", "max_model_len: 4096"))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == f"{path}: max_model_len: 4,096 is more than tiny-model serves (2,048 tokens, from its config.json)"
+    path.write_text(path.read_text().replace("max_model_len: 4096", "max_model_len: 2048"))  # its own length is fine
+    assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+
+
+def test_prefix_caching_on_a_mixed_model_is_refused_naming_the_file_and_allocator(tmp_path):
+    """It was `kvsim: error: prefix_caching: ...` from inside the engine, naming neither the file nor which allocator."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("model: tiny-model.json", "model: gpt-oss-120b")
+    path.write_text(text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB"))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: kvsim's paged allocator for gpt-oss-120b's sliding-window "
+                              "or state layers (vLLM's hybrid groups) does not cache prefixes; drop prefix_caching for it")
+
+
+def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_flag_replay_lacks(tmp_path):
+    """The size command's advice ("give --params") was passed on to a workload, which has no such option."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    config = tmp_path / "tiny-model.json"
+    config.write_text(config.read_text().replace('"vocab_size": 1000,', ""))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (
+        f"{path}: model: {config}: the parameter count of tiny-model is unknown, and the replay's clock needs its weight "
+        "bytes (a workload has no --params): use a catalogue model, or for a plain decoder give the config.json "
+        "vocab_size and intermediate_size to count them from"
+    )

@@ -16,7 +16,7 @@ from kvsim.replay.reports import summary_records
 from kvsim.sweep import task as task_module
 from kvsim.sweep.points import expand_points, make_tasks, set_path
 from kvsim.sweep.results import JOURNAL, Results
-from kvsim.sweep.spec import load_sweep
+from kvsim.sweep.spec import TABLE_METRICS, load_sweep
 from kvsim.sweep.view import run_sweep
 from kvsim.workload.spec import load_workload
 
@@ -118,6 +118,9 @@ def test_a_row_holds_the_axis_values_then_the_summary_of_kvsim_replay(tmp_path):
             if key != "allocator":
                 assert row[key] == value or (pd.isna(row[key]) and pd.isna(value)), key
         assert row["preemptions_per_request"] == record["preemptions"] / 40
+    # what `metrics:` may name is exactly the table's figures (the columns after the allocator but its labels)
+    figures = [c for c in table.columns[3:] if c not in ("model", "workload", "error")]
+    assert sorted(figures) == sorted(TABLE_METRICS)
 
 
 def test_a_failing_point_records_its_error_and_the_sweep_goes_on(tmp_path):
@@ -201,7 +204,7 @@ def test_the_sweep_package_imports_only_the_workload_and_replay_stages():
     never the CLI, the charts or the engine's internals."""
     import ast
 
-    allowed = {"kvsim.errors", "kvsim.workload.yaml_fields", "kvsim.replay.options", "kvsim.workload.spec", "kvsim.replay.run",
+    allowed = {"kvsim.errors", "kvsim.out_paths", "kvsim.workload.yaml_fields", "kvsim.replay.options", "kvsim.workload.spec", "kvsim.replay.run",
                "kvsim.replay.reports", "kvsim.models.catalogue", "kvsim.models.hardware"}
     for path in (REPO / "kvsim" / "sweep").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -240,3 +243,24 @@ def test_a_bad_clock_in_the_sweep_file_names_the_file_and_field(tmp_path, timing
     with pytest.raises(KvsimError) as info:
         run_sweep(path, out=tmp_path / "out", workers=1)
     assert str(info.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("metrics", "search", "message"),
+    [
+        (["internal_fragmentaton_pct"], None, "'internal_fragmentaton_pct' is not a column of the table (did you mean internal_fragmentation_pct?)"),
+        (["throughput_tokens_per_s", "nosuch"], None, "'nosuch' is not a column of the table; columns: budget_bytes, "),
+        (["capacity"], None, "'capacity' is a column only of a sweep with a search"),
+    ],
+)
+def test_a_metric_that_is_no_column_is_refused_when_the_sweep_is_read(tmp_path, metrics, search, message):
+    # such a metric used to vanish from `kvsim plot`'s charts without a word
+    path = make_sweep(tmp_path, axes={"kv_budget": ["128MiB"]}, metrics=metrics)
+    with pytest.raises(KvsimError) as info:
+        load_sweep(path)
+    assert str(info.value).startswith(f"{path}: metrics: {message}")
+
+
+def test_capacity_is_a_metric_of_a_sweep_with_a_search(tmp_path):
+    search = {"axis": "requests.arrival.rate", "lo": 1, "hi": 4, "step": 1, "target": {"ttft_p99_s": 2.0}}
+    assert load_sweep(make_sweep(tmp_path, search=search, metrics=["capacity", "ttft_p99_s"])).metrics == ("capacity", "ttft_p99_s")

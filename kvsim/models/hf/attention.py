@@ -41,7 +41,11 @@ def _num_kv_heads(cfg: Config, num_heads: int) -> int:
         return 1
     if cfg.get("multi_query_attention", default=None) is False:  # ChatGLM: group count only with MQA on
         return num_heads
-    return cfg.get_int("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", default=num_heads)
+    num_kv_heads = cfg.get_int("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", default=num_heads)
+    if num_heads % num_kv_heads:  # vLLM's Attention asserts it: each KV head serves a whole group of query heads
+        raise KvsimError(f"{num_kv_heads} KV heads do not divide num_attention_heads {num_heads}", source=cfg.source,
+                         field="num_key_value_heads")
+    return num_kv_heads
 
 
 def _head_dim(cfg: Config, hidden_size: int, num_heads: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvsim.errors import KvsimError
 from kvsim.models.hf.fields import Config
 
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -48,6 +49,8 @@ def max_model_len(cfg: Config, *, assume_default: bool = False) -> int:
         for rope in ropes:
             if rope["rope_type"] not in _PRESCALED and rope["rope_type"] != "default":
                 factor = rope.get("factor") or factor
+                if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                    raise KvsimError(f"expected a positive number, got {factor!r}", source=cfg.source, field="rope_scaling.factor")
         derived = int(derived * factor)
     if any(rope["rope_type"] == "longrope" for rope in ropes):
         return int(cfg.get("original_max_position_embeddings", default=derived))

@@ -1,0 +1,138 @@
+"""Prefix caching on a mixed model's KV cache groups, as vLLM's hybrid coordinator: hits by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.engine.factory import AllocatorConfig, make_allocator
+from kvsim.engine.paged_hybrid import HybridPagedAllocator
+from kvsim.engine.paged_hybrid_prefix import block_hashes
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+from kvsim.size.kv_cache_spec import PoolGroupSpec, PoolSpec
+from tests.engine.test_paged_hybrid import SPEC
+
+# SPEC: 2 sliding groups (window 8) and 1 full group, block_size 4, a block id 64 B. A sliding hit needs
+# cdiv(8 - 1, 4) = 2 contiguous cached blocks.
+
+
+def make(num_blocks: int = 17) -> HybridPagedAllocator:
+    return HybridPagedAllocator(SPEC, num_blocks * 64, max_model_len=64, enable_prefix_caching=True)
+
+
+def seq(seq_id: int, ids, prompt: int = 20) -> Sequence:
+    return Sequence(seq_id, prompt, 0, token_ids=np.asarray(ids, dtype=np.int64))
+
+
+def run_and_free(alloc, s) -> None:
+    assert alloc.allocate(s, s.num_prompt_tokens, apply_watermark=False) == 0
+    s.num_computed_tokens = s.num_prompt_tokens
+    alloc.free(s)
+
+
+def test_a_hit_is_every_full_block_and_the_window_before_it_the_rest_null_blocks():
+    alloc = make()
+    ids = np.arange(20)
+    a = seq(0, ids)
+    assert alloc.allocate(a, 20) == 0
+    assert alloc.block_tables(a) == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    a.num_computed_tokens = 20
+    alloc.free(a)  # every block cached; free queue: 16, then 5..1, 10..6, 15..11 (each table's tail first)
+    b = seq(1, ids)
+    # at most 19 tokens hit (the last is recomputed): 4 blocks. Full: 4 blocks; sliding: blocks 3 and 2 from
+    # the right (2 contiguous), blocks 0 and 1 before the window of token 16 (16 - 8 + 1 = 9 skipped) are null.
+    assert alloc.allocate(b, 20) == 16
+    assert alloc.block_tables(b) == [[0, 0, 3, 4, 16], [0, 0, 8, 9, 5], [11, 12, 13, 14, 2]]
+    # blocks taken: per sliding group 2 revived hits + 1 new, the full group 4 revived + 1 new
+    assert alloc.num_free_blocks == 16 - (3 + 3 + 5)
+    assert (alloc.prefix_query_tokens, alloc.prefix_hit_tokens) == (20 + 20, 16)  # both looked up their 20 tokens
+
+
+def test_admission_counts_revived_hits_but_not_the_hit_blocks_before_the_window():
+    ids = np.arange(20)
+    alloc = HybridPagedAllocator(SPEC, 17 * 64, max_model_len=64, enable_prefix_caching=True, watermark=0.36)
+    run_and_free(alloc, seq(0, ids))  # alone: no watermark
+    coordinator = alloc.coordinator
+    hit_blocks, hit = alloc.prefix.find_longest_cache_hit(block_hashes(ids, 20, 4), 19)
+    assert hit == 16 and [len(b) for b in hit_blocks] == [4, 4, 4]
+    # per sliding group: 5 blocks - max(2 skipped, 4 hit) = 1 new + 2 revived; full: 1 new + 4 revived
+    assert coordinator.get_num_blocks_to_allocate(coordinator.new_tables(), 20, False, hit_blocks, hit) == 11
+    # 16 free less a watermark of int(0.36 * 17) = 6 blocks: 10 < 11, refused and nothing changed
+    b = seq(1, ids)
+    assert alloc.allocate(b, 20) is None
+    assert alloc.num_free_blocks == 16 and len(alloc.pool.cached_block_hash_to_block) == 15
+    assert alloc.allocate(b, 20, apply_watermark=False) == 16
+    assert alloc.num_free_blocks == 5
+
+
+def test_a_sliding_group_missing_a_block_of_the_window_shortens_every_groups_hit():
+    alloc = make()
+    ids = np.arange(20)
+    run_and_free(alloc, seq(0, ids))
+    h = block_hashes(ids, 20, 4)
+    cached = alloc.pool.cached_block_hash_to_block
+    block = cached.pop((h[3], 1))  # the second sliding group lost block 3 (evicted)
+    block.block_hash = None
+    b = seq(1, ids)
+    # sliding: block 3 misses, blocks 2 and 1 hit: 12 tokens; the full group is truncated to 3 blocks
+    assert alloc.allocate(b, 20) == 12
+    tables = alloc.block_tables(b)
+    assert tables[2][:3] == [11, 12, 13] and tables[0][:3] == [0, 2, 3] and tables[1][:3] == [0, 7, 8]
+    assert [len(t) for t in tables] == [5, 5, 5]
+
+
+def test_sliding_blocks_are_cached_before_they_become_null_blocks_and_stay_evictable():
+    alloc = make(num_blocks=30)
+    ids = np.arange(40)
+    a = Sequence(0, 8, 32, token_ids=ids)
+    assert alloc.allocate(a, 8) == 0
+    a.num_computed_tokens = 8
+    for _ in range(24):
+        assert alloc.append_slots(a, 1)
+        a.num_computed_tokens += 1
+    tables = alloc.block_tables(a)
+    # the last append saw 31 computed: 31 - 8 + 1 = 24 tokens (6 blocks) before the window are null blocks
+    assert tables[0][:7] == [0] * 6 + [tables[0][6]] and tables[0][6] != 0
+    h = block_hashes(ids, 40, 4)
+    cached = alloc.pool.cached_block_hash_to_block
+    # every block filled by the scheduled tokens (31 computed + 1) is cached, the nulled ones included
+    assert all((h[j], g) in cached for j in range(8) for g in range(3)) and (h[8], 0) not in cached
+    assert cached[(h[0], 0)].ref_count == 0 and cached[(h[0], 2)].ref_count == 1  # nulled: free, still cached
+    assert alloc.num_free_blocks == 29 - (2 + 2 + 8)  # 8 blocks a group, 6 of each sliding group null
+
+
+def test_factory_enables_it_for_sliding_and_full_groups_and_refuses_state_groups():
+    alloc = make_allocator(AllocatorConfig("paged", block_size=4, prefix_caching=True), SPEC, 20 * 64, max_model_len=64)
+    assert isinstance(alloc, HybridPagedAllocator) and alloc.enable_prefix_caching
+    state = PoolSpec((PoolGroupSpec("state", 1, 64, 64, 64), PoolGroupSpec("full", 2, 4, 32, 32)), group_size=2)
+    with pytest.raises(KvsimError, match="state"):
+        HybridPagedAllocator(
+            SPEC.__class__(**{**SPEC.__dict__, "pool": state}), 20 * 64, max_model_len=64, enable_prefix_caching=True
+        )
+
+
+def test_caching_a_steps_output_leaves_the_window_to_the_next_append():
+    """Async scheduling: tokens in flight, blocks cached when a step's output returns (`cache_blocks`);
+    every append still nulls exactly the blocks wholly before the window of the settled tokens."""
+    alloc = make(num_blocks=30)
+    a = Sequence(0, 8, 32, token_ids=np.arange(40))
+    assert alloc.allocate(a, 8) == 0
+    a.num_computed_tokens = 8
+    a.num_in_flight_tokens = 2  # two steps in flight: a window's edge falls between the blocks' edges
+    for _ in range(20):
+        settled = a.num_computed_tokens - a.num_in_flight_tokens
+        assert alloc.append_slots(a, 1)  # schedule the next step while the older ones run
+        a.num_computed_tokens += 1  # one more in flight, and the oldest step's output returns:
+        alloc.cache_blocks(a, a.num_computed_tokens - a.num_in_flight_tokens)  # its blocks are cached
+        nulls = [sum(b == 0 for b in t) for t in alloc.block_tables(a)]
+        assert nulls == [max(0, settled - 8 + 1) // 4] * 2 + [0], (settled, nulls)
+
+
+def test_without_prefix_caching_cache_blocks_does_nothing():
+    alloc = HybridPagedAllocator(SPEC, 20 * 64, max_model_len=64)
+    a = Sequence(0, 8, 8, token_ids=np.arange(16))
+    assert alloc.allocate(a, 8) == 0
+    a.num_computed_tokens = 8
+    alloc.cache_blocks(a, 8)
+    assert alloc.pool.cached_block_hash_to_block == {} and alloc.block_tables(a) == [[1, 2], [3, 4], [5, 6]]
