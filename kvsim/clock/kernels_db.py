@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsim.errors import KvsimError
-from kvsim.clock.roofline import HOST_BANDWIDTH_BYTES_PER_S
+from kvsim.clock.roofline import HOST_BANDWIDTH_BYTES_PER_S, last_step_before
 
 KVSIM_VLLM_VERSION = "0.33.0"  # the vLLM kvsim follows; the database's closest version is picked
 BACKEND = "vllm"
@@ -217,14 +217,7 @@ class KernelClock:
     def decode_steps_before(self, num_seqs: int, ctx_sum: int, max_steps: int, time_left: float) -> tuple[int, float]:
         """How many decode steps (at least 1, at most `max_steps`) start before `time_left` s, and their time."""
         assert max_steps >= 1
-        lo, hi = 1, max_steps
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.decode_run(num_seqs, ctx_sum, mid - 1) < time_left:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, self.decode_run(num_seqs, ctx_sum, lo)
+        return last_step_before(self.decode_run, num_seqs, ctx_sum, 1, max_steps, time_left)
 
 
 def _mean_ctx(ctx_sum: int, num_seqs: int, step: float) -> int:

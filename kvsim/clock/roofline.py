@@ -109,13 +109,19 @@ class Roofline:
         lo, hi = 1, max_steps  # step 0 always runs; find the largest k whose last step starts in time
         if self.decode_run(num_seqs, ctx_sum, hi - 1) < time_left:
             lo = hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.decode_run(num_seqs, ctx_sum, mid - 1) < time_left:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, self.decode_run(num_seqs, ctx_sum, lo)
+        return last_step_before(self.decode_run, num_seqs, ctx_sum, lo, hi, time_left)
+
+
+def last_step_before(decode_run, num_seqs: int, ctx_sum: int, lo: int, hi: int, time_left: float) -> tuple[int, float]:
+    """The largest k in [lo, hi] whose k-th decode step starts before `time_left` s (it starts after
+    `decode_run(num_seqs, ctx_sum, k - 1)`), found by bisection as step times only grow, and k steps' time."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_run(num_seqs, ctx_sum, mid - 1) < time_left:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, decode_run(num_seqs, ctx_sum, lo)
 
 
 def _linear_sum(a: float, b: float, j0: int, j1: int) -> float:
