@@ -106,11 +106,16 @@ def run_replay(
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
-    for i, config in enumerate(workload.allocators):  # the engine's own error would name neither file nor allocator
-        if config.kind == "paged" and config.prefix_caching and ctx.spec(config.block_size).pool is not None:
-            raise KvsimError(f"kvsim's paged allocator for {model.name}'s sliding-window or state layers (vLLM's hybrid "
-                             "groups) does not cache prefixes; drop prefix_caching for it", source=source,
-                             field=f"allocators[{i}].prefix_caching")
+    for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
+        pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
+        if pool is not None:
+            from kvsim.engine.paged_hybrid import check_prefix_caching
+
+            try:
+                check_prefix_caching(pool.groups)
+            except KvsimError as exc:
+                raise KvsimError(f"{model.name}: {str(exc).removeprefix('prefix_caching: ')}; drop prefix_caching for it",
+                                 source=source, field=f"allocators[{i}].prefix_caching") from None
     if device == "cpu":
         _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(

@@ -445,17 +445,22 @@ def test_a_max_model_len_past_the_models_own_is_refused_as_vllm_does(tmp_path):
     assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
 
 
-def test_prefix_caching_on_a_mixed_model_is_refused_naming_the_file_and_allocator(tmp_path):
-    """It was `kvsim: error: prefix_caching: ...` from inside the engine, naming neither the file nor which allocator."""
+def test_prefix_caching_on_a_mixed_model_replays_where_modelled_and_is_refused_naming_file_and_allocator_where_not(tmp_path):
+    """Sliding-window groups cache prefixes (gpt-oss); state groups do not yet (qwen3-next): refused before
+    anything runs, naming the file and the allocator, with the engine's own reason (it was `prefix_caching: ...`)."""
     from kvsim.errors import KvsimError
 
     path = write_tiny(tmp_path)
-    text = path.read_text().replace("model: tiny-model.json", "model: gpt-oss-120b")
-    path.write_text(text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB"))
+    text = path.read_text().replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB")
+    path.write_text(text.replace("model: tiny-model.json", "model: gpt-oss-120b"))
+    runs = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert [run.label for run in runs][2].endswith("+prefix") and runs[2].prefix_query_tokens > 0
+    path.write_text(text.replace("model: tiny-model.json", "model: qwen3-next-80b-a3b"))
     with pytest.raises(KvsimError) as err:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
-    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: kvsim's paged allocator for gpt-oss-120b's sliding-window "
-                              "or state layers (vLLM's hybrid groups) does not cache prefixes; drop prefix_caching for it")
+    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: qwen3-next-80b-a3b: prefix caching is not modelled for "
+                              "models with state layer groups (mamba align mode and chunked-local hits are not built); "
+                              "drop prefix_caching for it")
 
 
 def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_flag_replay_lacks(tmp_path):
