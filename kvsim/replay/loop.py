@@ -216,8 +216,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
 
     steps = step_columns(rows, num_rows)
     if cache is not None and not measured and len(timer_steps):
-        all_times = cache.timer.all_steps()  # one host sync, after the loop
-        fill_kernel_columns(steps, all_times, timer_steps)
+        fill_kernel_columns(steps, cache.timer, timer_steps)  # one host sync, after the loop
     return AllocatorRun(
         config=config,
         label=config.label,

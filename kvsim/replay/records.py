@@ -85,19 +85,22 @@ def step_columns(rows: array, num_rows: int) -> dict[str, np.ndarray]:
     }
 
 
-def fill_kernel_columns(steps: dict[str, np.ndarray], all_times: list[dict[str, float]], timer_steps: array) -> None:
+def fill_kernel_columns(steps: dict[str, np.ndarray], timer, timer_steps: array) -> None:
     """Set the KERNEL_COLUMNS of `steps` to each row's mean kernel µs per step over its timer steps.
 
-    `timer_steps` holds, per row, the first and last timer step its kernels ran in; `all_times` is the cache
-    timer's per-step times, read once after the replay's loop (one host sync).
+    `timer_steps` holds, per row, the first and last timer step its kernels ran in; `timer` is the cache's
+    `StepTimer`, read once after the replay's loop (one host sync). A kind never measured in a row's steps
+    is NaN there; otherwise the mean is over the steps that measured it.
     """
+    from kvsim.engine.timing import KINDS
+
+    us, seen = timer.per_step()  # [kinds, timer steps]
     spans = np.frombuffer(timer_steps, dtype=np.int64).reshape(-1, 2)  # (rows, [first, last] timer step)
+    first, end = spans[:, 0], spans[:, 1] + 1
     for name in KERNEL_COLUMNS:
-        kind = name[: -len("_us")]
-        steps[name] = np.array([_mean_step(all_times, kind, a, b) for a, b in spans.tolist()], dtype=np.float64)
-
-
-def _mean_step(all_times: list[dict[str, float]], kind: str, first: int, last: int) -> float:
-    """Mean microseconds of `kind` per step over timer steps [first, last]; NaN if never measured there."""
-    values = [all_times[t][kind] for t in range(first, last + 1) if kind in all_times[t]]
-    return sum(values) / len(values) if values else math.nan
+        k = KINDS.index(name[: -len("_us")])
+        total = np.concatenate([[0.0], np.cumsum(us[k])])  # prefix sums: a row's total is one subtraction
+        count = np.concatenate([[0], np.cumsum(seen[k])])
+        n = count[end] - count[first]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            steps[name] = np.where(n > 0, (total[end] - total[first]) / n, math.nan)

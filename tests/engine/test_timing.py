@@ -123,3 +123,20 @@ def test_measure_steps_spreads_one_measurement_evenly_over_the_steps_it_opens():
     writes = [s["write"] for s in steps]
     assert len(set(writes)) == 1 and sum(writes) >= 4000  # µs: one 4 ms op, a quarter per step
     assert "read" in steps[0] and all("read" not in s for s in steps[1:])
+
+
+def test_per_step_arrays_mark_what_each_step_measured():
+    timer = StepTimer("cpu")
+    with timer.measure("write"):
+        pass
+    timer.new_step()
+    timer.new_step()
+    with timer.measure("read"):
+        pass
+    for _ in range(2000):  # past the arrays' first capacity
+        timer.new_step()
+    us, seen = timer.per_step()
+    assert us.shape == seen.shape == (5, 2003) and timer.num_steps == 2003
+    assert seen[:, 0].tolist() == [True, False, False, False, False] and not seen[:, 1].any()
+    assert seen[1, 2] and not seen[:, 3:].any() and not us[:, 3:].any()
+    assert timer.all_steps()[:3] == [{"write": us[0, 0]}, {}, {"read": us[1, 2]}]
