@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvsim.engine import kernels
 from kvsim.engine.cache_read import CacheReads
 from kvsim.engine.cache_swap import CacheSwaps
 from kvsim.engine.cache_write import CacheWrites
-from kvsim.engine.device import TORCH_DTYPES, free_memory_bytes, resolve_device
+from kvsim.engine.device import TORCH_DTYPES, free_memory_bytes, resolve_device, zeros_pool
 from kvsim.engine.integrity import IntegrityPatterns
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.timing import StepTimer
@@ -68,6 +69,7 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
         bits = 8 * torch.empty(0, dtype=self.dtype).element_size()
         self.patterns = IntegrityPatterns(num_layers, spec.num_kv_heads, spec.head_dim, bits, self.device)
         self._src = torch.empty(0)  # [2, L, cap, H, D] write data, grown on demand
+        self._src_rows: np.ndarray | None = None  # the same buffer as numpy token rows [2L, cap] (CPU)
         self._read_buf: torch.Tensor | None = None  # (cap,) integer elements that reads gather into
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self.write_kernel = self._pick_write_kernel(write_kernel)
@@ -86,7 +88,7 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
             )
         shape = (2, num_layers, self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: padded reads touch unwritten slots, and garbage NaNs would poison masked attention
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeros_pool(shape, self.dtype, self.device)
         self.kv_flat = self.kv_cache.view(2, num_layers, self.num_blocks * spec.block_size, *shape[4:])
         # Copies and gathers go through same-width integer views: bit-exact for every dtype, and on CPU
         # fp8 has no index_copy_ while bf16 index_select of 64-token blocks ran ~50x slower than int16.
@@ -96,9 +98,8 @@ class KVCache(CacheWrites, CacheReads, CacheSwaps):
         # 3-D views for indexed copies along dim 1 (see kernels' module docstring for why)
         self._slot_rows = self._flat_bits.view(2 * num_layers, -1, spec.num_kv_heads * spec.head_dim)  # [2L, S, H*D]
         self._block_rows = self._cache_bits.view(2 * num_layers, self.num_blocks, -1)  # [2L, num_blocks, bs*H*D]
-        # The same slot rows as 8-byte words where a row's bytes allow: CPU index copies move them ~2x faster
-        row_bytes = spec.num_kv_heads * spec.head_dim * self.kv_cache.element_size()
-        self._slot_words = self._slot_rows.view(torch.int64) if row_bytes % 8 == 0 else self._slot_rows  # [2L, S, W]
+        # The pool as numpy token rows, for the CPU's write kernel (`kernels.scatter_rows`)
+        self._token_rows = kernels.token_rows(self.kv_flat) if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:

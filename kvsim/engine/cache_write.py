@@ -17,15 +17,17 @@ class CacheWrites:
     """
 
     def _pick_write_kernel(self, name: str) -> str:
-        if name == "auto":  # on a CPU index_put_ scattered 35 token rows in ~23 µs where index_copy_ took ~35
+        if name == "auto":  # on a CPU numpy's row copies moved ~2x the bytes/s of torch's index_put_ (kernels.scatter_rows)
             if self.device.type == "cpu":
-                return "index_put"
+                return "rows"
             return "triton" if kernels.HAS_TRITON else "index_copy"
         if name not in kernels.WRITE_KERNELS:
             choices = ", ".join(kernels.WRITE_KERNELS)
             raise KvsimError(f"unknown write kernel {name!r} (choose auto, {choices})", field="write_kernel")
         if name == "triton" and (self.device.type != "cuda" or not kernels.HAS_TRITON):
             raise KvsimError("the triton write kernel needs a CUDA device and triton installed", field="write_kernel")
+        if name == "rows" and self.device.type != "cpu":
+            raise KvsimError("the rows write kernel is numpy's: CPU tensors only", field="write_kernel")
         return name
 
     def _write_source(self, n: int) -> torch.Tensor:
@@ -39,7 +41,13 @@ class CacheWrites:
         else:
             src = torch.randn(shape, generator=self._gen, device=self.device).to(self.dtype)
         self._src = src
+        self._src_rows = kernels.token_rows(src) if self.device.type == "cpu" else None  # [2L, cap] numpy rows
         return src[:, :, :n]
+
+    def _write_source_rows(self, n: int) -> np.ndarray:
+        """The same stand-in K/V as numpy token rows [2L, n] (CPU), for `kernels.scatter_rows`."""
+        self._write_source(n)
+        return self._src_rows[:, :n]
 
     def write_steps(self, slots: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
         """k consecutive steps of the same N requests (a decode run): one timed scatter per step.
@@ -56,7 +64,7 @@ class CacheWrites:
             return
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         assert slots.min() >= 0 and slots.max() < self.num_slots, "slot outside the pool"
-        if self.device.type == "cpu" and not self.integrity and self.write_kernel != "triton":
+        if self.write_kernel == "rows" and not self.integrity:
             self._write_steps_batched(slots)
             return
         index = self._index(slots)  # (k, N)
@@ -86,20 +94,16 @@ class CacheWrites:
                 scatter(index[j], sources[j])
 
     def _write_steps_batched(self, slots: np.ndarray) -> None:
-        """`write_steps` on a CPU: the k steps' scatters as one `index_put_`, its time shared evenly by the steps.
+        """`write_steps` on a CPU: the k steps' scatters as one row copy, its time shared evenly by the steps.
 
         Each step writes the same stand-in rows as the per-step path (the source broadcasts over the k steps,
         nothing is copied), so the pool ends up bit for bit the same. A CPU op is synchronous, so one scatter
         of k*N rows moves the bytes of k scatters of N rows and its time splits by steps; what it saves is the
-        per-step Python (timer, views, call), most of a replay's CPU time. Rows move as 8-byte words where
-        the row length allows: CPU index copies move them about twice as fast as 2-byte elements.
+        per-step Python (timer, views, call), most of a replay's CPU time.
         """
-        k, n = slots.shape
-        words = self._slot_words.transpose(0, 1)  # [S, 2L, W]: slots lead
-        src = self._write_source(n).view(self._bits).reshape(words.shape[1], n, -1).view(words.dtype)  # [2L, N, W]
-        index = self._index(slots)  # (k, N)
-        with self.timer.measure_steps("write", k):
-            words.index_put_((index,), src.transpose(0, 1))  # [N, 2L, W] broadcast over the k steps
+        src = self._write_source_rows(slots.shape[1])  # [2L, N]
+        with self.timer.measure_steps("write", len(slots)):
+            kernels.scatter_rows(self._token_rows, slots, src)
 
     def write(self, slots: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
         """Store the K/V of N new tokens (all materialised layers) at `slots`: one scatter, timed as "write".
@@ -111,20 +115,18 @@ class CacheWrites:
             return
         slots = np.asarray(slots, dtype=np.int64)
         assert slots.min() >= 0 and slots.max() < self.num_slots, "slot outside the pool"
-        index = self._index(slots)
         if self.integrity:
             vals = self.patterns.expected(np.asarray(seq_ids), np.asarray(positions))
+            index = self._index(slots)
             with self.timer.measure("write"):
                 kernels.scatter_index_copy(self._flat_bits, index, vals)
             return
-        src = self._write_source(len(slots))
-        if self.device.type == "cpu" and self.write_kernel != "triton":  # as 8-byte words (see _write_steps_batched)
-            words = self._slot_words  # [2L, S, W]
-            rows = src.view(self._bits).reshape(words.shape[0], len(slots), -1).view(words.dtype)  # [2L, N, W]
+        if self.write_kernel == "rows":
+            src = self._write_source_rows(len(slots))  # [2L, N]
             with self.timer.measure("write"):
-                words.index_copy_(1, index, rows)
+                kernels.scatter_rows(self._token_rows, slots, src)
             return
+        src, index = self._write_source(len(slots)), self._index(slots)
         scatter = getattr(kernels, f"scatter_{self.write_kernel}")
         with self.timer.measure("write"):
             scatter(self._flat_bits, index, src.view(self._bits))
-

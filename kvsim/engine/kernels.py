@@ -26,7 +26,7 @@ try:  # Triton is optional: present with CUDA builds of torch, absent on CPU-onl
 except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
-WRITE_KERNELS = ("index_copy", "index_put", "triton")
+WRITE_KERNELS = ("index_copy", "index_put", "rows", "triton")
 
 
 def scatter_index_copy(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
@@ -43,6 +43,28 @@ def scatter_index_put(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Ten
     two, num_layers, num_slots = kv_flat.shape[:3]
     rows = kv_flat.view(two * num_layers, num_slots, -1).transpose(0, 1)  # [S, 2L, H*D]: slots lead
     rows.index_put_((slots,), src.reshape(two * num_layers, len(slots), -1).transpose(0, 1))
+
+
+def token_rows(kv: torch.Tensor) -> np.ndarray:
+    """A CPU tensor [2, L, N, H, D] as numpy's [2L, N] array of token rows, sharing its memory: each element
+    is one K or V row of one layer and token (its H * D values as raw bytes). Each [H, D] row must be
+    contiguous (true of the pool and of slices of the write buffer); other strides carry over."""
+    two, num_layers, n, h, d = kv.shape
+    assert kv.device.type == "cpu" and kv.stride(4) == 1 and kv.stride(3) == d
+    row_bytes = h * d * kv.element_size()
+    as_bytes = kv.reshape(two * num_layers, n, h * d).view(torch.uint8).numpy()  # [2L, N, row_bytes]
+    return as_bytes.view(np.dtype((np.void, row_bytes)))[..., 0]
+
+
+def scatter_rows(rows: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
+    """rows[:, slots] = src: the scatter as numpy's indexed assignment of whole token rows (CPU only).
+
+    rows: the pool's `token_rows` [2L, S]; slots: an int array (N,) or (k, N); src: [2L, N] token rows (with
+    (k, N) slots they broadcast over the k steps). numpy copies each indexed row as one block of bytes, where
+    torch's CPU index_copy_ and index_put_ loop element by element: on the main job's 146 MiB pool the
+    replay's writes moved about twice the bytes per second this way (docs/performance.md).
+    """
+    rows[:, slots] = src if np.ndim(slots) == 1 else src[:, None, :]
 
 
 if HAS_TRITON:

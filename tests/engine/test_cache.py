@@ -100,6 +100,38 @@ def test_flat_round_trip_reads_contiguous_slabs():
         assert torch.equal(read.kv[:, :, b, :n], kernels.slice_run(c.kv_flat, start, n))
 
 
+@pytest.mark.parametrize("dtype,dtype_bytes", [("fp32", 4), ("bf16", 2), ("fp8", 1)])
+def test_write_kernels_store_the_same_bytes(dtype, dtype_bytes):
+    spec = make_spec(dtype, dtype_bytes, heads=3, head_dim=4)  # a 12-value row: no 8-byte word layout to lean on
+    caches = {k: make_cache(32, spec=spec, write_kernel=k) for k in ("index_copy", "index_put", "rows")}
+    assert make_cache(32, spec=spec).write_kernel == "rows"  # the CPU's default
+    slots, run = np.array([31, 0, 17, 4, 5]), np.array([[6, 20], [7, 21], [8, 22]])  # a prefill; 3 decode steps of 2
+    for c in caches.values():
+        c.write(slots, np.zeros(5, dtype=np.int64), np.arange(5))
+        c.write_steps(run, np.arange(2), np.arange(6).reshape(3, 2))
+    pools = [c.kv_cache.view(torch.uint8) for c in caches.values()]
+    assert pools[0].any() and all(torch.equal(pools[0], p) for p in pools[1:])
+    unwritten = np.setdiff1d(np.arange(32), np.concatenate([slots, run.ravel()]))
+    assert not caches["rows"].kv_flat.view(torch.uint8)[:, :, unwritten].any()  # nothing outside the slots moved
+
+
+def test_the_rows_kernel_writes_numpy_rows_into_the_tensor_itself():
+    c = make_cache(16)
+    c.write(np.array([3]), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    src = c._write_source(1)  # [2, L, 1, H, D]: what was written
+    assert torch.equal(c.kv_flat[:, :, 3], src[:, :, 0]) and not c.kv_flat[:, :, 2].any()
+
+
+def test_a_cpu_pool_is_zeroed_contiguous_memory_of_its_shape():
+    from kvsim.engine.device import zeros_pool
+
+    for shape in [(2, 1, 3, 4, 2, 8), (2, 1, 1024, 16, 8, 64)]:  # under and over the 2 MiB huge-page size
+        pool = zeros_pool(shape, torch.bfloat16, torch.device("cpu"))
+        assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous() and not pool.any()
+        pool.view(-1)[-1] = 1  # writable to its last element
+        assert pool.sum() == 1
+
+
 def test_index_put_write_kernel_stores_the_same_bytes():
     a, b = make_cache(32, write_kernel="index_copy"), make_cache(32, write_kernel="index_put")
     slots = np.array([31, 0, 17, 4, 5])
