@@ -1,5 +1,5 @@
 """`kvsim bench kernels`, the sweep: per (batch, context length, block size) of one model layer, time the K/V
-write (index_copy_, index_put_, Triton scatter) and decode attention (SDPA, gather-then-SDPA, paged and contiguous
+write (index_copy_, index_put_, numpy row copies on CPU, Triton scatter) and decode attention (SDPA, gather-then-SDPA, paged and contiguous
 FlexAttention) beside a same-size copy and a read-only reduction (the rooflines); one CSV row per kernel."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvsim.out_paths import output_dir, output_file
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 # GPU sizes reach KV reads of GiBs (>> L2); CPU sizes keep the whole run to seconds.
 DEFAULT_SIZES = {"cuda": ((8, 64), (2048, 16384)), "cpu": ((2,), (256,))}
-WRITE_KERNELS = ("index_copy", "index_put", "triton")
+WRITE_KERNELS = kernels.WRITE_KERNELS  # index_copy, index_put, rows (CPU), triton (CUDA)
 COLUMNS = [
     "device", "torch_version", "triton_version", "model", "kv_dtype", "num_kv_heads", "num_q_heads", "head_dim",
     "block_size", "batch_size", "context_len", "op", "kernel", "status", "num_tokens", "bytes", "median_us",
@@ -127,9 +127,15 @@ def bench_case(shape: KernelShape, batch: int, context_len: int, block_sizes: tu
         kv_flat = kv_cache.view(2, 1, num_blocks * bs, shape.num_kv_heads, shape.head_dim)
         writers = {"index_copy": kernels.scatter_index_copy, "index_put": kernels.scatter_index_put,
                    "triton": kernels.scatter_triton}  # fmt: skip
+        if device.type == "cpu":  # numpy token rows of the pool and the source, made once, outside the timing
+            pool_rows, src_rows, host_slots = kernels.token_rows(kv_flat), kernels.token_rows(case.src), slots.numpy()
+            writers["rows"] = lambda *_: kernels.scatter_rows(pool_rows, host_slots, src_rows)
         for name in WRITE_KERNELS:
             if name == "triton" and not (device.type == "cuda" and kernels.HAS_TRITON):
                 row("write", name, bs, shape.write_bytes(n), None, "skipped: needs CUDA and triton")
+                continue
+            if name == "rows" and device.type != "cpu":
+                row("write", name, bs, shape.write_bytes(n), None, "skipped: numpy's row copies run on the CPU")
                 continue
             kv_cache.zero_()
             timing, _, status = _time(lambda w=writers[name]: w(kv_flat, slots, case.src), device, reps)

@@ -258,14 +258,14 @@ def test_tiny_cpu_run_writes_the_csv(tmp_path):
     assert path == tmp_path / "kernels-cpu.csv"
     csv = pd.read_csv(path)
     assert list(csv.columns) == COLUMNS
-    # 3 rows per case (copy, read, sdpa) + per block size 3 writes + 3 decodes; block 8 does not divide 12,
+    # 3 rows per case (copy, read, sdpa) + per block size 4 writes + 3 decodes; block 8 does not divide 12,
     # so its contiguous FlexAttention control is skipped, with a reason
-    assert len(csv) == 3 + 2 * 6
+    assert len(csv) == 3 + 2 * 7
     assert (csv["device"].str.startswith("cpu")).all() and (csv["torch_version"] == torch.__version__).all()
     by = {(r.kernel, None if pd.isna(r.block_size) else int(r.block_size)): r for r in csv.itertuples()}
     kv = 2 * 24 * 8 * 128 * 2  # 2 x 12 tokens of K and V, 8 heads of 128, bf16
     assert by["copy", None].bytes == 2 * kv and by["read", None].bytes == kv
-    assert by["index_copy", 4].bytes == 2 * kv + 8 * 24
+    assert by["index_copy", 4].bytes == by["rows", 4].bytes == 2 * kv + 8 * 24
     assert by["sdpa_contiguous", None].bytes == kv + 2 * 2 * 32 * 128 * 2
     # gather reads the (2, 3) int64 block table at block 4; FlexAttention its int32 copy
     assert by["gather_sdpa", 4].bytes == kv + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 8
