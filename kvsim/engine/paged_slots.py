@@ -56,11 +56,18 @@ class PagedSlots:
         bs, lane = self.block_size, self.lanes[0]
         if lane.window is not None or lane.pages_per_block != 1 or k > bs or not len(seqs):
             return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, starts.tolist())], axis=1)
-        tables = [self._reqs[s].tables[0] for s in seqs]
+        reqs = self._reqs
+        tables = [reqs[s].tables[0] for s in seqs]
         first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
-        assert all(len(t) > b for t, b in zip(tables, last.tolist())), "decode run past the allocated blocks"
         b0 = np.fromiter((t[b].block_id for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
-        b1 = np.fromiter((t[b].block_id for t, b in zip(tables, last.tolist())), dtype=np.int64, count=len(seqs))
         pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
-        block_ids = np.where(pos // bs == first[None, :], b0[None, :], b1[None, :])  # (k, N)
+        block_ids = np.broadcast_to(b0, (k, len(seqs)))  # (k, N): runs inside one block, most of them
+        cross = np.flatnonzero(last != first)  # runs that step into their next block
+        if len(cross):
+            try:
+                b1 = np.array([tables[i][b].block_id for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
+            except IndexError:
+                raise AssertionError("decode run past the allocated blocks") from None
+            block_ids = block_ids.copy()
+            block_ids[:, cross] = np.where(pos[:, cross] // bs == first[cross], b0[cross], b1)
         return block_ids * bs + pos % bs

@@ -13,11 +13,12 @@ from kvsim.clock.roofline import Roofline
 
 TIMINGS = ("roofline", "measured", "kernels-db", "auto")  # auto: kernels-db where it applies, else roofline
 # Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
-# request's whole context moves 100+ MiB through host memory (tens of ms) while a step's write takes tens
-# of µs: sampling one decode step in CPU_READ_EVERY keeps workloads/poisson.yaml with tensors under 8 s
-# (scripts/bench_main_job.py).
+# request's whole context moves up to 1 GiB through host memory and attends over it (~150 ms on the main
+# job's paged batches) while a step's write takes tens of µs: sampling one decode step in CPU_READ_EVERY
+# (the first decode step and every 20,000th after it: 2-6 reads per allocator of workloads/poisson.yaml)
+# keeps that job with tensors under 8 s (scripts/bench_main_job.py).
 CUDA_READ_EVERY = 1
-CPU_READ_EVERY = 8000
+CPU_READ_EVERY = 20_000
 # Measured timing on a CPU reads every CPU_MEASURED_READ_EVERY-th decode step; the steps between are timed
 # with the last read's µs per context token (a read every step made 20 requests take minutes).
 CPU_MEASURED_READ_EVERY = 100
