@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +205,26 @@ def test_prefill_saved_shows_at_80_columns_only_with_prefix_caching(cli, tmp_pat
     plain = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "p")], env={"COLUMNS": "80"})
     assert plain.exit_code == 0, plain.output
     assert "prefill" not in plain.stdout.split("tokens: KV")[0]  # the table, not the legend
+
+
+def _main_in_a_child(tmp_path, argv: list[str], before: str = "") -> subprocess.CompletedProcess[str]:
+    """`kvsim.cli.main()` in a fresh interpreter that has torch loaded (the path that skips the teardown)."""
+    program = (
+        "import atexit, sys, torch\n" + before + "from kvsim import cli\n"
+        f"sys.argv = ['kvsim', *{argv!r}]\ncli.main()\nprint('main returned')\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+def test_main_with_torch_loaded_exits_with_the_commands_status_after_flushing_and_running_exit_handlers(tmp_path):
+    path = write_tiny(tmp_path, count=4)
+    done = _main_in_a_child(tmp_path, ["replay", str(path), "--quiet", "--json", "--out", str(tmp_path / "o")],
+                            before="atexit.register(lambda: print('exit handler ran'))\n")
+    assert done.returncode == 0, done.stderr
+    assert "main returned" not in done.stdout  # main() leaves the process itself
+    head, _, tail = done.stdout.rpartition("]")
+    assert len(json.loads(head + "]")) == 3 and tail.strip() == "exit handler ran"  # every byte out, then handlers
+    bad = _main_in_a_child(tmp_path, ["replay", str(tmp_path / "missing.yaml")])
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "Traceback" not in bad.stderr
