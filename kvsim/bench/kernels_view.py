@@ -38,7 +38,6 @@ CPU_NOTES = (
 def render_table(frame, console) -> None:
     """Two rich tables, a row per (batch, context, block size): writes as % of the copy roofline, and
     decode times with the paging cost (paged / contiguous FlexAttention) and the best % of the read roofline."""
-    from rich.table import Table
 
     def pick(rows, kernel, field):
         hit = rows[(rows["kernel"] == kernel) & (rows["status"] == "ok")]
@@ -53,32 +52,45 @@ def render_table(frame, console) -> None:
     title = f"{frame['model'].iat[0]} on {frame['device'].iat[0]}"
     on_cpu = frame["device"].iat[0].startswith("cpu")
     star = "*" if on_cpu and not frame["flex_compiled"].iat[0] else ""  # eager paged FlexAttention: see the notes
-    writes = Table(title=f"K/V write, % of copy bandwidth: {title}")
-    decode = Table(title=f"Decode attention, us per step: {title}")
-    for table, cols in ((writes, ("batch", "context", "block", "copy GB/s", *WRITE_KERNELS)),
-                        (decode, ("batch", "context", "block", "sdpa", "gather", f"flex paged{star}", "flex contig",
-                                  f"paged/contig{star}", "best % read"))):  # fmt: skip
-        for col in cols:
-            table.add_column(col, justify="right")
+    write_cols = ("batch", "context", "block", "copy\nGB/s", *WRITE_KERNELS)
+    decode_cols = ("batch", "context", "block", "sdpa", "gather", f"flex\npaged{star}", "flex\ncontig",
+                   f"paged/\ncontig{star}", "best %\nread")  # fmt: skip
+    write_rows, decode_rows = [], []
     for (batch, ctx), group in frame.groupby(["batch_size", "context_len"], sort=False):
         shared = group[group["block_size"].isna()]
         for bs, rows in group.dropna(subset=["block_size"]).groupby("block_size", sort=False):
             key = (str(batch), str(ctx), str(int(bs)))
-            writes.add_row(*key, fmt(pick(shared, "copy", "bandwidth_gbps"), "{:.1f}"),
-                           *(fmt(pick(rows, k, "pct_of_roofline")) for k in WRITE_KERNELS))  # fmt: skip
+            write_rows.append((*key, fmt(pick(shared, "copy", "bandwidth_gbps"), "{:.1f}"),
+                               *(fmt(pick(rows, k, "pct_of_roofline")) for k in WRITE_KERNELS)))  # fmt: skip
             paged, contig = pick(rows, "flex_paged", "median_us"), pick(rows, "flex_contiguous", "median_us")
             ok = group[(group["op"] == "decode") & (group["status"] == "ok") & (group["block_size"].isna() | (group["block_size"] == bs))]
-            decode.add_row(
+            decode_rows.append((
                 *key, us(pick(shared, "sdpa_contiguous", "median_us")), us(pick(rows, "gather_sdpa", "median_us")),
                 us(paged), us(contig), fmt(paged / contig if paged and contig else None, "{:.3f}"),
                 fmt(ok["pct_of_roofline"].max() if len(ok) else None),
-            )  # fmt: skip
-    console.print(writes)
-    console.print(decode)
+            ))  # fmt: skip
+    console.print(_uncut_table(f"K/V write, % of copy bandwidth: {title}", write_cols, write_rows))
+    console.print(_uncut_table(f"Decode attention, us per step: {title}", decode_cols, decode_rows))
     if on_cpu:
         console.print("[yellow]CPU run: one thread, eager FlexAttention, no Triton, no L2 flush. These are not GPU numbers.[/yellow]")
         for note in CPU_NOTES if star else CPU_NOTES[:1]:
             console.print(note, markup=False, highlight=False)
+
+
+def _uncut_table(title: str, headers: tuple[str, ...], rows: list[tuple[str, ...]]):
+    """A right-aligned table whose cells and header words are never cut: each column is as wide as its widest
+    cell or header line, with one space between columns and no vertical rules (the kernels' tables fit 80
+    columns this way; a wider table wraps the terminal's lines rather than eat a digit)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
+    for j, header in enumerate(headers):
+        width = max([len(line) for line in header.split("\n")] + [len(row[j]) for row in rows])
+        table.add_column(header, justify="right", no_wrap=True, min_width=width)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str | None, context_lens: str | None,

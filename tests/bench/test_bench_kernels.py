@@ -374,3 +374,21 @@ def test_tiny_cuda_run_times_every_kernel(tmp_path):
     assert (frame["status"] == "ok").all(), frame[frame["status"] != "ok"][["kernel", "block_size", "status"]]
     assert (frame[frame["op"] == "write"]["max_abs_err"] == 0).all()
     assert frame["flex_compiled"].all() and frame["l2_flushed"].all()
+
+
+def test_the_kernel_tables_cut_no_header_or_number_at_80_columns(tmp_path):
+    from rich.console import Console
+
+    from kvsim.bench.kernels_view import render_table
+
+    frame, _ = bench_kernels(
+        "llama-3.1-8b", block_sizes=(4, 256), batch_sizes=(2,), context_lens=(12,), device="cpu", reps=1, out_dir=tmp_path
+    )
+    frame.loc[frame["kernel"] == "flex_paged", "median_us"] = 123456.0  # a six-digit time still fits whole
+    console = Console(width=80, record=True)
+    render_table(frame, console)
+    text = console.export_text()
+    assert "…" not in text and "..." not in text
+    for word in ("context", "index_copy", "contig*", "paged/", "best %", "123456"):
+        assert word in text, word
+    assert max(len(line) for line in text.splitlines()) <= 80
