@@ -72,6 +72,7 @@ def requests_frame(result: ReplayResult) -> pd.DataFrame:
                     "finished_s": run.finished_s,
                     "num_prompt_tokens": result.num_prompt_tokens,
                     "max_tokens": result.max_tokens,
+                    "num_output_tokens": output_tokens(result),
                     "num_preemptions": run.num_preemptions,
                     "num_cached_tokens": run.num_cached_tokens,
                     "ttft_s": ttft,
@@ -83,11 +84,21 @@ def requests_frame(result: ReplayResult) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def output_tokens(result: ReplayResult) -> np.ndarray:
+    """(num_requests,) output tokens each request samples: its max_tokens, capped (as vLLM's scheduler caps
+    it) so prompt + output stays within max_model_len."""
+    room = result.workload.max_model_len - result.num_prompt_tokens
+    return np.maximum(np.minimum(result.max_tokens, room), 0)
+
+
 def _latencies(result: ReplayResult, run: AllocatorRun) -> tuple[np.ndarray, np.ndarray]:
-    """TTFT = first token - arrival; TPOT = (finished - first token) / max_tokens (the decode steps)."""
+    """TTFT = first token - arrival; TPOT = (finished - first token) / (output tokens - 1), vLLM's
+    definition (benchmark_serving: time per output token after the first, so the decode steps between
+    them); NaN for a request of one output token, which has no such steps."""
     ttft = run.first_token_s - result.arrival_s
+    decode_tokens = output_tokens(result) - 1
     with np.errstate(divide="ignore", invalid="ignore"):
-        tpot = np.where(result.max_tokens > 0, (run.finished_s - run.first_token_s) / result.max_tokens, np.nan)
+        tpot = np.where(decode_tokens > 0, (run.finished_s - run.first_token_s) / decode_tokens, np.nan)
     return ttft, tpot
 
 
@@ -120,9 +131,9 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
         running = st["num_running"].astype(np.float64)
         rec["mean_running"] = float((running * dt).sum()) / total_time if total_time else math.nan
         rec["peak_running"] = int(running.max()) if len(running) else 0
-        output_tokens = int(result.max_tokens[finished].sum())
+        sampled = int(output_tokens(result)[finished].sum())
         computed = int(st["num_prefill_tokens"].sum() + st["num_decode_tokens"].sum())
-        rec["throughput_tokens_per_s"] = output_tokens / end if end else math.nan
+        rec["throughput_tokens_per_s"] = sampled / end if end else math.nan
         rec["computed_tokens_per_s"] = computed / end if end else math.nan
         rec["preemptions"] = int(st["num_preemptions"].sum())
         rec["ttft_p50_s"], rec["ttft_p99_s"] = _percentiles(ttft[finished], (50, 99))

@@ -40,7 +40,7 @@ def hand_result() -> ReplayResult:
         num_cached_tokens=np.array([0, 16, 0]), rejected_reason=[None, None, "too long"],
         prefix_query_tokens=40, prefix_hit_tokens=10,
     )
-    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32)
+    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32, max_model_len=25)
     return ReplayResult(
         workload=workload, model_name="m", hardware_name="g", budget_bytes=100, device="none",
         options=ReplayOptions(tensors=False), arrival_s=np.array([0.0, 0.5, 0.7]),
@@ -59,11 +59,12 @@ def test_summary_figures_by_hand():
     assert rec["mean_running"] == pytest.approx((1 + 9) / 4) and rec["peak_running"] == 3
     assert rec["num_steps"] == 5 and rec["preemptions"] == 2
     assert rec["finished"] == 2 and rec["rejected"] == 1 and rec["sim_time_s"] == 4.0
-    assert rec["throughput_tokens_per_s"] == pytest.approx((4 + 8) / 4.0)  # output tokens of finished requests
+    # Output tokens of finished requests: 4, and 8 capped at max_model_len 25 - prompt 20 = 5 (as vLLM caps it).
+    assert rec["throughput_tokens_per_s"] == pytest.approx((4 + 5) / 4.0)
     assert rec["computed_tokens_per_s"] == pytest.approx(42 / 4.0)
-    # TTFT 1.0 and 1.5; TPOT (3-1)/4 = 0.5 and (4-2)/8 = 0.25.
+    # TTFT 1.0 and 1.5; TPOT over the tokens after the first (vLLM's): (3-1)/(4-1) and (4-2)/(5-1).
     assert rec["ttft_p50_s"] == pytest.approx(1.25) and rec["ttft_p99_s"] == pytest.approx(1.0 + 0.5 * 0.99)
-    assert rec["tpot_p50_s"] == pytest.approx(0.375)
+    assert rec["tpot_p50_s"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert rec["prefix_hit_rate"] == pytest.approx(0.25)
     # Page padding, a part of internal fragmentation: (0*1 + 12*3) / 4 of 100 bytes.
     assert rec["padding_pct"] == pytest.approx(9.0) and rec["padding_pct"] <= rec["internal_fragmentation_pct"]
@@ -78,10 +79,11 @@ def test_requests_frame_columns_and_latencies():
     frame = requests_frame(hand_result())
     assert list(frame.columns) == [
         "allocator", "request_id", "arrival_s", "admitted_s", "first_token_s", "finished_s", "num_prompt_tokens",
-        "max_tokens", "num_preemptions", "num_cached_tokens", "ttft_s", "tpot_s", "rejected_reason",
+        "max_tokens", "num_output_tokens", "num_preemptions", "num_cached_tokens", "ttft_s", "tpot_s", "rejected_reason",
     ]
     assert frame["ttft_s"].tolist()[:2] == [1.0, 1.5]
-    assert frame["tpot_s"].tolist()[:2] == [0.5, 0.25]
+    assert frame["num_output_tokens"].tolist() == [4, 5, 0]  # capped by max_model_len; the rejected prompt has no room
+    assert frame["tpot_s"].tolist()[:2] == pytest.approx([2 / 3, 0.5])
     assert frame["rejected_reason"].isna().tolist() == [True, True, False]
     assert frame["rejected_reason"].iloc[2] == "too long"
 
@@ -119,3 +121,11 @@ def test_same_seed_gives_a_byte_identical_summary_csv(tmp_path):
     assert outputs[0] == outputs[1]
     other = run_replay(load_workload(path, seed=4), ReplayOptions(tensors=False), workers=1)
     assert write_reports(other, tmp_path / "c").summary_csv.read_bytes() != outputs[0]
+
+
+def test_a_one_token_request_has_no_tpot():
+    result = hand_result()
+    result.max_tokens[0] = 1  # its only token is the first: no decode step to time
+    frame = requests_frame(result)
+    assert math.isnan(frame["tpot_s"].iloc[0]) and frame["tpot_s"].iloc[1] == pytest.approx(0.5)
+    assert summary_records(result)[0]["tpot_p50_s"] == pytest.approx(0.5)  # the NaN is left out, not counted as 0
