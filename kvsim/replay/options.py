@@ -22,9 +22,12 @@ CPU_READ_EVERY = 20_000
 # Measured timing on a CPU reads every CPU_MEASURED_READ_EVERY-th decode step; the steps between are timed
 # with the last read's µs per context token (a read every step made 20 requests take minutes).
 CPU_MEASURED_READ_EVERY = 100
-# Host memory a replay may give each CPU cache pool before it refuses (--max-host-memory changes it): a
-# hybrid model's paged pool holds every layer group's pages, and workloads/sliding-window.yaml's is 11.7 GB.
-CPU_POOL_CAP_BYTES = 2 << 30
+# Host memory a replay may give each CPU cache pool before it refuses (--max-host-memory changes it). A worker
+# holds its pool plus ~0.4-0.9 GB of torch, write and read buffers (a sampled read of a long padded batch is
+# the largest), so a 1 GiB pool keeps every process under 2 GB resident (scripts/bench_main_job.py --all).
+# Llama-3.1-8B's pool at 90% of an H100 is 1.78 GiB for its one materialised layer: the Mooncake workloads say
+# so and replay with --no-tensors, or with --max-host-memory 2GiB where 2.4 GB of RAM is there to give.
+CPU_POOL_CAP_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

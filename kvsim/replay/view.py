@@ -174,7 +174,7 @@ def run_replay_cli(
     integrity: bool = False,
     read_every: int | None = None,
     command: str | None = None,
-    max_host_memory: str = "2GiB",
+    max_host_memory: str = "1GiB",
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 

@@ -162,6 +162,18 @@ def test_a_cpu_pool_over_the_host_memory_cap_is_refused_before_the_replay(cli, t
     assert not (tmp_path / "o").exists()
 
 
+def test_by_default_a_shipped_workload_whose_pool_would_take_over_2_gb_resident_is_refused(cli, tmp_path, monkeypatch):
+    import kvsim.replay.run
+    import kvsim.replay.workers
+
+    for module in (kvsim.replay.run, kvsim.replay.workers):
+        monkeypatch.setattr(module, "replay_allocator", lambda *a, **kw: pytest.fail("replayed before the check"))
+    root = Path(__file__).resolve().parents[2]
+    result = cli(["replay", str(root / "workloads" / "mooncake-synthetic.yaml"), "--device", "cpu", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert "1.8 GiB" in result.stderr and "over the 1.0 GiB allowed" in result.stderr and "--max-host-memory 2GiB" in result.stderr
+
+
 def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):
     path = write_tiny(tmp_path, count=3)
     result = cli(["replay", str(path), "--no-tensors", "--quiet", "--layers", "2", "--read-every", "5", "--out", str(tmp_path / "o")])
