@@ -8,6 +8,28 @@ import numpy as np
 from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
 
 
+def read_groups(lens: np.ndarray, *, one: bool = False) -> list[np.ndarray]:
+    """Indices of a decode batch split for its reads: by length, longest first, a new group wherever a length
+    falls under half its group's longest, so no group pads a sequence to more than twice its tokens.
+
+    A read pads every sequence to its batch's longest; on the main job's paged batches one padded read moved
+    about 4x the bytes the sequences hold (~1 GiB for ~250 MiB), and on a CPU bytes are the read's cost, in
+    time and in resident memory. `one=True` (CUDA, where a kernel launch costs more than padding) keeps the
+    whole batch in one group.
+    """
+    if one or len(lens) <= 1:
+        return [np.arange(len(lens))]
+    order = np.argsort(-lens, kind="stable")  # longest first
+    ordered = lens[order]
+    groups, start = [], 0
+    for i in range(1, len(order)):
+        if 2 * ordered[i] < ordered[start]:
+            groups.append(order[start:i])
+            start = i
+    groups.append(order[start:])
+    return groups
+
+
 class ModelRunner:
     """Moves the real K/V of each scheduled row through the cache tensors (nano-vllm's model runner, minus
     the model): every step one scatter of its new tokens; every `read_every`-th decode step a batched read of
@@ -86,15 +108,18 @@ class ModelRunner:
                 done = last + 1
             if j is None:
                 break
-            lens = (starts + j + 1).tolist()
-            if self.paged:
-                read = cache.read_paged(tables, lens, decode_ids.tolist() if complete else None)
-            else:
-                read = cache.read_flat([self.allocator.slab(seq)[0] for seq in decodes], lens, decode_ids.tolist())
-            cache.decode_attention(read)
+            lens = starts + j + 1  # (num_decodes,)
+            slabs = None if self.paged else [self.allocator.slab(seq)[0] for seq in decodes]
+            for group in read_groups(lens, one=cache.device.type != "cpu"):
+                glens, gids = lens[group].tolist(), decode_ids[group].tolist()
+                if self.paged:
+                    read = cache.read_paged([tables[i] for i in group], glens, gids if complete else None)
+                else:
+                    read = cache.read_flat([slabs[i] for i in group], glens, gids)
+                cache.decode_attention(read)  # the step's read and attention times add up over the groups
             self.num_read_samples += 1
             if self.estimate_reads:
-                times, tokens = cache.timer.step_times(), sum(lens)
+                times, tokens = cache.timer.step_times(), int(lens.sum())
                 self._us_per_token = {kind: times[kind] / tokens for kind in ("read", "attention") if kind in times}
 
     def _verify_row(self, out: SchedulerOutput) -> None:
