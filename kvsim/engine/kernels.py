@@ -12,19 +12,16 @@ along dim 2 of the 6-D pool took 2-8 s for a 64-128 MiB gather that the 3-D view
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:  # Triton is optional: present with CUDA builds of torch, absent on CPU-only machines.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    HAS_TRITON = False
+# Triton is optional: present with CUDA builds of torch, absent on CPU-only machines. It is imported when its
+# kernel is first used (a CPU replay never does), not with this module: the import costs ~0.1 s per process.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 WRITE_KERNELS = ("index_copy", "index_put", "rows", "triton")
 
@@ -67,38 +64,6 @@ def scatter_rows(rows: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
     rows[:, slots] = src if np.ndim(slots) == 1 else src[:, None, :]
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _store_kv_kernel(
-        src_ptr,
-        cache_ptr,
-        slot_ptr,
-        row_size,
-        src_kv_stride,
-        src_layer_stride,
-        src_token_stride,
-        cache_kv_stride,
-        cache_layer_stride,
-        cache_slot_stride,
-        BLOCK: tl.constexpr,
-    ):
-        """One program per (token, layer): copies that token's K row and V row (H * D elements each)."""
-        token = tl.program_id(0).to(tl.int64)
-        layer = tl.program_id(1).to(tl.int64)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot >= 0:  # slots < 0 are padding: skipped
-            src_base = src_ptr + layer * src_layer_stride + token * src_token_stride
-            dst_base = cache_ptr + layer * cache_layer_stride + slot * cache_slot_stride
-            for start in range(0, row_size, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < row_size
-                k = tl.load(src_base + offs, mask=mask)
-                v = tl.load(src_base + src_kv_stride + offs, mask=mask)
-                tl.store(dst_base + offs, k, mask=mask)
-                tl.store(dst_base + cache_kv_stride + offs, v, mask=mask)
-
-
 def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """The fused K+V scatter as one Triton kernel; slots < 0 are skipped, any head count works.
 
@@ -117,8 +82,10 @@ def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor
     if num_tokens == 0 or num_layers == 0:
         return
     row = h * d
-    block = min(triton.next_power_of_2(row), 2048)
-    _store_kv_kernel[(num_tokens, num_layers)](
+    block = min(1 << (row - 1).bit_length(), 2048)  # triton.next_power_of_2
+    from kvsim.engine.triton_store import store_kv  # imports triton on first use
+
+    store_kv[(num_tokens, num_layers)](
         src,
         kv_flat,
         slots,
