@@ -347,7 +347,7 @@ def test_cli_cpu_run_says_its_numbers_are_not_gpu_numbers(cli, tmp_path):
                   "--reps", "1", "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "not GPU numbers" in result.output
-    assert "flex paged*" in result.output and "evaluates its mask over every block of the pool" in result.output
+    assert "paged*" in result.output and "contig*" in result.output and "evaluates its mask over every block of the pool" in result.output
     assert "sdpa vs gather:" in result.output
     assert "s] benchmarking kernels: batch 1, context 16, block 16" in result.output  # no terminal: a line per step
     assert (tmp_path / "kernels-cpu.csv").is_file()
