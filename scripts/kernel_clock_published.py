@@ -8,8 +8,9 @@ benchmark_serving.py, 10 ShareGPT prompts sent at once (request_rate inf) to met
 (the same shapes as Llama-3.1-8B) on one H100 80GB SXM. Its per-request prompt and output lengths are copied
 below; it reports mean TTFT 62.43 ms and median TPOT 7.56 ms (TPOT = (latency - TTFT) / (output tokens - 1)).
 
-kvsim replays the same 10 requests (arriving together; output_len - 1 decode steps each, as the first token
-comes from the prefill) on llama-3.1-8b, h100-80gb, and prints the same two statistics on both clocks.
+kvsim replays the same 10 requests (arriving together; max_tokens = output_len, so output_len - 1 decode steps
+follow the token the prefill samples) on llama-3.1-8b, h100-80gb, and prints the same two statistics on both
+clocks, TPOT as requests.csv has it (the same definition).
 """
 
 from __future__ import annotations
@@ -40,16 +41,15 @@ scheduler: {{max_num_seqs: 256, max_num_batched_tokens: 8192, preemption: recomp
 
 
 def main() -> int:
-    import numpy as np
-
     from kvsim.replay.run import run_replay
     from kvsim.replay.options import ReplayOptions
+    from kvsim.replay.reports import requests_frame
     from kvsim.workload.spec import load_workload
 
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "lambda.jsonl"
-        trace.write_text("".join(json.dumps({"arrival_time": 0.0, "prompt_tokens": p, "output_tokens": o - 1}) + "\n"
+        trace.write_text("".join(json.dumps({"arrival_time": 0.0, "prompt_tokens": p, "output_tokens": o}) + "\n"
                                  for p, o in zip(INPUT_LENS, OUTPUT_LENS)))
         path = Path(tmp) / "lambda.yaml"
         path.write_text(WORKLOAD.format(trace=trace))
@@ -59,10 +59,9 @@ def main() -> int:
         print(f"| measured (vLLM 0.6.0, Lambda) | {MEASURED['mean_ttft_ms']:.2f} | | {MEASURED['median_tpot_ms']:.2f} | |")
         for timing in ("kernels-db", "roofline"):
             result = run_replay(workload, ReplayOptions(tensors=False, timing=timing), workers=1)
-            run = result.runs[0]
-            ttft = float(np.mean(run.first_token_s - result.arrival_s)) * 1e3
-            decode = (run.finished_s - run.first_token_s) * 1e3
-            tpot = float(np.median(decode / result.max_tokens))  # max_tokens = output_len - 1 decode steps
+            frame = requests_frame(result)  # the report's TTFT and TPOT, one row per request
+            ttft = float(frame["ttft_s"].mean()) * 1e3
+            tpot = float(frame["tpot_s"].median()) * 1e3
             print(f"| {result.clock} | {ttft:.2f} | {ttft / MEASURED['mean_ttft_ms'] - 1:+.0%} | {tpot:.2f} "
                   f"| {tpot / MEASURED['median_tpot_ms'] - 1:+.0%} |")
     return 0

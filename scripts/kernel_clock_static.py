@@ -4,11 +4,12 @@
         [--models llama-3.1-8b,qwen3-32b,qwen3-30b-a3b,deepseek-v3] [--batches 1,4,16,64,256]
 
 For each model and batch size B: a kvsim replay (accounting only) of B requests all arriving at t=0, each with
-`isl` prompt tokens and `osl - 1` decode steps (aiconfigurator's first token comes from the context phase, so
-its `osl` tokens take `osl - 1` generation steps), with max_num_batched_tokens = B * isl and max_num_seqs = B so
-the whole batch prefills in one step as in a static batch, and a KV budget that holds it all. kvsim's mean TTFT
-and TPOT are printed beside `EngineHandle.run_static(batch_size=B, isl, osl)` (TTFT = its context ms,
-TPOT = its generation ms / (osl - 1)) and the difference in %. Markdown table on stdout.
+`isl` prompt tokens and max_tokens = `osl` (the prefill samples the first token, so `osl - 1` decode steps follow,
+as aiconfigurator's `osl` tokens take `osl - 1` generation steps), with max_num_batched_tokens = B * isl and
+max_num_seqs = B so the whole batch prefills in one step as in a static batch, and a KV budget that holds it all.
+kvsim's mean TTFT and TPOT (requests.csv's: (finished - first token) / (output tokens - 1)) are printed beside
+`EngineHandle.run_static(batch_size=B, isl, osl)` (TTFT = its context ms, TPOT = its generation ms / (osl - 1))
+and the difference in %. Markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ requests:
   count: {batch}
   arrival: {{process: burst, size: {batch}, every_s: 1000000}}
   prompt_tokens: {{dist: constant, value: {isl}}}
-  output_tokens: {{dist: constant, value: {decode_steps}}}
+  output_tokens: {{dist: constant, value: {osl}}}
 allocators:
   - {{kind: paged, block_size: 16}}
 scheduler: {{max_num_seqs: {batch}, max_num_batched_tokens: {tokens}, preemption: recompute}}
@@ -49,13 +50,12 @@ def main() -> int:
                         help="also replay each batch on the roofline of this GPU (e.g. a100-40gb) and print its TTFT/TPOT")
     args = parser.parse_args()
 
-    import numpy as np
-
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
     from kvsim.clock.kernels_db import kernel_clock
     from kvsim.replay.run import run_replay
     from kvsim.replay.options import ReplayOptions
+    from kvsim.replay.reports import requests_frame
     from kvsim.size.sizing import kv_cache_spec
     from kvsim.workload.spec import load_workload
 
@@ -68,14 +68,14 @@ def main() -> int:
             path = Path(tmp) / "static.yaml"
             max_len = args.isl + args.osl
             path.write_text(WORKLOAD.format(
-                batch=batch, model=name, hardware=hardware, isl=args.isl, decode_steps=args.osl - 1,
+                batch=batch, model=name, hardware=hardware, isl=args.isl, osl=args.osl,
                 tokens=batch * args.isl, max_model_len=max_len, budget=2 * batch * (max_len + 16) * per_token,
             ))
             result = run_replay(load_workload(path), ReplayOptions(tensors=False, timing=timing), workers=1)
         run = result.runs[0]
         assert not any(run.rejected_reason) and not run.num_preemptions.any(), (name, batch)
-        ttft = float(np.mean(run.first_token_s - result.arrival_s)) * 1e3
-        return ttft, float(np.mean((run.finished_s - run.first_token_s) / result.max_tokens)) * 1e3
+        frame = requests_frame(result)  # the report's TTFT and TPOT, one row per request
+        return float(frame["ttft_s"].mean()) * 1e3, float(frame["tpot_s"].mean()) * 1e3
 
     gpu = get_gpu(args.hardware)
     print(f"isl {args.isl}, osl {args.osl}, {gpu.name}; aiconfigurator = EngineHandle.run_static(batch_size=B, "
