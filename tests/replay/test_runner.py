@@ -26,3 +26,20 @@ def test_read_groups_partition_the_batch_and_bound_the_padding(values):
         assert 2 * lens[group].min() >= lens[group].max()  # padded to the group's longest: at most 2x each
     padded = sum(len(g) * int(lens[g].max()) for g in groups)
     assert padded <= 2 * int(lens.sum()) and padded <= len(lens) * int(lens.max())
+
+
+def test_worker_plans_balance_the_estimated_cost():
+    from types import SimpleNamespace
+
+    from kvsim.replay.workers import plan_workers
+
+    kinds = ["flat", "flat", "flat", "paged", "paged"]  # the main job's five configs
+    configs = [SimpleNamespace(kind=k) for k in kinds]
+    # One process takes both paged replays (1.6 + 1.6), the other the three flat ones: handing them out in
+    # order would leave a paged replay running alone at the end.
+    assert plan_workers(configs, 2) == [[3, 4], [0, 1, 2]]
+    assert plan_workers(configs, 1) == [[3, 4, 0, 1, 2]]
+    assert plan_workers(configs, 4) == [[3], [4], [0, 2], [1]]  # longest first onto the least loaded
+    assert plan_workers(configs[:1], 2) == [[0]]
+    plan = plan_workers([SimpleNamespace(kind="paged")] * 12, 2)
+    assert sorted(len(p) for p in plan) == [6, 6] and sorted(sum(plan, [])) == list(range(12))
