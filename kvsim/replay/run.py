@@ -166,10 +166,11 @@ def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str, tp: int =
     """(the kernels-db clock or None, a note for the header): `kernels-db` fails with a one-line error naming
     what the database lacks; `auto` falls back to the roofline and says why. Expert parallelism (ep > 1) is
     the database's alone: the roofline has no model of it, so there it is an error."""
+    ep_source = None if ep_field.startswith("--") else source  # --ep came from the command line, not the file
     if timing not in ("kernels-db", "auto"):
         if ep > 1:
             raise KvsimError(f"ep {ep} needs the kernels-db clock (--timing kernels-db): the roofline does not model "
-                             "expert parallelism", source=source, field=ep_field)
+                             "expert parallelism", source=ep_source, field=ep_field)
         return None, None
     from kvsim.clock.kernels_db import kernel_clock
 
@@ -177,9 +178,9 @@ def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str, tp: int =
         return kernel_clock(model, gpu, kv_dtype=kv_dtype, tp=tp, ep=ep), None
     except KvsimError as exc:
         if exc.field == "ep":
-            raise KvsimError(str(exc).removeprefix("ep: "), source=source, field=ep_field) from None
+            raise KvsimError(str(exc).removeprefix("ep: "), source=ep_source, field=ep_field) from None
         if timing == "auto" and ep > 1:
-            raise KvsimError(f"ep {ep} needs the kernels-db clock, which does not apply ({exc})", source=source,
+            raise KvsimError(f"ep {ep} needs the kernels-db clock, which does not apply ({exc})", source=ep_source,
                              field=ep_field) from None
         if timing == "auto":
             return None, f"roofline clock: the kernels-db clock does not apply ({exc})"

@@ -118,3 +118,18 @@ def test_kv_heads_neither_split_nor_replicated_evenly_are_refused(tmp_path):
     assert run_replay(load_workload(write(tmp_path, model="config.json", deployment={"tp": 12}, kv_budget="256MiB",
                                           gpu_memory_utilization=None)),
                       ReplayOptions(tensors=False), workers=1).tp == 12  # 4 KV heads, each on 3 ranks
+
+
+@pytest.mark.skipif(not __import__("kvsim.clock.kernels_db", fromlist=["available"]).available(),
+                    reason="aiconfigurator-core (the perfdb extra) is not installed")
+def test_ep_on_the_kernels_db_clock_and_its_errors(tmp_path):
+    path = write(tmp_path, model="qwen3-30b-a3b", deployment={"tp": 2, "ep": 2})
+    result = run_replay(load_workload(path), ReplayOptions(tensors=False, timing="kernels-db"), workers=1)
+    assert result.ep == 2 and result.clock.endswith(", tp 2, ep 2)")
+    with pytest.raises(KvsimError, match=r"w.yaml: deployment.ep: ep 2 with tp 4: vLLM's expert parallelism spans"):
+        run_replay(load_workload(path), ReplayOptions(tensors=False, timing="kernels-db", tp=4))  # the file's ep, --tp 4
+    with pytest.raises(KvsimError, match=r"^--ep: ep 4 with tp 2: vLLM's expert parallelism spans every tp rank"):
+        run_replay(load_workload(path), ReplayOptions(tensors=False, timing="kernels-db", ep=4))
+    dense = write(tmp_path, deployment={"tp": 2, "ep": 2})
+    with pytest.raises(KvsimError, match=r"w.yaml: deployment.ep: ep 2: qwen3-32b has no experts to split"):
+        run_replay(load_workload(dense), ReplayOptions(tensors=False, timing="kernels-db"))
