@@ -101,6 +101,9 @@ def test_cli_tp_overrides_the_workload_and_reports_say_tp(cli, tmp_path):
     assert summary[0]["tp"] == 4 and summary[0]["budget_bytes"] == meta["budget_bytes"]
     bad = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "b"), "--tp", "5"])
     assert bad.exit_code == 2 and bad.output.strip().splitlines() == ["kvsim: error: --tp: tp 5 does not divide num_attention_heads 64 of qwen3-32b"]
+    for spelling in ("--tensor-parallel-size", "-tp"):  # vllm serve's spellings of the flag
+        alias = cli(["replay", str(path), "--no-tensors", "--quiet", "--json", "--out", str(tmp_path / "a"), spelling, "8"])
+        assert alias.exit_code == 0 and json.loads(alias.stdout)[0]["tp"] == 8, alias.output
     zero = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "z"), "--tp", "0"])
     assert zero.exit_code == 2 and "--tp: must be >= 1, got 0" in zero.output
 
