@@ -26,7 +26,8 @@ _FAMILY_OF = {
     "deepseek_v32": "dsa", "glm_moe_dsa": "dsa",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
     "nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1", "zamba2": "zamba2",
-    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "rwkv": "rwkv",
+    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2",
+    "rwkv": "rwkv", "rwkv5": "rwkv", "rwkv6": "rwkv", "rwkv7": "rwkv",
 }  # fmt: skip
 
 # Families vLLM 0.33 does not serve at all: refused, whatever their keys say.
@@ -116,15 +117,26 @@ def _deci(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> lis
     return layers
 
 
+# transformers' Llama4TextConfig: without no_rope_layers, every no_rope_layer_interval-th layer is NoPE.
+_LLAMA4_NO_ROPE_INTERVAL = 4
+
+
 def _llama4(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """Llama 4 (vLLM llama4.py): layers with RoPE (no_rope_layers[i] != 0) use chunked local attention over
-    attention_chunk_size tokens; NoPE layers attend globally. Newer exports say `layer_types: chunked_attention`."""
+    attention_chunk_size tokens; NoPE layers attend globally. Newer exports say `layer_types: chunked_attention`.
+
+    Shipped configs (Scout, Maverick) leave no_rope_layers out: transformers' Llama4TextConfig then builds it as
+    `(i + 1) % no_rope_layer_interval != 0` (interval 4 by default), and vLLM reads that list."""
     chunk = cfg.get_int("attention_chunk_size", default=None)
     if chunk is None:  # no chunking: every layer is plain attention
+        cfg.consult("no_rope_layers", "no_rope_layer_interval")
         return generic(cfg, hidden_size, num_heads, num_layers)
     if cfg.get("layer_types", default=None) is not None:
         return generic(cfg, hidden_size, num_heads, num_layers, extra={"chunked_attention": LayerKind.CHUNKED}, window=chunk)
-    rope = cfg.get("no_rope_layers")
+    rope = cfg.get("no_rope_layers", default=None)
+    if not rope:  # None or []: the config class's default list
+        interval = cfg.get_int("no_rope_layer_interval", default=_LLAMA4_NO_ROPE_INTERVAL)
+        rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if not isinstance(rope, list) or len(rope) != num_layers:
         raise KvsimError(f"expected a list of {num_layers} 0/1 flags", source=cfg.source, field="no_rope_layers")
     attention = attention_layer(cfg, hidden_size, num_heads)
