@@ -35,6 +35,8 @@ _REFUSED = {
     "minimax": "MiniMax-Text-01 / MiniMax-M1 (lightning attention): vLLM removed MiniMaxText01ForCausalLM in 0.23.0",
     "minimax_text_01": "MiniMax-Text-01 (lightning attention): vLLM removed MiniMaxText01ForCausalLM in 0.23.0",
     "minimax_m1": "MiniMax-M1 (lightning attention): vLLM removed MiniMaxM1ForCausalLM in 0.23.0",
+    "kimi_linear": "Kimi Linear / Kimi K3: the KDA layers' conv and recurrent state (vllm/models/kimi_k3, "
+                   "kda_state_shape) are not modelled by kvsim yet",
 }
 
 ATTENTION_FREE = frozenset({"mamba", "mamba2", "rwkv"})

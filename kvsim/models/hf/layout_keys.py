@@ -17,7 +17,7 @@ from kvsim.models.hf.fields import Config, class_defaults
 LAYOUT_KEY = re.compile(
     r"layer_types|layer_type|_pattern|block_config|block_type|layer_ids|layer_indices|attn_layer|attn_type|"
     r"head_dim|key_value_heads|kv_heads|heads_in_group|kv_lora|kv_shared|shared_kv|window|attention_chunk|"
-    r"chunked|^index_|^indexer_|mamba|ssm|linear_|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
+    r"chunked|^index_|^indexer_|mamba|ssm|^linear_|linear_attn|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
     r"lightning|kv_channels|multi_query|^use_cla|cla_share|cross_attention_layers|per_layer_config"
 )
 
