@@ -78,6 +78,9 @@ def _by_repository_id() -> dict[str, str]:
     return ids
 
 
+# Names that are files, whether or not they exist: a config, or a weights file named by mistake (refused by name).
+_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+
 # A Hugging Face repository id: ORG/NAME of letters, digits, '-', '_', '.'.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -118,7 +121,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     4. ORG/NAME on the Hugging Face Hub (config.json and model.safetensors.index.json only), unless HF_HUB_OFFLINE.
     """
     path = Path(name_or_path).expanduser()
-    if path.is_file() or path.suffix.lower() == ".json" or (path.is_dir() and (path / "config.json").is_file()):
+    if path.is_file() or path.suffix.lower() in _FILE_SUFFIXES or (path.is_dir() and (path / "config.json").is_file()):
         return checkpoint_spec(local_checkpoint(path))
     repo_id = name_or_path.strip().strip("/")
     if _REPO_ID.match(repo_id):

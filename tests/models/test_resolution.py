@@ -250,3 +250,20 @@ def test_a_weights_file_as_model_is_one_line(cli, tmp_path):
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1
     assert str(weights) in result.output and "weights file" in result.output
+
+
+def test_a_weights_file_name_never_reaches_the_hub(cli):
+    result = cli(["size", "--model", "my/model-00001-of-00004.safetensors"])  # looks like ORG/NAME, but a file name
+    assert result.exit_code == 2 and "weights file" in result.output and "Hub" not in result.output
+
+
+def test_a_workload_model_pointing_at_a_weights_file_is_one_line(cli, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    workload = tmp_path / "w.yaml"
+    alpaca = (REPO / "workloads" / "alpaca-like.yaml").read_text()
+    workload.write_text(alpaca.replace("model: opt-13b", "model: ckpt/model.safetensors"))
+    result = cli(["replay", str(workload), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "weights file" in lines[0] and str(tmp_path / "ckpt" / "model.safetensors") in lines[0]
