@@ -702,3 +702,17 @@ def test_a_key_vllm_reads_and_kvsim_does_not_is_still_refused(load):
            "max_position_embeddings": 4096, "attention_chunk_size": 1024}
     with pytest.raises(KvsimError, match="attention_chunk_size"):
         load(cfg)
+
+
+def test_mamba_keys_beside_a_layer_list_of_attention_only_change_nothing(load):
+    # The dense Granite 4.0 models ship as granitemoehybrid with every layer_types entry "attention" and the mamba
+    # keys of the family still set: vLLM's granitemoehybrid.py builds a mamba mixer only on "mamba" layers.
+    cfg = {"model_type": "granitemoehybrid", "num_hidden_layers": 40, "hidden_size": 2560, "num_attention_heads": 40,
+           "num_key_value_heads": 8, "layer_types": ["attention"] * 40, "mamba_n_heads": 128, "mamba_d_head": 64,
+           "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
+           "max_position_embeddings": 131072}  # fmt: skip
+    spec = kv_cache_spec(load(cfg))
+    assert (spec.bytes_per_token, spec.state_bytes_per_sequence) == (40 * 8 * 64 * 4, 0)  # 2560 / 40 = 64
+    # without a layer list the same keys still mean an unknown hybrid layout: refused (test_hf_config.py)
+    with pytest.raises(KvsimError, match="mamba"):
+        load({k: v for k, v in cfg.items() if k != "layer_types"})

@@ -45,6 +45,12 @@ ATTENTION_FREE = frozenset({"mamba", "mamba2", "rwkv"})
 VLLM_UNSERVED = {"rwkv": "no RWKV architecture in its model registry"}
 
 
+# The keys of a state layer's shape (kvsim.models.hf.state.state_layer), inert where no layer is a state layer.
+_STATE_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+               "mamba_d_conv", "mamba_expand", "mamba_d_ssm")  # fmt: skip
+
+
 def family_of(cfg: Config) -> str:
     """The family reader for this config, by model_type; 'generic' for every family without its own reader."""
     model_type = str(cfg.get("model_type", default="")).lower()
@@ -74,6 +80,10 @@ def generic(
     kinds = layer_kinds(cfg, num_layers, extra)
     attention = attention_layer(cfg, hidden_size, num_heads, indexer=indexer)
     state = state_layer(cfg, hidden_size, ssm) if LayerKind.LINEAR_STATE in kinds else None
+    if state is None and cfg.get("layer_types", default=None) is not None:
+        # An explicit layer list without a state layer (the dense Granite 4.0 models: granitemoehybrid, every layer
+        # "attention"): vLLM builds a mixer only where the list says so, so the mixer's keys change nothing.
+        cfg.consult(*_STATE_KEYS)
     if LayerKind.SLIDING in kinds:
         window = cfg.get_int("sliding_window")
     layers = []
