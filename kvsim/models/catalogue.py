@@ -78,6 +78,15 @@ def _by_repository_id() -> dict[str, str]:
     return ids
 
 
+def _with_catalogue_params(spec: ModelSpec, key: str | None) -> ModelSpec:
+    """A cached checkpoint the catalogue also knows (by id or alias: the same architecture) keeps its own config,
+    and takes the catalogue's sourced parameter count where its config.json could not be counted."""
+    if key is None or spec.num_params is not None:
+        return spec
+    known = _build(key)
+    return replace(spec, num_params=known.num_params, params_source=f"{CATALOGUE_FILE} [{key}]: {known.params_source}")
+
+
 # Names that are files, whether or not they exist: a config, or a weights file named by mistake (refused by name).
 _FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -124,11 +133,11 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     if path.is_file() or path.suffix.lower() in _FILE_SUFFIXES or (path.is_dir() and (path / "config.json").is_file()):
         return checkpoint_spec(local_checkpoint(path))
     repo_id = name_or_path.strip().strip("/")
+    key = _catalogue_key(name_or_path)
     if _REPO_ID.match(repo_id):
         cached = find_cached(repo_id)
         if cached is not None:
-            return checkpoint_spec(cached)
-    key = _catalogue_key(name_or_path)
+            return _with_catalogue_params(checkpoint_spec(cached), key)
     if key is not None:
         return _build(key)
     if not _REPO_ID.match(repo_id):

@@ -267,3 +267,11 @@ def test_a_workload_model_pointing_at_a_weights_file_is_one_line(cli, tmp_path):
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "weights file" in lines[0] and str(tmp_path / "ckpt" / "model.safetensors") in lines[0]
+
+
+def test_a_cached_catalogue_model_keeps_the_catalogues_parameter_count(hf_cache):
+    cache_repo(hf_cache, "Qwen/Qwen3.5-9B", QWEN35_9B)  # a hybrid: no parameter count from its config.json
+    model = resolve_model("Qwen/Qwen3.5-9B")
+    assert model.source.startswith(str(hf_cache)) and model.checkpoint_bytes == TOTAL_SIZE
+    assert model.num_params == resolve_model("qwen3.5-9b").num_params == 9_000_000_000
+    assert "qwen3.5-9b" in model.params_source
