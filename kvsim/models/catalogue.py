@@ -19,6 +19,7 @@ from pathlib import Path
 from kvsim.errors import KvsimError
 from kvsim.models.hf_cache import checkpoint_spec, find_cached, hub_cache_dir, local_checkpoint
 from kvsim.models.hf_config import model_spec_from_config
+from kvsim.models.hub import fetch_from_hub, hub_offline
 from kvsim.models.spec import ModelSpec
 
 CATALOGUE_FILE = "kvsim/models/data/models.yaml"
@@ -144,8 +145,6 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         if path.is_dir():
             raise KvsimError("a folder without a config.json", source=str(path), field="--model")
         _lookup(name_or_path)  # raises, naming close matches
-    from kvsim.models.hub import fetch_from_hub, hub_offline
-
     if hub_offline():
         raise KvsimError(
             f"unknown model {repo_id!r}: not a local path, not in the Hugging Face cache ({hub_cache_dir()}), "

@@ -73,7 +73,8 @@ def find_cached(repo_id: str) -> Checkpoint | None:
         if (snapshot / CONFIG).is_file():
             index = snapshot / INDEX
             owner_name = repo.name.removeprefix("models--").replace("--", "/", 1)
-            return Checkpoint(snapshot / CONFIG, index if index.is_file() else None, owner_name, "local Hugging Face cache")
+            index_file = index if index.is_file() else None
+            return Checkpoint(snapshot / CONFIG, index_file, owner_name, "local Hugging Face cache")
     return None
 
 
@@ -83,11 +84,14 @@ def checkpoint_bytes(index: Path) -> int | None:
         data = json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KvsimError(f"cannot read the safetensors index: {exc}", source=str(index)) from None
-    total = data.get("metadata", {}).get("total_size") if isinstance(data, dict) and isinstance(data.get("metadata"), dict) else None
+    metadata = data.get("metadata") if isinstance(data, dict) else None
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
     if total is None:
         return None
     if isinstance(total, bool) or not isinstance(total, (int, float)) or total <= 0:
-        raise KvsimError(f"expected a positive byte count, got {total!r}", source=str(index), field="metadata.total_size")
+        raise KvsimError(
+            f"expected a positive byte count, got {total!r}", source=str(index), field="metadata.total_size"
+        )
     return int(total)
 
 

@@ -7,6 +7,7 @@ no test touches the network (tests/conftest.py sets HF_HUB_OFFLINE=1 and an empt
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -228,7 +229,7 @@ def test_huggingface_hub_is_imported_only_by_the_hub_step(hf_cache):
         "assert 'huggingface_hub' not in sys.modules, 'imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
