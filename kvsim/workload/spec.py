@@ -132,7 +132,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise KvsimError(f"must be a whole number >= 1, got {limit!r}", field="--limit")
     model = f.str("model")
-    if model.endswith(".json"):  # a config.json path, relative to the YAML file
+    if model.endswith(".json") or (base_dir / model).exists():  # a path (config, checkpoint), relative to the YAML
         model = str((base_dir / model).resolve())
     kv_dtype = f.str("kv_dtype", "bf16").lower()
     dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
