@@ -93,6 +93,9 @@ def size(
     address: Annotated[Optional[str], typer.Option("--address", help="kv,layer,block,token,head,dim: print that element's byte offset.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim\\[perfdb]).")] = False,
+    cpu_offload: Annotated[Optional[str], typer.Option("--cpu-offload", help="A CPU KV tier for the whole engine, e.g. 100GiB: vLLM's CPU blocks (chunks), their size and what a request holds there.", show_default=False)] = None,
+    kv_offloading_size: Annotated[Optional[str], typer.Option("--kv-offloading-size", help="The same in GiB, as vllm serve takes it (summed over TP ranks).", show_default=False)] = None,
+    cpu_block_size: Annotated[Optional[int], typer.Option("--cpu-block-size", help="With a CPU tier: tokens per CPU block, a multiple of the GPU block (the connector's block_size; default one GPU block).", show_default=False)] = None,
 ) -> None:
     """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
     from kvsim.size.view import show_size
@@ -103,6 +106,7 @@ def size(
         kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode,
         mamba_checkpoint_alignment=mamba_checkpoint_alignment, async_scheduling=async_scheduling, params=params, layout=layout, num_blocks=num_blocks,
         address=address, as_json=json_out, step_time=step_time,
+        cpu_offload=cpu_offload, kv_offloading_size=kv_offloading_size, cpu_block_size=cpu_block_size,
     )
 
 
