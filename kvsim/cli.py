@@ -251,11 +251,14 @@ def cache_curve(
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
+    cpu_capacities: Annotated[Optional[str], typer.Option("--cpu-capacities", help="Add vLLM's CPU offloading tier (LRU) at these capacities in tokens, e.g. 1e6,1e7: each tier's hit rate at every pair (docs/cpu-tier.md).", show_default=False)] = None,
+    cpu_block_size: Annotated[Optional[int], typer.Option("--cpu-block-size", help="Tokens per CPU block, a multiple of --block-size (default: one GPU block, as vLLM's).", show_default=False)] = None,
 ) -> None:
     """Prefix-cache hit rate of an LRU cache of blocks at every capacity, exact, in one pass over the requests."""
     from kvsim.cache_curve.view import show_cache_curve
 
-    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out_option(out))
+    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out_option(out),
+                     cpu_capacities=cpu_capacities, cpu_block_size=cpu_block_size)
 
 
 @app.command()
