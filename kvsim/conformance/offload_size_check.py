@@ -5,7 +5,7 @@ vLLM's planning builds the KV cache config from kvsim's layers (as `size_check` 
 from the wheel by file: its package is a stub under the loader) turns it into an `OffloadingConfig`, and vLLM's
 `CPUOffloadingSpec` sizes the tier. The one stand-in: the platform is CUDA (`_uses_shared_region` True, as on
 the H100 the figures are for; the loader's platform is none).
-Run: `python3 -m kvsim.conformance.offload_size_check` (exit code 1 on any difference).
+Run: `python3 -m kvsim.conformance.offload_size_check [--all]` (exit code 1 on any difference).
 """
 
 from __future__ import annotations
@@ -171,9 +171,19 @@ def default_cases() -> list[OffloadCase]:
     ]
 
 
+def catalogue_cases() -> list[OffloadCase]:
+    """Every catalogue model at tp 1, 2 and 4, mamba_cache_mode none and align, with a tier of an odd size."""
+    from kvsim.models.catalogue import model_names
+
+    return [OffloadCase(name, tp=tp, cpu_bytes=48 * GIB + 12_345, settings=VllmSettings(mamba_cache_mode=mode))
+            for name in model_names() for tp in (1, 2, 4) for mode in ("none", "align")]
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`--all`: every catalogue model (`catalogue_cases`), else the hand-picked `default_cases`."""
+    argv = sys.argv[1:] if argv is None else argv
     failed = 0
-    for case in default_cases():
+    for case in catalogue_cases() if "--all" in argv else default_cases():
         r = check(case)
         if r.skipped:
             print(f"skip  {case.label}: {r.skipped}")

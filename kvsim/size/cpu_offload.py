@@ -148,9 +148,11 @@ def cpu_offload(
     """
     if cpu_bytes <= 0:
         raise KvsimError(f"must be positive, got {cpu_bytes}", field=field)
-    if startup.settings.mamba_cache_mode != "align" and any(g.kind == "state" for g in startup.groups):
-        # `build_offloading_config` asserts tokens_per_block % tokens_per_hash == 0: a state group's block is
-        # max_model_len unless prefix caching aligns it
+    kinds = {g.kind == "state" for g in startup.groups}
+    if startup.settings.mamba_cache_mode != "align" and kinds == {True, False}:
+        # `build_offloading_config` asserts tokens_per_block % tokens_per_hash == 0: beside attention groups, a
+        # state group's block is max_model_len unless prefix caching aligns it (an attention-free model's one
+        # group hashes at its own block)
         raise KvsimError(
             f"vLLM {VLLM_VERSION} offloads a hybrid (state) model only with prefix caching on: give --mamba-cache-mode align",
             field="--mamba-cache-mode",
