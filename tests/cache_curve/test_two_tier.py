@@ -113,3 +113,23 @@ def test_cli_tiers_json_csv_chart_and_errors(cli, tmp_path):
                         (["--cpu-block-size", "32"], "--cpu-block-size"), (["--cpu-capacities", "lots"], "--cpu-capacities")):
         bad = cli(["cache-curve", str(trace), *args])
         assert bad.exit_code == 2 and field in bad.output and "Traceback" not in bad.output
+
+
+def test_the_exactness_test_sees_a_changed_rule(monkeypatch):
+    """Refreshing the GPU-hit chunks after a CPU hit (a monotone model vLLM does not follow) is caught."""
+    from kvsim.cache_curve.two_tier import CpuTier
+
+    request = CpuTier.request
+
+    def refresh_all(self, runs, num_chunks, gpu_hit_tokens, chunk_tokens):
+        hits = request(self, runs, num_chunks, gpu_hit_tokens, chunk_tokens)
+        if hits:  # touch the whole prompt again, as if every chunk were re-offered
+            request(self, runs, num_chunks, 0, chunk_tokens)
+        return hits
+
+    monkeypatch.setattr(CpuTier, "request", refresh_all)
+    differs = 0
+    for seed in range(6):
+        (gpu, cpu), (gpu_ref, cpu_ref) = both(conversations(seed), 64, 64, 8, 12)
+        differs += not np.array_equal(cpu, cpu_ref)
+    assert differs
