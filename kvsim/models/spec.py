@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvsim.units import dtype_bytes
 
 if TYPE_CHECKING:
-    from kvsim.models.weights import WeightConfig
+    from kvsim.models.weight_config import WeightConfig
 
 
 class LayerKind(str, Enum):
@@ -153,7 +153,7 @@ class ModelSpec:
     params_source: str | None = None  # where num_params came from
     checkpoint_bytes: int | None = None  # shipped weight bytes when they mix dtypes (gpt-oss MXFP4 experts)
     vllm_unserved: str | None = None  # why vLLM serves no such model (RWKV); then kvsim's figures are its own
-    weight_config: WeightConfig | None = None  # vocabulary, MLP/MoE widths, quantization (kvsim.models.weights)
+    weight_config: WeightConfig | None = None  # vocabulary, MLP/MoE widths, quantization (kvsim.models.weight_config)
 
     def __post_init__(self) -> None:
         assert len(self.layers) > 0 and self.max_model_len > 0

@@ -16,71 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvsim.models.quantization import Quantization, read_quantization
+from kvsim.models.quantization import Quantization
+from kvsim.models.weight_config import WeightConfig
 from kvsim.units import dtype_bytes
 
 if TYPE_CHECKING:
     from kvsim.models.spec import ModelSpec
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-_UNGATED_MLP = {"opt", "gpt2", "gpt_neox", "falcon", "gpt_bigcode", "phi", "bloom"}
-_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text", "opt"}
-
-
-@dataclass(frozen=True)
-class WeightConfig:
-    """The config fields weight bytes depend on beyond the layers (read once from config.json)."""
-
-    vocab_size: int | None
-    tied: bool
-    intermediate_size: int | None  # dense MLP width
-    mlp_matrices: int = 3  # gated (gate, up, down) or 2
-    num_experts: int = 0
-    experts_per_token: int = 0  # top-k routing
-    moe_intermediate_size: int | None = None
-    moe_layers: tuple[int, ...] = ()  # indices of MoE layers
-    shared_intermediate_size: int = 0  # shared experts' total width per MoE layer
-    mla: tuple[int, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head_dim
-    quantization: Quantization | None = None
-
-
-def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> WeightConfig:
-    """A flattened config dict's weight fields; raises KvsimError on an unmodelled quantization method."""
-    family = str(data.get("model_type", "")).lower()
-    quant = read_quantization(data.get("quantization_config"), source)
-    experts = data.get("num_experts") or data.get("num_local_experts") or data.get("n_routed_experts") or 0
-    experts = experts if isinstance(experts, int) and experts > 1 else 0
-    moe_layers: tuple[int, ...] = ()
-    if experts:
-        first_dense = data.get("first_k_dense_replace") or 0
-        step = data.get("decoder_sparse_step") or data.get("interleave_moe_layer_step") or data.get("moe_layer_freq") or 1
-        dense_only = set(data.get("mlp_only_layers") or [])
-        step = step if isinstance(step, int) and step > 0 else 1
-        moe_layers = tuple(i for i in range(num_layers)
-                           if i >= first_dense and (i + 1) % step == 0 and i not in dense_only)  # fmt: skip
-    moe_inter = data.get("moe_intermediate_size") or (data.get("intermediate_size") if experts else None)
-    shared = data.get("shared_expert_intermediate_size") or 0
-    if not shared and data.get("n_shared_experts") and isinstance(moe_inter, int):
-        shared = int(data["n_shared_experts"]) * moe_inter
-    mla = None
-    if data.get("kv_lora_rank"):
-        mla = (int(data.get("q_lora_rank") or 0), int(data["kv_lora_rank"]), int(data.get("qk_nope_head_dim") or 0),
-               int(data.get("qk_rope_head_dim") or 0), int(data.get("v_head_dim") or 0))  # fmt: skip
-    vocab = data.get("vocab_size")
-    inter = data.get("intermediate_size") or data.get("ffn_dim") or data.get("n_inner")
-    return WeightConfig(
-        vocab_size=vocab if isinstance(vocab, int) else None,
-        tied=bool(data.get("tie_word_embeddings", family in _TIED_BY_DEFAULT)),
-        intermediate_size=inter if isinstance(inter, int) else None,
-        mlp_matrices=2 if family in _UNGATED_MLP else 3,
-        num_experts=experts,
-        experts_per_token=int(data.get("num_experts_per_tok") or data.get("moe_topk") or data.get("num_experts_per_token") or 0) if experts else 0,
-        moe_intermediate_size=moe_inter if isinstance(moe_inter, int) else None,
-        moe_layers=moe_layers,
-        shared_intermediate_size=int(shared),
-        mla=mla,
-        quantization=quant,
-    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +83,8 @@ def model_weights(model: ModelSpec, *, tp: int = 1, loaded: bool = True, weight_
     if cfg is None or cfg.vocab_size is None:
         return None
     quant = None if weight_dtype else cfg.quantization
-    activation = model.weight_dtype if model.weight_dtype in ("bf16", "fp16", "fp32") else "bf16"
+    # vLLM's dtype "auto": the config's torch_dtype, but float32 checkpoints are served in bf16
+    activation = model.weight_dtype if model.weight_dtype in ("bf16", "fp16") else "bf16"
     if weight_dtype in ("bf16", "fp16", "fp32"):
         activation = weight_dtype  # vLLM's --dtype: every tensor in it
     elif weight_dtype:  # --quantization fp8 and the like: linear layers in it, embeddings in the activation dtype
@@ -160,11 +104,12 @@ def model_weights(model: ModelSpec, *, tp: int = 1, loaded: bool = True, weight_
     computed = _attention(counter, model, cfg, split)
     _mlp(counter, model, cfg, split, loaded)
     counter.add("other", h, 1, 2 * model.num_layers + 1, quantize=False)  # norms, replicated
-    if model.num_params is not None:  # a config excerpt without some widths (catalogue entries): the rest
+    stated = model.num_params if not (model.params_source or "").startswith("estimated") else None
+    if stated is not None:  # a config excerpt without some widths (catalogue entries): the rest
         counted = sum(counter.params.values()) * (split if loaded else 1)
-        computed = computed and abs(counted - model.num_params) <= 0.02 * model.num_params
+        computed = computed and abs(counted - stated) <= 0.02 * stated
         if not computed:
-            rest = max(model.num_params - counted, 0)
+            rest = max(stated - counted, 0)
             scheme = quant if quant is not None and not quant.experts_only else None
             per_param = scheme.bytes_per_param(h, h) if scheme is not None else plain
             counter.params["rest"] = rest // split
@@ -221,11 +166,10 @@ def _mlp(counter: _Counter, model: ModelSpec, cfg: WeightConfig, tp: int, loaded
         counter.add("mlp", h, cfg.intermediate_size // tp, dense_layers)
     if not moe or not cfg.moe_intermediate_size:
         return
-    eh, ei = h, cfg.moe_intermediate_size
+    eh, per_rank = h, cfg.moe_intermediate_size // tp
     quant = counter.quant
-    if loaded and quant is not None and quant.method == "mxfp4":
-        eh, ei = math.ceil(h / 256) * 256, math.ceil(ei / 128) * 128  # the MoE kernel's tiles
-    per_rank = ei // tp
+    if loaded and quant is not None and quant.method == "mxfp4":  # the MoE kernel's tiles, per rank
+        eh, per_rank = math.ceil(h / 256) * 256, math.ceil(per_rank / 128) * 128
     n = len(moe) * cfg.num_experts
     counter.add("experts", 2 * per_rank, eh, n)  # gate_up
     counter.add("experts", eh, per_rank, n)  # down
