@@ -9,6 +9,8 @@ from typing import Any
 from kvsim.models.quantization import Quantization, read_quantization
 
 _UNGATED_MLP = {"opt", "gpt2", "gpt_neox", "falcon", "gpt_bigcode", "phi", "bloom"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
+_QKV_BIAS = {"qwen2", "qwen2_moe", "qwen2_vl"}  # transformers' Qwen2 layers always have q/k/v biases
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text", "opt"}
 
 
@@ -27,6 +29,8 @@ class WeightConfig:
     shared_intermediate_size: int = 0  # shared experts' total width per MoE layer
     mla: tuple[int, int, int, int, int] | None = None  # q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head_dim
     quantization: Quantization | None = None
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
 
 
 def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> WeightConfig:
@@ -65,4 +69,6 @@ def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> 
         shared_intermediate_size=int(shared),
         mla=mla,
         quantization=quant,
+        qk_norm=family in _QK_NORM,
+        qkv_bias=bool(data.get("attention_bias", data.get("qkv_bias", family in _QKV_BIAS))),
     )

@@ -149,6 +149,10 @@ def _attention(counter: _Counter, model: ModelSpec, cfg: WeightConfig, tp: int) 
             d, dv = layer.head_dim, layer.head_dim_v or layer.head_dim
             kv = layer.kv_heads_per_rank(tp)
             counter.add("attention", heads // tp * d + kv * (d + dv), h)
+            if cfg.qk_norm:
+                counter.add("attention", 2 * d, 1, quantize=False)
+            if cfg.qkv_bias:
+                counter.add("attention", heads // tp * d + kv * (d + dv), 1, quantize=False)
             counter.add("attention", h, heads // tp * dv)
         else:
             known = False  # linear / mamba / no-cache layers: counted in the rest

@@ -30,7 +30,8 @@ MiB = 1 << 20
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.33's CacheConfig.gpu_memory_utilization
 # How far each estimated term may be from what vLLM measures (from the real start-up logs in
 # tests/size/data/startup_logs.yaml; see docs/startup-memory.md).
-ESTIMATE_ERROR = {"activation_peak": 0.3 * GiB, "non_torch": 0.25 * GiB, "cudagraph": 0.3 * GiB}
+ESTIMATE_ERROR = {"activation_peak": 0.3 * GiB, "non_torch": 0.25 * GiB, "cudagraph": 0.3 * GiB}  # 2 of 35 graph
+# estimates are further off (DeepSeek-V2-Lite's MLA graphs, Llama-3.1-8B at tp 2: up to 0.85 GiB)
 # The constants below are fitted to vLLM 0.19's logged terms on H100 (llm-d-planner's sweep, 40 runs):
 _SAMPLER_BYTES_PER_LOGIT = 14.5  # the dummy sampler run over max_num_seqs x vocab logits (fp32, top-k/top-p)
 _SAMPLER_BASE = 0.15 * GiB
@@ -172,8 +173,9 @@ def activation_peak_bytes(model: ModelSpec, *, tp: int, max_num_batched_tokens: 
         widths.append(cfg.mlp_matrices * cfg.intermediate_size // tp)  # gate_up output and the activation's
     forward = t * (max(widths) + 2 * h) * 2
     sampler = int(_SAMPLER_BASE + max_num_seqs * vocab * _SAMPLER_BYTES_PER_LOGIT)
-    workspace = 0
-    if cfg is not None and cfg.moe_layers and cfg.moe_intermediate_size:
+    workspace = 0  # fused_moe's triton caches; MXFP4 experts run kernels of their own (Marlin, triton_kernels)
+    mxfp4 = cfg is not None and cfg.quantization is not None and cfg.quantization.method == "mxfp4"
+    if cfg is not None and cfg.moe_layers and cfg.moe_intermediate_size and not mxfp4:
         k = max(cfg.experts_per_token, 1)
         workspace = 2 * t * k * max(2 * cfg.moe_intermediate_size // tp, h) * 2
     return max(forward, sampler) + workspace
