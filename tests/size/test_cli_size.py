@@ -333,3 +333,30 @@ def test_plot_size_refuses_a_max_context_at_or_below_the_left_edge(cli, tmp_path
     result = cli(["plot", "size", "-m", "qwen3-0.6b", "--max-context", value, "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--max-context: must be above the chart's left edge, 16 tokens" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_vllm_serve_flag_names_are_accepted(cli):
+    ours = run_json(cli, ["-m", "qwen3-32b", "--tp", "2", "--gpu", "h100", "--utilization", "0.65", "--context", "8192",
+                          "--kv-dtype", "fp8", "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"])  # fmt: skip
+    vllms = run_json(cli, ["-m", "qwen3-32b", "-tp", "2", "--gpu", "h100", "--gpu-memory-utilization", "0.65",
+                           "--max-model-len", "8192", "--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "256",
+                           "--max-num-batched-tokens", "4096"])  # fmt: skip
+    assert ours == vllms
+    assert (ours["tp"], ours["kv_dtype"], ours["context_tokens"], ours["utilization"]) == (2, "fp8", 8192, 0.65)
+    assert (ours["startup"]["max_num_seqs"], ours["startup"]["max_num_batched_tokens"]) == (256, 4096)
+    longer = run_json(cli, ["-m", "qwen3-32b", "--tensor-parallel-size", "4", "--gpu", "h100"])
+    assert longer["tp"] == 4 and longer["startup"]["max_num_seqs"] == 1024  # vllm serve's default on an H100
+    hybrid = run_json(cli, ["-m", "qwen3-next-80b-a3b", "--tp", "4", "--enable-prefix-caching"])
+    assert hybrid["vllm_mamba_cache_mode"] == "align"
+    eager = run_json(cli, ["-m", "qwen3-8b", "--gpu", "h100", "--enforce-eager"])["startup"]
+    assert eager["cudagraph_estimate_bytes"] == 0 and eager["num_cudagraphs"] == 0
+    fixed = run_json(cli, ["-m", "qwen3-8b", "--gpu", "h100", "--kv-cache-memory", "20GiB"])
+    assert fixed["kv_budget_bytes"] == 20 * GiB
+
+
+def test_size_help_on_80_columns_keeps_every_option_name(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli(["size", "--help"]).stdout
+    names = [line.split()[1] for line in out.splitlines() if line.startswith("│ -")]
+    assert "--max-num-batched-tokens" in names and "--mamba-checkpoint-alignment" in names and "--kv-cache-memory" in names
+    assert not any("…" in name for name in names)
