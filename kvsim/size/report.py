@@ -24,6 +24,7 @@ from kvsim.size.vllm import (
     VllmSettings,
     VllmStartup,
     hybrid_pages,
+    largest_starting_max_model_len,
     vllm_layers,
     vllm_startup,
 )
@@ -278,7 +279,7 @@ def size_report(
     cap = capacity(spec, budget, n, layers, settings)
     largest = None
     if cap.vllm is not None and not cap.vllm.starts:
-        largest = _largest_max_model_len(spec, budget, n, layers, settings)
+        largest = largest_starting_max_model_len(layers, budget, n, spec.block_size, settings)
     return replace(
         report,
         memory_bytes=memory_bytes,
@@ -291,15 +292,3 @@ def size_report(
         largest_max_model_len=largest,
     )
 
-
-def _largest_max_model_len(spec: KVCacheSpec, budget: int, n: int, layers, settings: VllmSettings) -> int | None:
-    """The largest max_model_len below `n` with which vLLM starts on `budget` (its start-up error's estimate)."""
-    lo, hi = 0, n  # starts at lo (0: not even one token), not at hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        v = vllm_startup(layers, budget, mid, spec.block_size, settings)
-        if v is not None and v.starts:
-            lo = mid
-        else:
-            hi = mid
-    return lo or None
