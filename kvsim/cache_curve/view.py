@@ -75,10 +75,11 @@ def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype:
         bytes_per_token = kv_cache_spec(spec, kv_dtype=kv_dtype).bytes_per_token
         if gpu is not None and budget is None:
             from kvsim.models.hardware import get_gpu
-            from kvsim.size.sizing import kv_budget_bytes, weight_bytes
+            from kvsim.size.startup import DEFAULT_GPU_MEMORY_UTILIZATION, vllm_kv_cache_memory
 
-            budget = kv_budget_bytes(get_gpu(gpu).memory_bytes, utilization=0.9, weight_bytes=weight_bytes(spec), field="--gpu")
-            budget_of = "memory x 0.9 - weights"
+            device = get_gpu(gpu)
+            budget = vllm_kv_cache_memory(spec, device.reported_memory_bytes, device_name=device.name, field="--gpu")
+            budget_of = f"vLLM's start-up at utilization {DEFAULT_GPU_MEMORY_UTILIZATION}"
         model = spec.name
     elif gpu is not None:
         raise KvsimError("a GPU's KV budget needs a model's KV bytes per token: give --model too", field="--gpu")
@@ -91,11 +92,11 @@ def _workload_budget(workload) -> int:
         return workload.kv_budget_bytes
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
-    from kvsim.size.sizing import kv_budget_bytes, weight_bytes
+    from kvsim.size.startup import vllm_kv_cache_memory
 
-    weights = weight_bytes(resolve_model(workload.model))
-    return kv_budget_bytes(get_gpu(workload.hardware).memory_bytes, utilization=workload.gpu_memory_utilization,
-                           weight_bytes=weights, field="gpu_memory_utilization")
+    gpu = get_gpu(workload.hardware)
+    return vllm_kv_cache_memory(resolve_model(workload.model), gpu.reported_memory_bytes,
+                                utilization=workload.gpu_memory_utilization, device_name=gpu.name)
 
 
 def parse_capacities(text: str | None, curve: CacheCurve, field: str = "--capacities") -> np.ndarray:

@@ -78,7 +78,7 @@ def check(case: Case, report: dict | None = None) -> Result:
     if report is None:
         try:
             report = size_report(
-                model, kv_dtype=case.kv_dtype, tp=case.tp, memory_bytes=gpu.memory_bytes, gpu_name=gpu.name,
+                model, kv_dtype=case.kv_dtype, tp=case.tp, memory_bytes=gpu.reported_memory_bytes, gpu_name=gpu.name,
                 context_tokens=case.context, settings=case.settings,
             ).as_json()
         except KvsimError as exc:

@@ -1,4 +1,5 @@
-"""A small GPU catalogue (kvsim/models/data/hardware.yaml): memory, bandwidth and bf16 FLOP/s, each sourced."""
+"""The GPU catalogue (kvsim/models/data/hardware.yaml): nominal memory and the memory CUDA reports, bandwidth and
+bf16 FLOP/s, each sourced."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ HARDWARE_FILE = "kvsim/models/data/hardware.yaml"
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One accelerator: `memory_bytes` of device memory, HBM bandwidth (bytes/s), dense bf16 FLOP/s."""
+    """One accelerator: `memory_bytes` of device memory (the datasheet's), HBM bandwidth (bytes/s), dense bf16
+    FLOP/s, and `cuda_memory_bytes`, what the device reports to CUDA (torch's total_memory, vLLM's
+    `total_gpu_memory`): the figure vLLM's gpu_memory_utilization multiplies."""
 
     name: str
     memory_bytes: int
@@ -23,6 +26,15 @@ class GPUSpec:
     bf16_flops_per_s: float
     source: str
     key: str = ""  # catalogue short name, e.g. "h100-80gb"
+    cuda_memory_bytes: int = 0  # 0: unknown, taken as memory_bytes
+    cuda_memory_estimated: bool = True  # derived from nvidia-smi's total rather than read in a vLLM log
+    cuda_memory_source: str = ""
+    unified_memory: bool = False  # CPU and GPU share it (DGX Spark): what is free at start-up varies
+
+    @property
+    def reported_memory_bytes(self) -> int:
+        """The memory CUDA reports (what vLLM sizes against); the nominal figure where unknown."""
+        return self.cuda_memory_bytes or self.memory_bytes
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,6 +57,10 @@ def _catalogue() -> dict[str, GPUSpec]:
             bf16_flops_per_s=float(entry["bf16_flops_per_s"]),
             source=entry["source"],
             key=key,
+            cuda_memory_bytes=parse_bytes(entry["cuda_memory"], field="cuda_memory", source=source),
+            cuda_memory_estimated=bool(entry.get("cuda_memory_estimated", True)),
+            cuda_memory_source=entry.get("cuda_memory_source", ""),
+            unified_memory=bool(entry.get("unified_memory", False)),
         )
     return gpus
 
@@ -69,7 +85,7 @@ def get_gpu(name: str) -> GPUSpec:
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     aliases = _aliases()
     variants = [k for k in gpu_names() if k.startswith(key + "-")]
-    if key not in _catalogue() and len(variants) > 1:  # `a100`: the 40 GB or the 80 GB card?
+    if key not in aliases and len(variants) > 1:  # `a100`: the 40 GB or the 80 GB card?
         raise KvsimError(f"ambiguous GPU {name!r}: say which of {', '.join(variants)}", field="--gpu")
     if key in aliases:
         return _catalogue()[aliases[key]]

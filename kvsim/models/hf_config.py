@@ -19,6 +19,7 @@ from kvsim.models.hf.fields import Config, flatten
 from kvsim.models.hf.layout_keys import check_layout_keys, check_layout_keys_read
 from kvsim.models.hf.params import estimate_num_params
 from kvsim.models.spec import ModelSpec
+from kvsim.models.weight_config import weight_config
 
 __all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
 
@@ -97,5 +98,6 @@ def model_spec_from_config(
         source=source,
         params_source=params_source,
         vllm_unserved=VLLM_UNSERVED.get(family),
+        weight_config=weight_config(data, num_layers, source),
     )
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from kvsim.units import dtype_bytes
+
+if TYPE_CHECKING:
+    from kvsim.models.weight_config import WeightConfig
 
 
 class LayerKind(str, Enum):
@@ -149,6 +153,7 @@ class ModelSpec:
     params_source: str | None = None  # where num_params came from
     checkpoint_bytes: int | None = None  # shipped weight bytes when they mix dtypes (gpt-oss MXFP4 experts)
     vllm_unserved: str | None = None  # why vLLM serves no such model (RWKV); then kvsim's figures are its own
+    weight_config: WeightConfig | None = None  # vocabulary, MLP/MoE widths, quantization (kvsim.models.weight_config)
 
     def __post_init__(self) -> None:
         assert len(self.layers) > 0 and self.max_model_len > 0

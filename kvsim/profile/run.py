@@ -175,14 +175,15 @@ def _run_job(job: dict) -> None:
     from kvsim.models.catalogue import resolve_model
     from kvsim.engine.factory import AllocatorConfig, make_allocator
     from kvsim.workload.requests import generate_requests
-    from kvsim.size.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+    from kvsim.size.sizing import kv_cache_spec
+    from kvsim.size.startup import vllm_kv_cache_memory
     from kvsim.workload.spec import load_workload
 
     workload = load_workload(job["workload"], seed=job["seed"], limit=job["limit"])
     model = resolve_model(workload.model)
     total_memory = torch.cuda.get_device_properties(0).total_memory
-    budget = workload.kv_budget_bytes or kv_budget_bytes(
-        total_memory, utilization=workload.gpu_memory_utilization, weight_bytes=weight_bytes(model)
+    budget = workload.kv_budget_bytes or vllm_kv_cache_memory(
+        model, total_memory, utilization=workload.gpu_memory_utilization, device_name=torch.cuda.get_device_name(0)
     )
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + GRANULE) / total_memory))
     spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=job["block_size"])

@@ -30,7 +30,8 @@ def run_replay(
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
     from kvsim.workload.requests import generate_requests
-    from kvsim.size.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+    from kvsim.size.sizing import kv_cache_spec, weight_bytes
+    from kvsim.size.startup import vllm_kv_cache_memory
 
     source = str(workload.path)
     with _workload_field(source, "model"):  # the catalogue's errors name --model; here it is the file's field
@@ -58,17 +59,8 @@ def run_replay(
     if workload.kv_budget_bytes is not None:
         budget = workload.kv_budget_bytes
     else:
-        utilization = workload.gpu_memory_utilization
-        usable = int(gpu.memory_bytes * utilization)
-        if usable <= weights:
-            raise KvsimError(
-                f"{gpu.name}: {gpu.memory_bytes:,} B x {utilization:g} = {usable:,} B leaves no room for KV cache "
-                f"after {model.name}'s weights ({weights:,} B{f' per rank at tp {tp}' if tp > 1 else ''}); raise it, "
-                f"raise tp, or give kv_budget instead",
-                source=source,
-                field="gpu_memory_utilization",
-            )
-        budget = kv_budget_bytes(gpu.memory_bytes, utilization=utilization, weight_bytes=weights)
+        budget = vllm_kv_cache_memory(model, gpu.reported_memory_bytes, utilization=workload.gpu_memory_utilization,
+                                      tp=tp, device_name=gpu.name, source=source)
     for config in workload.allocators:  # a budget below one usable block would build an allocator with no slots
         unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
         needed = 2 * unit_bytes if config.kind == "paged" else unit_bytes  # paged: block 0 is the null block

@@ -12,12 +12,11 @@ from kvsim.models.spec import ModelSpec
 from kvsim.size.sizing import (
     block_rounded_bytes_per_sequence,
     bytes_per_sequence,
-    kv_budget_bytes,
     kv_cache_spec,
     positive_int,
     sliding_cap_bytes_per_sequence,
-    weight_bytes,
 )
+from kvsim.size.startup import StartupMemory, StartupSettings, startup_memory
 from kvsim.size.vllm import (
     VLLM_VERSION,
     HybridPages,
@@ -25,6 +24,7 @@ from kvsim.size.vllm import (
     VllmSettings,
     VllmStartup,
     hybrid_pages,
+    largest_starting_max_model_len,
     vllm_layers,
     vllm_startup,
 )
@@ -101,6 +101,23 @@ class SizeReport:
     capacity: Capacity | None = None
     settings: VllmSettings = VllmSettings()
     hybrid: HybridPages | None = None  # vLLM's raised block size and padded state page (state layers only)
+    startup: StartupMemory | None = None  # vLLM's start-up accounting behind the KV budget
+    largest_max_model_len: int | None = None  # where one request of context_tokens does not fit: the most that does
+
+    @property
+    def verdict(self) -> str | None:
+        """vLLM's start-up refusal in one line with the numbers, or None where it starts."""
+        cap = self.capacity
+        if cap is None or cap.vllm is None or cap.vllm.starts:
+            return None
+        v = cap.vllm
+        needed = v.bytes_per_block * (v.blocks_per_request + 1)
+        fit = f"; the largest max_model_len that starts is {self.largest_max_model_len:,}" if self.largest_max_model_len else ""
+        return (
+            f"vLLM {VLLM_VERSION} would not start: one request of max_model_len {self.context_tokens:,} needs "
+            f"{needed / 2**30:.2f} GiB of KV cache ({v.blocks_per_request:,} blocks and the null block), and start-up leaves "
+            f"{cap.kv_budget_bytes / 2**30:.2f} GiB{fit} (lower --max-model-len, raise --gpu-memory-utilization, or add --tp)"
+        )
 
     def as_json(self) -> dict:
         spec = self.spec
@@ -156,6 +173,9 @@ class SizeReport:
                     "weight_dtype": self.weight_dtype,
                     "weight_bytes": self.weight_bytes,
                     "kv_budget_bytes": cap.kv_budget_bytes,
+                    "starts": self.verdict is None,
+                    "verdict": self.verdict,
+                    "largest_max_model_len": self.largest_max_model_len,
                     "max_tokens": cap.max_tokens,
                     "max_tokens_block_rounded": cap.max_tokens_block_rounded,
                     "max_sequences": round(cap.max_sequences, 4),
@@ -166,6 +186,8 @@ class SizeReport:
                     "kvsim_sequences_block_rounded": round(cap.own_sequences_block_rounded, 4),
                 }
             )
+            if self.startup is not None:
+                out["startup"] = self.startup.as_json()
             if cap.vllm is not None:
                 v = cap.vllm
                 out.update(
@@ -203,18 +225,24 @@ def size_report(
     tp: int = 1,
     memory_bytes: int | None = None,
     gpu_name: str | None = None,
-    utilization: float = 0.9,
+    utilization: float | None = None,
     weight_dtype: str | None = None,
     settings: VllmSettings = VllmSettings(),
+    startup: StartupSettings | None = None,
+    kv_budget_bytes: int | None = None,
 ) -> SizeReport:
-    """Everything `kvsim size` reports; the capacity part only when `memory_bytes` is given.
+    """Everything `kvsim size` reports; the capacity part when `memory_bytes` (the memory the device reports to
+    CUDA) or a `kv_budget_bytes` is given.
 
-    `settings` only enter vLLM's figures: max_num_batched_tokens and async scheduling its sliding-window
-    bound; the kernel block size and mamba_cache_mode the hybrid block size and state blocks (see
-    `kvsim.size.vllm`).
+    With `memory_bytes`, the KV budget is what vLLM 0.33's start-up leaves (`kvsim.size.startup`: requested
+    memory less weights, the profile run's peak, non-torch memory and the CUDA graph estimate, or
+    kv_cache_memory_bytes); `utilization` overrides `startup`'s gpu_memory_utilization. `settings` only enter
+    vLLM's figures: max_num_batched_tokens and async scheduling its sliding-window bound; the kernel block size
+    and mamba_cache_mode the hybrid block size and state blocks (see `kvsim.size.vllm`).
     """
-    if not 0 < utilization <= 1:  # checked even without a device, so a typo never passes silently
-        raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")
+    startup = startup or StartupSettings()
+    if utilization is not None:
+        startup = replace(startup, gpu_memory_utilization=utilization)  # checks (0, 1] even without a device
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=block_size, tp=tp)
     layers = () if model.vllm_unserved else vllm_layers(model, spec, tp)  # no vLLM figures where vLLM serves none
     n = positive_int(context_tokens, "--context") if context_tokens is not None else model.max_model_len
@@ -229,18 +257,38 @@ def size_report(
         settings=settings,
         hybrid=hybrid_pages(layers, block_size, settings),
     )
-    if memory_bytes is None:
+    memory = None
+    if kv_budget_bytes is not None:
+        budget = kv_budget_bytes
+    elif memory_bytes is not None:
+        memory = startup_memory(model, total_memory_bytes=memory_bytes, tp=tp, settings=startup,
+                                device_name=gpu_name or "", weight_dtype=weight_dtype)  # fmt: skip
+        budget = memory.available
+        if budget <= 0:
+            raise KvsimError(
+                f"vLLM {VLLM_VERSION} would not start: {memory.requested / 2**30:.2f} GiB requested "
+                f"({memory_bytes / 2**30:.2f} GiB x {startup.gpu_memory_utilization}) less weights "
+                f"{memory.weights / 2**30:.2f} GiB, the profile run's peak {memory.activation_peak / 2**30:.2f} GiB, "
+                f"non-torch {memory.non_torch / 2**30:.2f} GiB and CUDA graphs {memory.cudagraph / 2**30:.2f} GiB leaves "
+                f"{budget / 2**30:.2f} GiB for the KV cache (raise --gpu-memory-utilization, add --tp, or use less memory: "
+                "--max-num-seqs, --enforce-eager)",
+                field="--gpu" if gpu_name else "--memory",
+            )
+    else:
         return report
-    weights = weight_bytes(model, weight_dtype=weight_dtype, tp=tp)
-    budget = kv_budget_bytes(
-        memory_bytes, utilization=utilization, weight_bytes=weights, field="--gpu" if gpu_name else "--memory"
-    )
+    cap = capacity(spec, budget, n, layers, settings)
+    largest = None
+    if cap.vllm is not None and not cap.vllm.starts:
+        largest = largest_starting_max_model_len(layers, budget, n, spec.block_size, settings)
     return replace(
         report,
         memory_bytes=memory_bytes,
         gpu_name=gpu_name,
-        utilization=utilization,
-        weight_dtype=weight_dtype or ("checkpoint" if model.checkpoint_bytes else model.weight_dtype),
-        weight_bytes=weights,
-        capacity=capacity(spec, budget, n, layers, settings),
+        utilization=startup.gpu_memory_utilization if memory is not None else None,
+        weight_dtype=memory.weights_how if memory is not None else None,
+        weight_bytes=memory.weights if memory is not None else None,
+        capacity=cap,
+        startup=memory,
+        largest_max_model_len=largest,
     )
+

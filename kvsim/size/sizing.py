@@ -165,9 +165,10 @@ def weight_bytes(model: ModelSpec, *, weight_dtype: str | None = None, tp: int =
 
 
 def kv_budget_bytes(memory_bytes: int, *, utilization: float, weight_bytes: int, field: str = "--memory") -> int:
-    """KV bytes left on a device: memory x utilization (vLLM's gpu_memory_utilization) minus weights.
+    """Memory x utilization minus weights: the plain arithmetic, for a budget given as such.
 
-    Activations and CUDA graphs also take memory in a real engine; kvsim does not guess them.
+    vLLM's start-up leaves less (the profile run's peak, non-torch memory, CUDA graphs): every budget derived from
+    a GPU and a gpu_memory_utilization comes from `kvsim.size.startup.vllm_kv_cache_memory`.
     """
     if not 0 < utilization <= 1:
         raise KvsimError(f"must be in (0, 1], got {utilization}", field="--utilization")

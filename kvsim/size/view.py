@@ -30,15 +30,18 @@ def show_size(
     model: str | None,
     config: str | None,
     *,
-    kv_dtype: str = "bf16",
+    kv_dtype: str = "auto",
     block_size: int = 16,
     context: int | None = None,
     tp: int = 1,
     gpu: str | None = None,
     memory: str | None = None,
-    utilization: float = 0.9,
+    utilization: float = 0.92,
     weight_dtype: str | None = None,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool = False,
+    kv_cache_memory: str | None = None,
     kernel_block_size: int = 16,
     mamba_cache_mode: str = "none",
     mamba_checkpoint_alignment: int = 0,
@@ -60,7 +63,9 @@ def show_size(
     from kvsim.models.hf_config import load_hf_config
     from kvsim.size.report import size_report
     from kvsim.size.sizing import is_mla
+    from kvsim.size.startup import StartupSettings, serve_batch_defaults
     from kvsim.size.vllm import VllmSettings
+    from kvsim.units import parse_bytes
 
     if (model is None) == (config is None):
         raise KvsimError("give exactly one of --model NAME or --config FILE", field="--model")
@@ -76,21 +81,29 @@ def show_size(
         from kvsim.models.hardware import get_gpu
 
         device = get_gpu(gpu)
-        memory_bytes, gpu_name = device.memory_bytes, device.name
+        memory_bytes, gpu_name = device.reported_memory_bytes, device.name
     elif memory:
-        from kvsim.units import parse_bytes
-
         memory_bytes = parse_bytes(memory, field="--memory")
+    startup = StartupSettings(
+        gpu_memory_utilization=utilization,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enforce_eager=enforce_eager,
+        kv_cache_memory_bytes=parse_bytes(kv_cache_memory, field="--kv-cache-memory") if kv_cache_memory else None,
+    )
+    if max_num_batched_tokens is None:  # vllm serve's for the device (8192 where none is given)
+        max_num_batched_tokens = serve_batch_defaults(memory_bytes, gpu_name or "")[0] if memory_bytes else 8192
     report = size_report(
         spec,
-        kv_dtype=kv_dtype,
+        kv_dtype=kv_cache_dtype(kv_dtype, spec, weight_dtype),
         block_size=block_size,
         context_tokens=context,
         tp=tp,
         memory_bytes=memory_bytes,
         gpu_name=gpu_name,
-        utilization=utilization,
         weight_dtype=weight_dtype,
+        startup=startup,
+        kv_budget_bytes=startup.kv_cache_memory_bytes if memory_bytes is None else None,
         settings=VllmSettings(
             max_num_batched_tokens=max_num_batched_tokens,
             async_scheduling=async_scheduling,
@@ -119,6 +132,7 @@ def show_size(
         if cpu is not None:
             out.update(cpu.as_json())
         print(json.dumps(out, indent=2))
+        _raise_verdict(report)
         return
     console = Console()
     _print_report(console, report)
@@ -130,6 +144,24 @@ def show_size(
         from kvsim.size.view_cpu_offload import print_cpu_tier
 
         print_cpu_tier(console, cpu)
+    _raise_verdict(report)
+
+
+def kv_cache_dtype(name: str, model, weight_dtype: str | None = None) -> str:
+    """vLLM's --kv-cache-dtype in kvsim's names: auto is the model's dtype (bf16 for quantized and fp32
+    checkpoints, as vLLM serves them; --weight-dtype fp32/fp16 where given), fp8_e4m3/fp8_e5m2 are fp8."""
+    key = name.lower()
+    if key == "auto":
+        if weight_dtype in ("fp32", "fp16", "bf16"):
+            return weight_dtype
+        return model.weight_dtype if model.weight_dtype in ("fp16", "bf16") else "bf16"
+    return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(key, key)
+
+
+def _raise_verdict(report) -> None:
+    """vLLM's start-up refusal (one request of max_model_len does not fit) as the command's error: exit 2."""
+    if report.verdict is not None:
+        raise KvsimError(report.verdict, field="--max-model-len")
 
 
 def _cpu_tier(report, cpu_offload: str | None, kv_offloading_size: str | None, cpu_block_size: int | None):
@@ -216,10 +248,9 @@ def _print_report(console: Console, report) -> None:
     ]
     cap = report.capacity
     if cap is not None:
+        rows += [("device", report.gpu_name or "--memory")]
+        rows += _startup_rows(report.startup) if report.startup is not None else []
         rows += [
-            ("device", report.gpu_name or "--memory"),
-            (f"memory x utilization {report.utilization}", _b(int(report.memory_bytes * report.utilization))),
-            (f"weights ({report.weight_dtype}, per rank)", _b(report.weight_bytes)),
             ("KV budget", _b(cap.kv_budget_bytes)),
             ("max tokens (uncapped)", f"{cap.max_tokens:,}" if cap.max_tokens is not None else "-"),
         ]
@@ -231,6 +262,8 @@ def _print_report(console: Console, report) -> None:
         "uncapped: every layer keeps every token.",
         style="dim",
     )
+    if report.startup is not None:
+        console.print(_startup_note(report.startup), style="dim", highlight=False, soft_wrap=True)
     if report.hybrid is not None:
         print_hybrid_pages(console, report.hybrid, report.settings.mamba_checkpoint_alignment)
     if cap is not None:
@@ -238,6 +271,33 @@ def _print_report(console: Console, report) -> None:
         print_vllm_lines(console, report)
         if cap.max_sequences_uncapped != cap.max_sequences:
             console.print(f"Maximum concurrency, uncapped (no window freeing): {cap.max_sequences_uncapped:.2f}x", highlight=False, soft_wrap=True)
+
+
+def _startup_rows(m) -> list[tuple[str, str]]:
+    """vLLM 0.33's start-up accounting, term by term, as its worker computes it (estimated terms marked)."""
+    gib = 2**30
+    graphs = f"{m.num_cudagraphs} CUDA graphs (est.)" if m.num_cudagraphs else "CUDA graphs (--enforce-eager)"
+    rows = [
+        (f"requested: {m.total_memory / gib:.2f} GiB x {m.gpu_memory_utilization}", f"{m.requested / gib:.2f} GiB"),
+        (f"- weights ({m.weights_how.split(',')[0]})", f"{m.weights / gib:.2f} GiB"),
+        ("- profile run peak (est.)", f"{m.activation_peak / gib:.2f} GiB"),
+        ("- non-torch memory (est.)", f"{m.non_torch / gib:.2f} GiB"),
+        (f"- {graphs}", f"{m.cudagraph / gib:.2f} GiB"),
+    ]
+    if m.kv_cache_memory_bytes is not None:
+        rows.append(("Available KV (--kv-cache-memory)", f"{m.available / gib:.2f} GiB"))
+    else:
+        rows.append((f"= Available KV cache memory (+-{m.estimate_error / gib:.2f})", f"{m.available / gib:.2f} GiB"))
+    return rows
+
+
+def _startup_note(m) -> str:
+    """What the start-up terms assume, and where the estimates come from."""
+    return (
+        f"start-up as vLLM 0.33's worker: memory as CUDA reports it; weights {m.weights_how}; the profile run with "
+        f"max_num_batched_tokens {m.max_num_batched_tokens:,} and max_num_seqs {m.max_num_seqs:,}; (est.): estimated "
+        "from real vLLM logs within +-0.3 GiB each (docs/startup-memory.md)"
+    )
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:

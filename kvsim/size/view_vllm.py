@@ -87,13 +87,6 @@ def print_vllm_lines(console: Console, report) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    if not v.starts:
-        console.print(
-            f"vLLM {VLLM_VERSION} would refuse to start: one request of {n:,} tokens needs {v.blocks_per_request:,} blocks "
-            f"of {v.bytes_per_block:,} B beside the null block (lower --context or add memory)",
-            highlight=False,
-            soft_wrap=True,
-        )
     if v.hybrid is not None:
         own = f"{cap.own_tokens_block_rounded:,}" if cap.own_tokens_block_rounded is not None else "0"
         console.print(

@@ -30,6 +30,7 @@ __all__ = [
     "VllmSettings",
     "VllmStartup",
     "hybrid_pages",
+    "largest_starting_max_model_len",
     "vllm_layers",
     "vllm_startup",
 ]
@@ -190,3 +191,19 @@ def vllm_startup(
         settings=settings,
         hybrid=hybrid,
     )
+
+
+def largest_starting_max_model_len(
+    layers: tuple[VllmLayer, ...], budget_bytes: int, max_model_len: int, block_size: int, settings: VllmSettings
+) -> int | None:
+    """The largest max_model_len below `max_model_len` with which vLLM starts on `budget_bytes` (the estimate its
+    start-up error gives); None where not even one token fits."""
+    lo, hi = 0, max_model_len  # vLLM starts at lo (0: not even one token), not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        v = vllm_startup(layers, budget_bytes, mid, block_size, settings)
+        if v is not None and v.starts:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None

@@ -141,7 +141,7 @@ def test_gpu_catalogue(name, memory_gib, bandwidth, flops):
 
 def test_gpu_aliases_and_unknown():
     assert get_gpu("H100").key == get_gpu("h100_80gb").key == "h100-80gb"
-    assert len(gpu_names()) == 9
+    assert len(gpu_names()) == 26
     with pytest.raises(KvsimError, match="h100-80gb"):
         get_gpu("h1000")
 

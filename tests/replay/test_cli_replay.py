@@ -171,7 +171,7 @@ def test_by_default_a_shipped_workload_whose_pool_would_take_over_2_gb_resident_
     root = Path(__file__).resolve().parents[2]
     result = cli(["replay", str(root / "workloads" / "mooncake-synthetic.yaml"), "--device", "cpu", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2, result.output
-    assert "1.8 GiB" in result.stderr and "over the 1.0 GiB allowed" in result.stderr and "--max-host-memory 2GiB" in result.stderr
+    assert "1.7 GiB" in result.stderr and "over the 1.0 GiB allowed" in result.stderr and "--max-host-memory 2GiB" in result.stderr
 
 
 def test_no_tensors_says_which_tensor_flags_it_ignores(cli, tmp_path):

@@ -315,7 +315,7 @@ def test_cuda_tensors_match_accounting_and_keep_integrity(tmp_path):
         ("model: tiny-model.json", "model: nope/config.json", "tiny.yaml: model: {dir}/nope/config.json: cannot read config"),
         ("hardware: h100-80gb", "hardware: tpu-v9", "tiny.yaml: hardware: unknown GPU 'tpu-v9' (known: h100-80gb"),
         ("kv_budget: 262144", "gpu_memory_utilization: 0.0000001",
-         "tiny.yaml: gpu_memory_utilization: NVIDIA H100 80GB SXM: 85,899,345,920 B x 1e-07 = 8,589 B leaves no room"),
+         "tiny.yaml: gpu_memory_utilization: 85,029,158,912 B x 1e-07 = 8,503 B leaves no KV cache memory after"),
     ],
 )
 def test_unknown_model_hardware_and_no_room_name_the_workload_field(tmp_path, old, new, message):

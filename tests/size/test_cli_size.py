@@ -24,9 +24,11 @@ def test_size_table_shows_the_figures_and_vllm_concurrency_line(cli):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "114,688 B" in out and "1,835,008 B" in out  # per token, per block
-    assert "663,690" in out  # max tokens
-    assert "Maximum concurrency for 40,960 tokens per request: 16.20x" in out
-    assert "GPU KV cache size: 663,680 tokens, Maximum concurrency for 40,960 tokens per request: 16.20x" in out
+    # 73,525,117,503 B available (test_startup_memory_terms_sum_as_vllm_subtracts_them): // 114,688 = 641,088 tokens;
+    # // 1,835,008 = 40,068 blocks / 2,560 per 40,960-token request = 15.65x
+    assert "641,088" in out  # max tokens
+    assert "requested: 79.19 GiB x 0.92" in out and "= Available KV cache memory" in out
+    assert "GPU KV cache size: 641,088 tokens, Maximum concurrency for 40,960 tokens per request: 15.65x" in out
 
 
 def test_size_table_labels_capped_and_uncapped(cli):
@@ -49,18 +51,22 @@ def test_size_json_keys_and_values(cli):
     assert out["context_tokens"] == 8192
     assert out["bytes_per_sequence"] == 172032 * 8192 + 704643072
     assert out["bytes_per_sequence_uncapped"] == 344064 * 8192
-    budget = int(80 * GiB * 0.9) - 2 * 9241705984
-    assert out["kv_budget_bytes"] == budget
+    s = out["startup"]
+    budget = s["requested_memory_bytes"] - s["weights_bytes"] - s["activation_peak_bytes"] - s["non_torch_bytes"] - s["cudagraph_estimate_bytes"]
+    assert s["requested_memory_bytes"] == -(-85029158912 * 92 // 100)  # ceil(total x 0.92), the memory CUDA reports
+    assert out["kv_budget_bytes"] == s["available_kv_cache_memory_bytes"] == budget
     assert out["max_tokens"] == budget // 344064
     assert out["max_sequences"] == pytest.approx(budget / out["bytes_per_sequence"], abs=1e-4)
 
 
 def test_memory_option_equals_the_gpu_memory(cli):
     by_gpu = run_json(cli, ["--model", "llama-3.1-8b", "--gpu", "h100-80gb"])
-    by_memory = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "80GiB"])
+    by_memory = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "85029158912"])  # what an H100 reports to CUDA
     assert by_gpu["kv_budget_bytes"] == by_memory["kv_budget_bytes"]
-    decimal = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "80GB"])
-    assert decimal["kv_budget_bytes"] == int(80e9 * 0.9) - 16060522496
+    decimal = run_json(cli, ["--model", "llama-3.1-8b", "--memory", "80GB"])["startup"]
+    assert decimal["requested_memory_bytes"] == 73_600_000_000  # ceil(80e9 x 0.92)
+    # the checkpoint's 16,060,522,496 B (its index's total_size) + the rotary cache, 131,072 positions x 128 x 2 B
+    assert decimal["weights_bytes"] == 16060522496 + 131072 * 128 * 2
 
 
 def test_tp_dtype_block_size_and_weight_dtype(cli):
@@ -68,8 +74,11 @@ def test_tp_dtype_block_size_and_weight_dtype(cli):
                          "--gpu", "h100-80gb", "--weight-dtype", "fp8", "--utilization", "0.95"])
     assert out["kv_bytes_per_token"] == 80 * 2 * 1 * 128 * 1 == 20480
     assert out["block_bytes"] == 32 * 20480
-    assert out["weight_bytes"] == -(-70553706496 // 8)
-    assert out["kv_budget_bytes"] == int(80 * GiB * 0.95) - (-(-70553706496 // 8))
+    # per rank: embedding and lm_head 128,256 / 8 x 8,192 in bf16; per layer q + k + v (1,024 + 256 rows) and o, gate_up
+    # (7,168 rows) and down, in fp8 with an fp32 scale per output row; norms; the rotary cache 131,072 x 128 x 2 B
+    linear = 80 * ((1280 * 8192 + 1280 * 4) + (8192 * 1024 + 8192 * 4) + (7168 * 8192 + 7168 * 4) + (8192 * 3584 + 8192 * 4))
+    assert out["weight_bytes"] == 2 * 16032 * 8192 * 2 + linear + 8192 * 161 * 2 + 131072 * 128 * 2
+    assert out["startup"]["non_torch_bytes"] > 2 * GiB  # NCCL's buffers at tp > 1
 
 
 def test_state_and_mla_through_the_cli(cli):
@@ -124,7 +133,7 @@ def _config(tmp_path, text):
         (["--config", "{bad}"], "invalid JSON"),
         (["--config", "{missing}"], "num_attention_heads"),
         (["--model", "llama-3.1-8b", "--kv-dtype", "fp4"], "--kv-dtype: unknown dtype 'fp4'"),
-        (["--model", "qwen3-32b", "--gpu", "l4"], "do not fit"),
+        (["--model", "qwen3-32b", "--gpu", "l4"], "would not start"),
         (["--model", "llama-3.1-8b", "--gpu", "h1000"], "unknown GPU"),
         (["--model", "llama-3.1-8b", "--memory", "lots"], "--memory"),
         (["--model", "llama-3.1-8b", "--tp", "3"], "--tp 3 does not divide"),
@@ -133,8 +142,10 @@ def _config(tmp_path, text):
         ([], "exactly one of --model"),
         (["--model", "llama-3.1-8b", "--gpu", "h100", "--memory", "1GB"], "not both"),
         (["--model", "llama-3.1-8b", "--memory", "1e400GB"], "--memory: byte size must be finite"),
-        (["--model", "llama-3.1-8b", "--utilization", "1.5"], "--utilization"),
-        (["--model", "qwen3-32b", "--gpu", "l4"], "--gpu: weights"),
+        (["--model", "llama-3.1-8b", "--utilization", "1.5"], "--gpu-memory-utilization: must be in (0, 1]"),
+        (["--model", "qwen3-32b", "--gpu", "l4"], "--gpu: vLLM 0.33.0 would not start: 20.30 GiB requested"),
+        (["--model", "llama-3.1-8b", "--max-num-seqs", "0"], "--max-num-seqs: must be a positive integer"),
+        (["--model", "llama-3.1-8b", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--model", "llama-3.1-8b", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
         (["--config", "{dir}"], "cannot read config"),
         (["--config", "{list}"], "expected a JSON object"),
@@ -169,9 +180,9 @@ def test_missing_field_error_names_the_file(cli, tmp_path):
 
 
 def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
-    # gemma-3-27b on --memory 80GiB at 32,768 tokens: budget 23,290,718,720 B; a block of one layer is
+    # gemma-3-27b with a KV budget (vLLM's kv_cache_memory_bytes) of 23,290,718,720 B at 32,768 tokens; a block of one layer is
     # 16 x 2 x 16 x 128 x 2 = 131,072 B; vLLM groups 10 full + 52 sliding layers as 1 + 6 groups of 10
-    args = ["size", "--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768"]
+    args = ["size", "--model", "gemma-3-27b", "--kv-cache-memory", "23290718720", "--context", "32768"]
     out = cli(args).stdout
     # num_blocks = 23,290,718,720 // (131,072 x 10) = 17,769; async scheduling keeps 2 x 8,192 tokens in flight:
     # per request cdiv(32,768, 16) + 6 x (cdiv(1023 + 16,384, 16) + 1) = 2,048 + 6 x 1,089 = 8,582 blocks
@@ -184,7 +195,7 @@ def test_vllm_lines_for_a_sliding_model_follow_max_num_batched_tokens(cli):
     out = cli([*args, "--max-num-batched-tokens", "2048"]).stdout
     # 2,048 + 6 x (cdiv(1023 + 4,096, 16) + 1) = 2,048 + 6 x 321 = 3,974 blocks: 17,769 / 3,974 = 4.47
     assert "GPU KV cache size: 146,516 tokens, Maximum concurrency for 32,768 tokens per request: 4.47x" in out
-    data = run_json(cli, ["--model", "gemma-3-27b", "--memory", "80GiB", "--context", "32768", "--no-async-scheduling"])
+    data = run_json(cli, ["--model", "gemma-3-27b", "--kv-cache-memory", "23290718720", "--context", "32768", "--no-async-scheduling"])
     assert (data["vllm_async_scheduling"], data["vllm_max_in_flight_tokens"], data["vllm_kv_cache_size_tokens"]) == (False, 8192, 105672)
 
 
@@ -193,7 +204,7 @@ def test_hybrid_vllm_settings_from_the_command_line(cli):
     # num_blocks 37,309,411,328 // (12 x 294,912) = 10,542
     # --mamba-cache-mode align: each state group takes 2 blocks: cdiv(262,144, 288) + 3 x 2 = 911 + 6 = 917;
     # 10,542 / 917 = 11.50; tokens int(10,542 / 917 x 262,144) = 3,013,655
-    out = cli(["size", "-m", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4", "--kernel-block-size", "32",
+    out = cli(["size", "-m", "qwen3-next-80b-a3b", "--kv-cache-memory", "37309411328", "--tp", "4", "--kernel-block-size", "32",
                "--mamba-cache-mode", "align"]).stdout  # fmt: skip
     assert "vLLM block_size for this model: 288 tokens (raised from --block-size 16, in multiples of 32" in out
     assert "attention kernel block 32 (--kernel-block-size), prefix caching on (mamba_cache_mode align" in out
@@ -207,20 +218,20 @@ def test_hybrid_vllm_settings_from_the_command_line(cli):
 
 def test_hybrid_state_model_prints_vllms_lines_and_its_raised_block_size(cli):
     # Was "not modelled" (kvsim's own estimate): vLLM's arithmetic is now followed for state layers too.
-    # qwen3-next-80b-a3b on an H100 at tp 4: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks
+    # qwen3-next-80b-a3b at tp 4 with 37,309,411,328 B of KV cache: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks
     # 37,309,411,328 // (12 x 278,528) = 11,162; 11,162 / (964 + 3) = 11.54; tokens int(11.54... x 262,144)
     # (each step in tests/test_vllm_sizing.py)
-    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--gpu", "h100-80gb", "--tp", "4"]).stdout
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "37309411328", "--tp", "4"]).stdout
     assert "vLLM block_size for this model: 272 tokens (raised from --block-size 16" in out
     assert "state page padded to 278,528 B (+1.49%)" in out
     assert "block_size 272): GPU KV cache size: 3,025,906 tokens, Maximum concurrency for 262,144 tokens per request: 11.54x" in out
     assert "prefix caching off (mamba_cache_mode none" in out and "attention kernel block 16" in out
     assert "kvsim's own estimate, whole 16-token blocks" in out and "not modelled" not in out
-    data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"])
+    data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "56257837465", "--tp", "2"])
     assert data["block_rounded_is_vllm_exact"] is True
     # tp 2: 2 (K, V) x 1 head x 256 x 2 B = 1,024 B per token per layer; state 1,097,728 / 2 = 548,864 B:
     # 16 x cdiv(548,864, 16,384) = 16 x 34 (33.5 rounds up) = 544; page 544 x 1,024 = 557,056 B
-    # budget 136,257,837,465 - 80,000,000,000 = 56,257,837,465; num_blocks = 56,257,837,465 // (12 x 557,056) = 8,415
+    # budget 56,257,837,465; num_blocks = 56,257,837,465 // (12 x 557,056) = 8,415
     assert (data["vllm_block_size"], data["vllm_state_page_bytes"], data["vllm_state_page_padded_bytes"]) == (544, 548864, 557056)
     # per request: cdiv(262,144, 544) = 482 + 3 state groups = 485 blocks
     assert data["vllm_num_gpu_blocks"] == 8415 and data["vllm_blocks_per_request"] == cdiv(262144, 544) + 3
@@ -253,14 +264,14 @@ BAMBA_9B = {  # ibm-ai-platform/Bamba-9B
 
 
 def test_jamba_and_bamba_configs_print_vllms_lines(cli, tmp_path):
-    # Jamba-v0.1, tp 2: block 16 x cdiv(155,648, 32,768) = 80; num_blocks (77,309,411,328 - 51.6e9) // 163,840 // 4
+    # Jamba-v0.1, tp 2, 25,709,411,328 B of KV cache: block 16 x cdiv(155,648, 32,768) = 80; num_blocks 25,709,411,328 // 163,840 // 4
     # = 39,229; 39,229 / (3,277 + 7) = 11.95; tokens int(11.95... x 262,144) = 3,131,439
-    out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--params", "51.6e9", "--gpu", "h100-80gb", "--tp", "2"]).stdout
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--kv-cache-memory", "25709411328", "--tp", "2"]).stdout
     assert "vLLM block_size for this model: 80 tokens" in out and "(+5.26%)" in out
     assert "GPU KV cache size: 3,131,439 tokens, Maximum concurrency for 262,144 tokens per request: 11.95x" in out
-    # Bamba-9B, tp 1, 4,096 tokens: block 16 x cdiv(2,147,840, 65,536) = 528; num_blocks (77,309,411,328 - 19.56e9)
+    # Bamba-9B, tp 1, 4,096 tokens, 57,749,411,328 B of KV cache: block 16 x cdiv(2,147,840, 65,536) = 528; num_blocks 57,749,411,328
     # // (3 x 2,162,688) = 8,900; 8,900 / (8 + 10) = 494.44; tokens int(494.44... x 4,096) = 2,025,244
-    out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--params", "9.78e9", "--gpu", "h100-80gb", "--context", "4096"]).stdout
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--kv-cache-memory", "57749411328", "--context", "4096"]).stdout
     assert "vLLM block_size for this model: 528 tokens" in out and "(+0.69%)" in out
     assert "GPU KV cache size: 2,025,244 tokens, Maximum concurrency for 4,096 tokens per request: 494.44x" in out
 
@@ -294,10 +305,18 @@ def test_vllm_settings_errors_and_a_refused_start_through_the_cli(cli):
     result = cli(["size", "-m", "qwen3-next-80b-a3b", "--mamba-checkpoint-alignment", "64"])
     assert result.exit_code == 2
     assert result.output.strip() == "kvsim: error: --mamba-checkpoint-alignment: state checkpoints exist only with --mamba-cache-mode align"
-    # llama-3.1-70b at tp 2 on an H100: 2,577 blocks of 2,621,440 B; one 131,072-token request needs 8,192
-    out = cli(["size", "-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"]).stdout
-    assert "vLLM 0.33.0 would refuse to start: one request of 131,072 tokens needs 8,192 blocks of 2,621,440 B" in out
-    assert run_json(cli, ["-m", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2"])["vllm_starts"] is False
+    # llama-3.1-70b at tp 2 with 6 GiB of KV cache: 2,457 blocks of 2,621,440 B; one 131,072-token request needs 8,192
+    result = cli(["size", "-m", "llama-3.1-70b", "--kv-cache-memory", "6GiB", "--tp", "2"])
+    assert result.exit_code == 2 and "GPU KV cache size" in result.stdout
+    # vLLM's start-up error, in one line: what one request needs (8,193 blocks with the null block), what is there,
+    # and the largest max_model_len that starts: (2,457 - 1) x 16 = 39,296 tokens
+    assert result.stderr.strip() == (
+        "kvsim: error: --max-model-len: vLLM 0.33.0 would not start: one request of max_model_len 131,072 needs "
+        "20.00 GiB of KV cache (8,192 blocks and the null block), and start-up leaves 6.00 GiB; the largest "
+        "max_model_len that starts is 39,296 (lower --max-model-len, raise --gpu-memory-utilization, or add --tp)"
+    )
+    assert cli(["size", "-m", "llama-3.1-70b", "--kv-cache-memory", "6GiB", "--tp", "2", "--max-model-len", "39296"]).exit_code == 0
+    assert cli(["size", "-m", "llama-3.1-70b", "--kv-cache-memory", "6GiB", "--tp", "2", "--max-model-len", "39297"]).exit_code == 2
 
 
 def test_version_and_flags_without_a_type_in_help(cli):
@@ -314,3 +333,30 @@ def test_plot_size_refuses_a_max_context_at_or_below_the_left_edge(cli, tmp_path
     result = cli(["plot", "size", "-m", "qwen3-0.6b", "--max-context", value, "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--max-context: must be above the chart's left edge, 16 tokens" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_vllm_serve_flag_names_are_accepted(cli):
+    ours = run_json(cli, ["-m", "qwen3-32b", "--tp", "2", "--gpu", "h100", "--utilization", "0.65", "--context", "8192",
+                          "--kv-dtype", "fp8", "--max-num-seqs", "256", "--max-num-batched-tokens", "4096"])  # fmt: skip
+    vllms = run_json(cli, ["-m", "qwen3-32b", "-tp", "2", "--gpu", "h100", "--gpu-memory-utilization", "0.65",
+                           "--max-model-len", "8192", "--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "256",
+                           "--max-num-batched-tokens", "4096"])  # fmt: skip
+    assert ours == vllms
+    assert (ours["tp"], ours["kv_dtype"], ours["context_tokens"], ours["utilization"]) == (2, "fp8", 8192, 0.65)
+    assert (ours["startup"]["max_num_seqs"], ours["startup"]["max_num_batched_tokens"]) == (256, 4096)
+    longer = run_json(cli, ["-m", "qwen3-32b", "--tensor-parallel-size", "4", "--gpu", "h100"])
+    assert longer["tp"] == 4 and longer["startup"]["max_num_seqs"] == 1024  # vllm serve's default on an H100
+    hybrid = run_json(cli, ["-m", "qwen3-next-80b-a3b", "--tp", "4", "--enable-prefix-caching"])
+    assert hybrid["vllm_mamba_cache_mode"] == "align"
+    eager = run_json(cli, ["-m", "qwen3-8b", "--gpu", "h100", "--enforce-eager"])["startup"]
+    assert eager["cudagraph_estimate_bytes"] == 0 and eager["num_cudagraphs"] == 0
+    fixed = run_json(cli, ["-m", "qwen3-8b", "--gpu", "h100", "--kv-cache-memory", "20GiB"])
+    assert fixed["kv_budget_bytes"] == 20 * GiB
+
+
+def test_size_help_on_80_columns_keeps_every_option_name(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli(["size", "--help"]).stdout
+    names = [line.split()[1] for line in out.splitlines() if line.startswith("│ -")]
+    assert "--max-num-batched-tokens" in names and "--mamba-checkpoint-alignment" in names and "--kv-cache-memory" in names
+    assert not any("…" in name for name in names)

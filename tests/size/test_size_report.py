@@ -89,10 +89,10 @@ def test_non_positive_options(field, kwargs):
 
 
 def test_utilization_checked_even_without_a_device():
-    with pytest.raises(KvsimError, match="--utilization"):
+    with pytest.raises(KvsimError, match="--gpu-memory-utilization"):
         size_report(resolve_model("llama-3.1-8b"), utilization=1.5)
 
 
 def test_weights_too_big_names_the_gpu_option_when_a_gpu_was_given():
-    with pytest.raises(KvsimError, match="^--gpu: weights"):
+    with pytest.raises(KvsimError, match="^--gpu: vLLM 0.33.0 would not start"):
         size_report(resolve_model("qwen3-32b"), memory_bytes=24 * GiB, gpu_name="NVIDIA L4")
