@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvsim.errors import KvsimError
 from kvsim.models.quantization import Quantization, read_quantization
 
 _UNGATED_MLP = {"opt", "gpt2", "gpt_neox", "falcon", "gpt_bigcode", "phi", "bloom"}
@@ -31,12 +32,20 @@ class WeightConfig:
     quantization: Quantization | None = None
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    # the error of a quantization_config kvsim does not model: raised where weights are counted (kvsim size with a
+    # GPU, the replay), never a silent bf16 guess; the KV cache of such a checkpoint is still sized
+    unmodelled_quantization: str | None = None
 
 
 def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> WeightConfig:
-    """A flattened config dict's weight fields; raises KvsimError on an unmodelled quantization method."""
+    """A flattened config dict's weight fields; an unmodelled quantization method is kept as its error, raised
+    where weights are counted (kvsim.models.weights)."""
     family = str(data.get("model_type", "")).lower()
-    quant = read_quantization(data.get("quantization_config"), source)
+    unmodelled = None
+    try:
+        quant = read_quantization(data.get("quantization_config"), source)
+    except KvsimError as exc:
+        quant, unmodelled = None, str(exc)
     experts = data.get("num_experts") or data.get("num_local_experts") or data.get("n_routed_experts") or 0
     experts = experts if isinstance(experts, int) and experts > 1 else 0
     moe_layers: tuple[int, ...] = ()
@@ -69,6 +78,7 @@ def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> 
         shared_intermediate_size=int(shared),
         mla=mla,
         quantization=quant,
+        unmodelled_quantization=unmodelled,
         qk_norm=family in _QK_NORM,
         qkv_bias=bool(data.get("attention_bias", data.get("qkv_bias", family in _QKV_BIAS))),
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsim.models.quantization import Quantization
+from kvsim.errors import KvsimError
 from kvsim.models.weight_config import WeightConfig
 from kvsim.units import dtype_bytes
 
@@ -80,6 +81,8 @@ def model_weights(model: ModelSpec, *, tp: int = 1, loaded: bool = True, weight_
     `weight_dtype` overrides the checkpoint (every group in that dtype, no quantization).
     """
     cfg = model.weight_config
+    if cfg is not None and cfg.unmodelled_quantization and not weight_dtype:
+        raise KvsimError(cfg.unmodelled_quantization)
     if cfg is None or cfg.vocab_size is None:
         return None
     quant = None if weight_dtype else cfg.quantization

@@ -23,11 +23,16 @@ def test_every_catalogue_model_at_tp_1_2_8_on_two_gpus_equals_vllm(vllm_loaded):
     # that does not divide the heads) or where vLLM serves no such model (RWKV)
     unserved = {r.case.model for r in results if r.skipped and "does not serve" in r.skipped}
     assert unserved == {"rwkv-4-169m"}
-    assert all(any(why in r.skipped for why in ("weights", "--tp", "does not serve")) for r in results if r.skipped)
+    assert all(any(why in r.skipped for why in ("weights", "--tp", "does not serve", "is not modelled")) for r in results if r.skipped)
+    # a quantization kvsim does not count weights for is refused by name (never a bf16 guess): modelopt's
+    # per-layer MIXED_PRECISION checkpoints only
+    unmodelled = {r.case.model for r in results if r.skipped and "is not modelled" in r.skipped}
+    assert unmodelled == {"qwen3.6-27b-nvfp4", "qwen3.6-35b-nvfp4"}
     # every other model is compared somewhere, but for the few whose weights (as kvsim counts them) fill eight H200s
-    never = set(model_names()) - unserved - {r.case.model for r in compared}
+    never = set(model_names()) - unserved - unmodelled - {r.case.model for r in compared}
     assert all("weights" in r.skipped for r in results if r.case.model in never), never
-    assert len(never) <= 12 and not never & {"deepseek-v3", "deepseek-r1", "kimi-k2", "gpt-oss-20b", "qwen3.5-9b"}
+    # (kimi-k2's fp8 weights, 120.8 GiB a rank at tp 8, leave an H200 at vllm serve's 0.92 short by 0.1 GiB)
+    assert len(never) <= 12 and not never & {"deepseek-v3", "deepseek-r1", "gpt-oss-20b", "qwen3.5-9b"}
     assert {"mamba-2.8b", "mamba-codestral-7b", "deepseek-v3.2", "llama-4-scout"} <= {r.case.model for r in compared}
     refused = [r.case.label for r in compared if r.compared == {"vllm_starts": (False, False)}]
     # llama-3.1-70b at tp 2 on an H100: ~35 GB of KV left by vLLM's start-up, a 131,072-token request needs 43 GB;

@@ -71,11 +71,15 @@ def test_an_unmodelled_method_is_an_error_naming_it(config, needle):
     assert needle in str(err.value)
 
 
-def test_an_unmodelled_method_in_a_config_refuses_the_model(tmp_path):
+def test_an_unmodelled_method_refuses_the_weights_but_not_the_kv_cache(tmp_path):
     from kvsim.models.hf_config import load_hf_config
+    from kvsim.models.weights import model_weights
+    from kvsim.size.sizing import kv_cache_spec
 
     path = tmp_path / "config.json"
     path.write_text('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,'
-                    ' "quantization_config": {"quant_method": "exl2"}}')
+                    ' "vocab_size": 128, "intermediate_size": 256, "quantization_config": {"quant_method": "exl2"}}')
+    model = load_hf_config(path)
+    assert kv_cache_spec(model, kv_dtype="bf16").bytes_per_token == 2 * 2 * 64 * 2  # K and V, 2 layers, 64 wide
     with pytest.raises(KvsimError, match="'exl2' is not modelled"):
-        load_hf_config(path)
+        model_weights(model)  # never a silent bf16 guess
