@@ -33,6 +33,50 @@ _option_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _option_type(self, ctx)
 
 
+def _help_table():
+    """typer's --help option tables, never cutting an option's name at any terminal width.
+
+    typer lays an option out as cells (required mark, long names, short names, negative long, negative short,
+    type, help) that rich shrinks with an ellipsis when the terminal is narrow ("--max-num-batched-…"). Here an
+    option's names (aliases, the negative flag) go one a line in one cell, and every cell but the help text
+    keeps its width: only the help column wraps. Built lazily: rich's table module loads with the help screen only.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    class HelpTable(Table):
+        def add_row(self, *cells, **kwargs):
+            if len(cells) >= 6:  # an options panel's row: [required,] long, short, -no long, -no short, type, help
+                *head, long, short, neg_long, neg_short, types, help_ = cells
+                names = [n for cell in (long, neg_long) for n in cell.split(",") if n.plain]  # one name a line
+                cells = (*head, Text("\n").join(names), Text("\n").join(s for s in (short, neg_short) if s.plain), types, help_)
+            super().add_row(*cells, **kwargs)
+
+        def __rich_console__(self, console, options):
+            for column in self.columns[:-1]:
+                column.no_wrap = True
+            yield from super().__rich_console__(console, options)
+
+    return HelpTable
+
+
+def _uncut_help(format_help):
+    @functools.wraps(format_help)
+    def wrapper(self, ctx, formatter):
+        import typer.rich_utils
+
+        if not getattr(typer.rich_utils.Table, "kvsim_help", False):
+            typer.rich_utils.Table = _help_table()
+            typer.rich_utils.Table.kvsim_help = True
+        return format_help(self, ctx, formatter)
+
+    return wrapper
+
+
+typer.core.TyperCommand.format_help = _uncut_help(typer.core.TyperCommand.format_help)
+typer.core.TyperGroup.format_help = _uncut_help(typer.core.TyperGroup.format_help)
+
+
 def _show_version(value: bool) -> None:
     if value:
         from kvsim import __version__
