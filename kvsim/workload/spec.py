@@ -23,6 +23,9 @@ from kvsim.workload.yaml_fields import Fields
 # The most requests one workload may generate: a stream is held in memory (a few hundred bytes per request),
 # so this caps it near a few GiB; the Azure conversation trace has 19,366.
 MAX_REQUESTS = 10_000_000
+# The largest kv_budget: the replay's step records hold bytes in doubles, exact up to 2**53 B (8 PiB); past it a
+# budget's % columns stop adding up (1e20 B gave free = -9.2%).
+MAX_KV_BUDGET_BYTES = 2**53
 
 __all__ = ["SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
@@ -129,6 +132,8 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     if f.has("kv_budget") == f.has("gpu_memory_utilization"):
         raise f.error("kv_budget", "give exactly one of kv_budget (e.g. 4GiB) and gpu_memory_utilization (e.g. 0.9)")
     kv_budget = f.bytes("kv_budget", None)
+    if kv_budget is not None and kv_budget > MAX_KV_BUDGET_BYTES:
+        raise f.error("kv_budget", f"{kv_budget:.3g} B is more than the replay can count exactly (8 PiB, 2**53 B)")
     utilization = f.float("gpu_memory_utilization", None, min=0, max=1)
     if utilization == 0:
         raise f.error("gpu_memory_utilization", "must be > 0")

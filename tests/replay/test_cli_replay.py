@@ -121,6 +121,25 @@ def test_budget_below_one_block_is_a_user_error(cli, tmp_path, tensors):
     assert len(lines) == 1 and "tiny-budget.yaml: kv_budget:" in lines[0] and "holds not one" in lines[0]
 
 
+@pytest.mark.parametrize("budget,says", [
+    ("1e20", "more than the replay can count exactly"),  # flat-max reported free = -9.2%
+    ("1000000000000000000000000000000", "more than the replay can count exactly"),  # 10**30: a MemoryError
+    ("1e30", "more than the replay can count exactly"),  # ran for minutes
+    ("64TiB", "more than the replay builds"),  # 38 million paged-16 blocks: minutes and gigabytes
+])
+def test_a_budget_the_replay_cannot_hold_is_refused_before_anything_runs(cli, tmp_path, budget, says):
+    path = write_tiny(tmp_path)
+    huge = tmp_path / "huge-budget.yaml"
+    text = path.read_text()
+    budget_line = next(line for line in text.splitlines() if line.startswith("kv_budget:"))
+    huge.write_text(text.replace(budget_line, f"kv_budget: {budget}").replace("reserve: oracle", "reserve: max"))
+    result = cli(["replay", str(huge), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "huge-budget.yaml: kv_budget:" in lines[0] and says in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):
     """--out naming a file, or a report file's name taken by a directory, was a FileExistsError traceback."""
     path = write_tiny(tmp_path, count=3)
