@@ -20,8 +20,10 @@ def _streams() -> tuple[Stream, ...]:
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
         "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups
     ]
+    as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
+    streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
     return tuple(streams)
 
 
@@ -110,6 +112,7 @@ def format_difference(result: StreamResult) -> str:
             f"{name}: first differing step {c.first_step}",
             f"  kvsim: {c.kvsim_state.describe()}",
             f"  vLLM:  {c.vllm_state.describe()}",
+            *(f"  {line}" for line in c.schedule_difference),
         ]
     if c.blocks_kvsim != c.blocks_vllm:
         lines.append(f"{name}: GPU blocks: kvsim {c.blocks_kvsim:,}, vLLM {c.blocks_vllm:,}")
