@@ -324,9 +324,10 @@ def conformance(
     stream: Annotated[Optional[list[str]], typer.Option("--stream", "-s", help="Run only this stream (repeat for several; default: all).")] = None,
 ) -> None:
     """Run vLLM 0.33.0's own scheduler beside kvsim's replay on the conformance streams, step by step (fetches the wheel once)."""
+    from kvsim.conformance.progress import StderrProgress
     from kvsim.conformance.suite import run_suite
 
-    code = run_suite(stream, echo=typer.echo)
+    code = run_suite(stream, echo=typer.echo, progress=StderrProgress())
     if code:
         raise typer.Exit(code)
 

@@ -175,3 +175,19 @@ def test_cli_unknown_stream_is_a_user_error(cli):
     result = cli(["conformance", "--stream", "nope"])
     assert result.exit_code == 2
     assert "unknown stream 'nope'" in result.output
+
+
+def test_a_long_stream_reports_its_progress(vllm_loaded):
+    """max-num-seqs runs 1,139 steps: each side says where it is at step 1,024, and the line is cleared before
+    the stream's row."""
+    from kvsim.conformance.suite import run_suite
+
+    events = []
+    code = run_suite(["max-num-seqs"], echo=lambda line: events.append(("row", line)),
+                     progress=lambda text: events.append(("progress", text)))
+    assert code == 0
+    shown = [text for kind, text in events if kind == "progress"]
+    assert shown == ["max-num-seqs (1 of 1): kvsim's replay", "max-num-seqs (1 of 1): kvsim's replay, step 1,024",
+                     "max-num-seqs (1 of 1): vLLM's scheduler", "max-num-seqs (1 of 1): vLLM's scheduler, step 1,024", ""]
+    row = next(k for k, (kind, line) in enumerate(events) if kind == "row" and line.startswith("max-num-seqs"))
+    assert events[row - 1] == ("progress", "")
