@@ -223,16 +223,33 @@ def replay(
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
     read_every: Annotated[Optional[int], typer.Option("--read-every", help="Read + attend on every N-th decode step; every step writes. Default: 1 on CUDA; on CPU 20000, or 100 with --timing measured (the steps between timed from the last read's µs per token).", show_default=False)] = None,
     max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "1GiB",
+    # The workload's settings, under kvsim's names and vllm serve's (paste a `vllm serve` line's flags)
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Override the workload's model: catalogue name, HF id or config.json path.", show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", "--hardware", help="Override the workload's hardware (GPU from the catalogue).", show_default=False)] = None,
+    utilization: Annotated[Optional[float], typer.Option("--utilization", "--gpu-memory-utilization", help="KV budget from this fraction of GPU memory, weights subtracted, instead of the workload's kv_budget.", show_default=False)] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Override the workload's max_model_len.", show_default=False)] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", "--kv-cache-dtype", help="Override the workload's kv_dtype: bf16, fp16, fp32, fp8, int8.", show_default=False)] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Tokens per block of every paged allocator.", show_default=False)] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Override the scheduler's max_num_seqs.", show_default=False)] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Override the scheduler's max_num_batched_tokens.", show_default=False)] = None,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching", help="Prefix caching on (or off) for every paged allocator.", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
 
     from kvsim.replay.view import run_replay_cli
+    from kvsim.workload.overrides import WorkloadOverrides
 
+    overrides = WorkloadOverrides(
+        model=model, hardware=gpu, gpu_memory_utilization=utilization, max_model_len=max_model_len, kv_dtype=kv_dtype,
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        prefix_caching=prefix_caching,
+    )
     run_replay_cli(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
+        overrides=overrides,
     )
 
 
@@ -305,7 +322,7 @@ def sweep(
     out: Annotated[Optional[str], typer.Option("--out", help="Results directory (default: reports/sweeps/<sweep name>/).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-j", help="Local worker processes (default: one per CPU).", show_default=False)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run on Ray: auto (a running cluster, else a local one) or a cluster ADDRESS.", show_default=False)] = None,
-    tensors: Annotated[bool, typer.Option("--tensors", help="Replay with cache tensors (default: accounting only).")] = False,
+    tensors: Annotated[bool, typer.Option("--tensors/--no-tensors", help="Replay with cache tensors, or accounting only (--no-tensors, the default).")] = False,
     device: Annotated[str, typer.Option("--device", help="With --tensors: cuda, cpu or auto.")] = "auto",
     timing: Annotated[Optional[str], typer.Option("--timing", help="Every replay's step clock: roofline, measured, kernels-db or auto (passed through; default: the sweep file's timing:, else roofline).", show_default=False)] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write results.csv next to results.parquet.")] = False,

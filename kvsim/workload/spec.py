@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 
@@ -84,9 +84,11 @@ WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware
                    "max_model_len", "requests", "allocators", "scheduler")  # fmt: skip
 
 
-def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
+def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None,
+                  edit: Callable[[object], object] | None = None) -> Workload:
     """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
-    file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
+    file's request source with that trace; `seed` and `limit` override the file's seed and request limit;
+    `edit` changes the parsed YAML before it is validated (command-line settings, kvsim.workload.overrides)."""
     path = Path(path)
     source = str(path)
     try:
@@ -100,6 +102,8 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    if edit is not None:
+        raw = edit(raw)
     return workload_from_mapping(raw, path, sha256=hashlib.sha256(data).hexdigest(), trace=trace, seed=seed, limit=limit)
 
 
@@ -111,6 +115,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     source = str(path)
     if raw is None:
         raise KvsimError("the workload file is empty (see workloads/poisson.yaml for every field)", source=source)
+    raw = _aliases(raw, source)
     f = Fields(raw, source=source)
     f.only(WORKLOAD_FIELDS)
     base_dir = path.parent
@@ -164,6 +169,23 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         old = workload.requests.limit
         workload = replace(workload, requests=replace(workload.requests, limit=limit if old is None else min(old, limit)))
     return workload
+
+
+# The command line's names, accepted in the file too: `gpu: h100-80gb` is `hardware: h100-80gb`.
+FIELD_ALIASES = {"gpu": "hardware", "utilization": "gpu_memory_utilization"}
+
+
+def _aliases(raw, source: str):
+    """`raw` with the command line's names (`gpu`, `utilization`) under the file's; both names at once is an error."""
+    if not isinstance(raw, dict) or not any(alias in raw for alias in FIELD_ALIASES):
+        return raw
+    raw = dict(raw)
+    for alias, name in FIELD_ALIASES.items():
+        if alias in raw:
+            if name in raw:
+                raise KvsimError(f"give {name} or {alias} (the same setting), not both", source=source, field=alias)
+            raw[name] = raw.pop(alias)
+    return raw
 
 
 def _scheduler(f: Fields | None) -> SchedulerConfig:
