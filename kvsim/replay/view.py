@@ -219,5 +219,7 @@ def run_replay_cli(
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):
             console.print(line, markup=False, highlight=False)
-        console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json)")
+        kernels = ", kernels.parquet, kernels.json" if paths.kernels is not None else ""
+        console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json; "
+                      f"this host's: host.json{kernels})")
     return paths.out_dir
