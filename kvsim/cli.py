@@ -41,6 +41,7 @@ def _help_table():
     option's names (aliases, the negative flag) go one a line in one cell, and every cell but the help text
     keeps its width: only the help column wraps. Built lazily: rich's table module loads with the help screen only.
     """
+    from rich.columns import Columns
     from rich.table import Table
     from rich.text import Text
 
@@ -49,12 +50,16 @@ def _help_table():
             if len(cells) >= 6:  # an options panel's row: [required,] long, short, -no long, -no short, type, help
                 *head, long, short, neg_long, neg_short, types, help_ = cells
                 names = [n for cell in (long, neg_long) for n in cell.split(",") if n.plain]  # one name a line
+                if isinstance(help_, Columns) and all(isinstance(r, Text) for r in help_.renderables):
+                    help_ = Text(" ").join(help_.renderables)  # typer's help as one text, which folds, not cut
                 cells = (*head, Text("\n").join(names), Text("\n").join(s for s in (short, neg_short) if s.plain), types, help_)
             super().add_row(*cells, **kwargs)
 
         def __rich_console__(self, console, options):
             for column in self.columns[:-1]:
                 column.no_wrap = True
+            if self.columns:
+                self.columns[-1].overflow = "fold"  # a word longer than the help column breaks, never cut
             yield from super().__rich_console__(console, options)
 
     return HelpTable
