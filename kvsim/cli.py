@@ -310,7 +310,7 @@ def cache_curve(
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block (512 is Mooncake's own).")] = 16,
     capacities: Annotated[Optional[str], typer.Option("--capacities", help="Cache capacities in tokens, e.g. 1e4,1e5,3e6 (default: a log grid).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Adds capacities in bytes from this model's KV bytes per token (default: a workload's model).", show_default=False)] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", "--hardware", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
 ) -> None:
