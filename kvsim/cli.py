@@ -33,6 +33,55 @@ _option_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _option_type(self, ctx)
 
 
+def _help_table():
+    """typer's --help option tables, never cutting an option's name at any terminal width.
+
+    typer lays an option out as cells (required mark, long names, short names, negative long, negative short,
+    type, help) that rich shrinks with an ellipsis when the terminal is narrow ("--max-num-batched-…"). Here an
+    option's names (aliases, the negative flag) go one a line in one cell, and every cell but the help text
+    keeps its width: only the help column wraps. Built lazily: rich's table module loads with the help screen only.
+    """
+    from rich.columns import Columns
+    from rich.table import Table
+    from rich.text import Text
+
+    class HelpTable(Table):
+        def add_row(self, *cells, **kwargs):
+            if len(cells) >= 6:  # an options panel's row: [required,] long, short, -no long, -no short, type, help
+                *head, long, short, neg_long, neg_short, types, help_ = cells
+                names = [n for cell in (long, neg_long) for n in cell.split(",") if n.plain]  # one name a line
+                if isinstance(help_, Columns) and all(isinstance(r, Text) for r in help_.renderables):
+                    help_ = Text(" ").join(help_.renderables)  # typer's help as one text, which folds, not cut
+                cells = (*head, Text("\n").join(names), Text("\n").join(s for s in (short, neg_short) if s.plain), types, help_)
+            super().add_row(*cells, **kwargs)
+
+        def __rich_console__(self, console, options):
+            for column in self.columns[:-1]:
+                column.no_wrap = True
+            if self.columns:
+                self.columns[-1].overflow = "fold"  # a word longer than the help column breaks, never cut
+            yield from super().__rich_console__(console, options)
+
+    return HelpTable
+
+
+def _uncut_help(format_help):
+    @functools.wraps(format_help)
+    def wrapper(self, ctx, formatter):
+        import typer.rich_utils
+
+        if not getattr(typer.rich_utils.Table, "kvsim_help", False):
+            typer.rich_utils.Table = _help_table()
+            typer.rich_utils.Table.kvsim_help = True
+        return format_help(self, ctx, formatter)
+
+    return wrapper
+
+
+typer.core.TyperCommand.format_help = _uncut_help(typer.core.TyperCommand.format_help)
+typer.core.TyperGroup.format_help = _uncut_help(typer.core.TyperGroup.format_help)
+
+
 def _show_version(value: bool) -> None:
     if value:
         from kvsim import __version__
@@ -203,17 +252,34 @@ def replay(
     max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "1GiB",
     tp: Annotated[Optional[int], typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks (overrides the workload's deployment.tp): the KV pool and budget are one rank's, the clock prices the step with its all-reduces.", show_default=False)] = None,
     ep: Annotated[Optional[int], typer.Option("--ep", help="MoE experts over this many ranks: 1 or tp (vLLM's --enable-expert-parallel; overrides deployment.ep; kernels-db clock only).", show_default=False)] = None,
+    # The workload's settings, under kvsim's names and vllm serve's (paste a `vllm serve` line's flags)
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Override the workload's model: catalogue name, HF id or config.json path.", show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", "--hardware", help="Override the workload's hardware (GPU from the catalogue).", show_default=False)] = None,
+    utilization: Annotated[Optional[float], typer.Option("--utilization", "--gpu-memory-utilization", help="KV budget from this fraction of GPU memory, weights subtracted, instead of the workload's kv_budget.", show_default=False)] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Override the workload's max_model_len.", show_default=False)] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", "--kv-cache-dtype", help="Override the workload's kv_dtype: bf16, fp16, fp32, fp8, int8.", show_default=False)] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Tokens per block of every paged allocator.", show_default=False)] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Override the scheduler's max_num_seqs.", show_default=False)] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Override the scheduler's max_num_batched_tokens.", show_default=False)] = None,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching", help="Prefix caching on (or off) for every paged allocator.", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
 
     from kvsim.replay.view import run_replay_cli
+    from kvsim.workload.overrides import WorkloadOverrides
 
+    overrides = WorkloadOverrides(
+        model=model, hardware=gpu, gpu_memory_utilization=utilization, max_model_len=max_model_len, kv_dtype=kv_dtype,
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        prefix_caching=prefix_caching,
+    )
     run_replay_cli(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
         tp=tp, ep=ep,
+        overrides=overrides,
     )
 
 
@@ -269,7 +335,7 @@ def cache_curve(
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block (512 is Mooncake's own).")] = 16,
     capacities: Annotated[Optional[str], typer.Option("--capacities", help="Cache capacities in tokens, e.g. 1e4,1e5,3e6 (default: a log grid).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Adds capacities in bytes from this model's KV bytes per token (default: a workload's model).", show_default=False)] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", "--hardware", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
     cpu_capacities: Annotated[Optional[str], typer.Option("--cpu-capacities", help="Add vLLM's CPU offloading tier (LRU) at these capacities in tokens, e.g. 1e6,1e7: each tier's hit rate at every pair (docs/cpu-tier.md).", show_default=False)] = None,
@@ -289,7 +355,7 @@ def sweep(
     out: Annotated[Optional[str], typer.Option("--out", help="Results directory (default: reports/sweeps/<sweep name>/).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", "-j", help="Local worker processes (default: one per CPU).", show_default=False)] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run on Ray: auto (a running cluster, else a local one) or a cluster ADDRESS.", show_default=False)] = None,
-    tensors: Annotated[bool, typer.Option("--tensors", help="Replay with cache tensors (default: accounting only).")] = False,
+    tensors: Annotated[bool, typer.Option("--tensors/--no-tensors", help="Replay with cache tensors, or accounting only (--no-tensors, the default).")] = False,
     device: Annotated[str, typer.Option("--device", help="With --tensors: cuda, cpu or auto.")] = "auto",
     timing: Annotated[Optional[str], typer.Option("--timing", help="Every replay's step clock: roofline, measured, kernels-db or auto (passed through; default: the sweep file's timing:, else roofline).", show_default=False)] = None,
     csv: Annotated[bool, typer.Option("--csv", help="Also write results.csv next to results.parquet.")] = False,
@@ -308,9 +374,10 @@ def conformance(
     stream: Annotated[Optional[list[str]], typer.Option("--stream", "-s", help="Run only this stream (repeat for several; default: all).")] = None,
 ) -> None:
     """Run vLLM 0.33.0's own scheduler beside kvsim's replay on the conformance streams, step by step (fetches the wheel once)."""
+    from kvsim.conformance.progress import StderrProgress
     from kvsim.conformance.suite import run_suite
 
-    code = run_suite(stream, echo=typer.echo)
+    code = run_suite(stream, echo=typer.echo, progress=StderrProgress())
     if code:
         raise typer.Exit(code)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsim.conformance.trace import StepRecord, Trace
+from kvsim.conformance.trace import StepRecord, Trace, decode_schedule
 
 EVENTS = ("first_scheduled", "first_token", "finished")
 
@@ -20,7 +20,7 @@ class StepState:
         if self.record is None:
             return "no such step (finished earlier)"
         r = self.record
-        parts = [f"{name}={getattr(r, name)!r}" for name in StepRecord.COMPARED]
+        parts = [f"{name}={getattr(r, name)!r}" for name in StepRecord.SHOWN]
         parts += [f"{name}={list(ids)}" for name, ids in self.events.items() if ids]
         return " ".join(parts)
 
@@ -41,6 +41,8 @@ class Comparison:
     rejected_vllm: tuple[int, ...]
     blocks_kvsim: int  # the pools, null block included
     blocks_vllm: int
+    # at the first differing step, the requests whose schedule differs: "request 7: kvsim 16 tokens, blocks ..."
+    schedule_difference: tuple[str, ...] = ()
 
     @property
     def differs(self) -> bool:
@@ -70,6 +72,7 @@ def compare(kvsim: Trace, vllm: Trace) -> Comparison:
         if first is None:
             first = step
     state = (lambda t, e, s: StepState(t.steps[s] if s < len(t.steps) else None, e.get(s, empty)))
+    first_pair = [t.steps[first] if first is not None and first < len(t.steps) else None for t in (kvsim, vllm)]
     return Comparison(
         kvsim_steps=len(kvsim.steps),
         vllm_steps=len(vllm.steps),
@@ -83,4 +86,18 @@ def compare(kvsim: Trace, vllm: Trace) -> Comparison:
         rejected_vllm=tuple(sorted(vllm.rejected)),
         blocks_kvsim=kvsim.num_gpu_blocks,
         blocks_vllm=vllm.num_gpu_blocks,
+        schedule_difference=schedule_difference(*first_pair),
     )
+
+
+def schedule_difference(a: StepRecord | None, b: StepRecord | None, limit: int = 4) -> tuple[str, ...]:
+    """The requests that ran in only one of two steps, or with other token counts or block ids (at most
+    `limit` of them, then how many more)."""
+    if a is None or b is None or a.scheduled == b.scheduled:
+        return ()
+    ka, kb = decode_schedule(a.scheduled), decode_schedule(b.scheduled)
+    show = lambda e: "did not run" if e is None else f"{e[0]} tokens, blocks {[list(t) for t in e[1]]}"  # noqa: E731
+    lines = [f"request {i}: kvsim {show(ka.get(i))}; vLLM {show(kb.get(i))}"
+             for i in sorted(ka.keys() | kb.keys()) if ka.get(i) != kb.get(i)]
+    more = [f"... and {len(lines) - limit} more requests"] if len(lines) > limit else []
+    return tuple(lines[:limit] + more)

@@ -3,17 +3,35 @@ paged allocator, one row per step) and vLLM's scheduler in the engine core's loo
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvsim.conformance.stream import ResolvedStream
-from kvsim.conformance.trace import StepRecord, Trace
+from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, tail_blocks
 
 
-def run_kvsim(rs: ResolvedStream) -> Trace:
-    """kvsim's `replay_allocator` over the stream, observed step by step."""
+PROGRESS_EVERY = 1024  # steps between progress calls
+
+
+def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None) -> Trace:
+    """kvsim's `replay_allocator` over the stream, observed step by step; `progress(text)` every 1,024 steps."""
     from kvsim.replay.loop import replay_allocator
     from kvsim.replay.options import ReplayOptions
 
     trace = Trace("kvsim")
     lag = 1 if getattr(rs.workload.scheduler, "async_scheduling", False) else 0  # outputs come a row late
+    block_size = rs.config.block_size
+    schedules: list[bytes] = []  # each computing row's schedule, recorded as it is scheduled, until observed
+
+    def scheduled(out, sched):
+        # the allocator's per-request tables (uniform: one lane; mixed: vLLM's groups), read at their tail only
+        reqs = sched.allocator._reqs
+        admitted = {id(seq) for seq in out.admitted}
+        entries = []
+        for seq, num in [(seq, num) for seq, _, num in out.prefills] + [(seq, 1) for seq in out.decodes]:
+            k = tail_blocks(num, block_size, id(seq) in admitted)
+            tables = [[0 if b is None else b.block_id for b in (t if k is None else t[-k:])] for t in reqs[seq].tables]
+            entries.append((seq.index, num, tables))
+        schedules.append(encode_schedule(entries))
 
     def observe(step, now, dt, out, finished, sched, preemptions):
         trace.num_gpu_blocks = sched.allocator.num_blocks
@@ -35,14 +53,17 @@ def run_kvsim(rs: ResolvedStream) -> Trace:
         # preempted while building this row (async: a stale output then finishes a request that waits)
         preempted = {id(seq) for seq in out.preempted}
         running = len(sched.running) + sum(1 for seq in finished if id(seq) not in preempted)
-        trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits))
+        trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits,
+                                      schedules.pop(0)))
+        if progress is not None and len(trace.steps) % PROGRESS_EVERY == 0:
+            progress(f"kvsim's replay, step {len(trace.steps):,}")
 
-    run = replay_allocator(rs.config, rs.requests, rs.ctx, ReplayOptions(tensors=False), observer=observe)
+    run = replay_allocator(rs.config, rs.requests, rs.ctx, ReplayOptions(tensors=False), observer=observe, on_schedule=scheduled)
     trace.rejected = {i for i, reason in enumerate(run.rejected_reason) if reason is not None}
     return trace
 
 
-def run_vllm(rs: ResolvedStream) -> Trace:
+def run_vllm(rs: ResolvedStream, progress: Callable[[str], None] | None = None) -> Trace:
     """vLLM's own scheduler over the stream; every batch takes the time kvsim's replay gives that batch."""
     from kvsim.conformance.vllm_engine import VllmEngine
     from kvsim.replay.loop import _step_time
@@ -59,7 +80,7 @@ def run_vllm(rs: ResolvedStream) -> Trace:
         # roofline prices exactly as kvsim's decode term does.
         return _step_time(roofline, _Batch([(None, start, num) for start, num in chunks]), 0)
 
-    return VllmEngine(rs.setup, rs.requests, token_ids, step_time).run()
+    return VllmEngine(rs.setup, rs.requests, token_ids, step_time, progress=progress).run()
 
 
 class _Batch:

@@ -14,7 +14,8 @@ STREAMS_DIR = Path(__file__).with_name("streams")
 
 @dataclass(frozen=True)
 class Stream:
-    """`workload` (a YAML under streams/, or any path) replayed with `async_scheduling` on or off."""
+    """`workload` (a YAML under streams/, or any path) replayed as its `scheduler:` says, with async scheduling
+    forced on by `async_scheduling` (both sides: kvsim's replay and vLLM's `AsyncScheduler`)."""
 
     name: str
     workload: Path
@@ -84,7 +85,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         watermark=config.watermark,
         reserve_full_isl=sc.scheduler_reserve_full_isl,
         enable_prefix_caching=config.prefix_caching,
-        async_scheduling=stream.async_scheduling,
+        async_scheduling=getattr(sc, "async_scheduling", False),  # the workload's, or the stream's forced on
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
     )

@@ -20,8 +20,10 @@ def _streams() -> tuple[Stream, ...]:
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
         "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups
     ]
+    as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
+    streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
     return tuple(streams)
 
 
@@ -41,16 +43,21 @@ class StreamResult:
         return self.error is not None or self.comparison.differs
 
 
-def run_stream(stream: Stream) -> StreamResult:
-    """Resolve `stream`, replay it in kvsim, run it through vLLM's scheduler, compare."""
+def run_stream(stream: Stream, progress: Callable[[str], None] | None = None) -> StreamResult:
+    """Resolve `stream`, replay it in kvsim, run it through vLLM's scheduler, compare; `progress(text)` says
+    which side runs and, every 1,024 steps, where it is."""
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
 
+    say = progress or (lambda text: None)
     try:
         rs = resolve(stream)
     except KvsimError as exc:
         return StreamResult(stream, None, error=str(exc))
-    return StreamResult(stream, compare(run_kvsim(rs), run_vllm(rs)))
+    say("kvsim's replay")
+    kvsim = run_kvsim(rs, progress)
+    say("vLLM's scheduler")
+    return StreamResult(stream, compare(kvsim, run_vllm(rs, progress)))
 
 
 def select(names: list[str] | None) -> list[Stream]:
@@ -64,19 +71,30 @@ def select(names: list[str] | None) -> list[Stream]:
     return [by_name[n] for n in names]
 
 
-def run_suite(names: list[str] | None = None, echo: Callable[[str], None] = print) -> int:
+def run_suite(names: list[str] | None = None, echo: Callable[[str], None] = print,
+              progress: Callable[[str], None] | None = None) -> int:
     """Run the streams, print the table and the first differing step of each differing stream.
 
+    vLLM's modules are loaded first (a missing package, or the wheel that cannot be fetched, is one error before
+    the table starts). `progress(text)` is told which stream runs and where it is; `progress("")` before each row.
     Returns the exit code: 0 when every stream has 0 differing steps, 1 otherwise.
     """
+    from kvsim.conformance.vllm_import import install
+
     streams = select(names)
+    install()
     header = f"{'stream':<30} {'steps kvsim / vLLM':>20} {'preemptions kvsim / vLLM':>26} {'differing steps':>16}"
     echo(header)
     echo("-" * len(header))
     results = []
-    for stream in streams:
-        result = run_stream(stream)
+    for k, stream in enumerate(streams, 1):
+        say = None
+        if progress is not None:
+            say = lambda text, where=f"{stream.name} ({k} of {len(streams)})": progress(f"{where}: {text}")  # noqa: E731
+        result = run_stream(stream, say)
         results.append(result)
+        if progress is not None:
+            progress("")
         echo(format_row(result))
     for result in results:
         if result.differs:
@@ -110,6 +128,7 @@ def format_difference(result: StreamResult) -> str:
             f"{name}: first differing step {c.first_step}",
             f"  kvsim: {c.kvsim_state.describe()}",
             f"  vLLM:  {c.vllm_state.describe()}",
+            *(f"  {line}" for line in c.schedule_difference),
         ]
     if c.blocks_kvsim != c.blocks_vllm:
         lines.append(f"{name}: GPU blocks: kvsim {c.blocks_kvsim:,}, vLLM {c.blocks_vllm:,}")

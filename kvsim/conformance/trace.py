@@ -5,6 +5,7 @@ A step is one batch that computed at least one token, numbered from 0 in the ord
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -16,7 +17,8 @@ class StepRecord:
     `running`: requests in the running queue after scheduling; `prefill_tokens`: tokens of (re)prefills, a
     prompt or, after a recompute preemption, every token the request had; `decode_tokens`: one per request
     computing its latest sampled token; `preemptions`: requests preempted while building this step;
-    `prefix_hit_tokens`: tokens of admitted requests found in the prefix cache.
+    `prefix_hit_tokens`: tokens of admitted requests found in the prefix cache; `scheduled`: which requests ran,
+    the tokens each computed and their block ids (`encode_schedule`).
     """
 
     time_s: float
@@ -25,9 +27,11 @@ class StepRecord:
     decode_tokens: int
     preemptions: int
     prefix_hit_tokens: int
+    scheduled: bytes = b""
 
     # time_s too: both sides price a step with kvsim's roofline, so equal steps give equal clocks, bit for bit
-    COMPARED = ("time_s", "running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens")
+    COMPARED = ("time_s", "running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens", "scheduled")
+    SHOWN = COMPARED[:-1]  # `scheduled` is described request by request where the sides differ
 
     def compared(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in self.COMPARED)
@@ -59,3 +63,38 @@ class Trace:
             name: sorted(i for i, s in getattr(self, name).items() if s == step)
             for name in ("first_scheduled", "first_token", "finished")
         }
+
+
+def tail_blocks(num_tokens: int, block_size: int, admitted: bool) -> int | None:
+    """How many trailing block ids of each group's table a step records for a request: all of them when the
+    request was (re)admitted (its prefix-cache hits included), else those the step's tokens can touch."""
+    return None if admitted else -(-num_tokens // block_size) + 1
+
+
+def encode_schedule(entries: list[tuple[int, int, list[list[int]]]]) -> bytes:
+    """A step's schedule as one compact value: per request (sorted by index) its index, tokens computed, and each
+    KV cache group's recorded block ids. Bytes: a long stream holds one per step, compared whole."""
+    flat = array("q")
+    for index, num_tokens, tables in sorted(entries, key=lambda e: e[0]):
+        flat.extend((index, num_tokens, len(tables)))
+        for ids in tables:
+            flat.append(len(ids))
+            flat.extend(ids)
+    return flat.tobytes()
+
+
+def decode_schedule(data: bytes) -> dict[int, tuple[int, tuple[tuple[int, ...], ...]]]:
+    """`encode_schedule`'s inverse: request index -> (tokens computed, block ids per group)."""
+    flat = array("q")
+    flat.frombytes(data)
+    out, k = {}, 0
+    while k < len(flat):
+        index, num_tokens, num_groups = flat[k : k + 3]
+        k += 3
+        tables = []
+        for _ in range(num_groups):
+            n = flat[k]
+            tables.append(tuple(flat[k + 1 : k + 1 + n]))
+            k += 1 + n
+        out[index] = (num_tokens, tuple(tables))
+    return out

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from kvsim.conformance.trace import StepRecord, Trace
+from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, tail_blocks
 from kvsim.conformance.vllm_import import import_vllm
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn", "int8": "int8"}
@@ -158,8 +158,9 @@ class VllmEngine:
     request i, `step_time(chunks)` the roofline seconds of a batch of (start, num_tokens) chunks.
     """
 
-    def __init__(self, setup: EngineSetup, requests: list, token_ids, step_time):
+    def __init__(self, setup: EngineSetup, requests: list, token_ids, step_time, progress=None):
         self.setup = setup
+        self.progress = progress  # progress(text) every 1,024 steps, or None
         self.requests = requests
         self.token_ids = token_ids
         self.step_time = step_time
@@ -178,6 +179,8 @@ class VllmEngine:
         self._ids: dict[str, list[int]] = {}  # live requests' token ids
         self._target: dict[str, int] = {}  # tokens a request had when (re)admitted: its prefill ends there
         self._index: dict[str, int] = {}
+        # preemptions made by scheduler calls that scheduled no token: counted with the next step, as kvsim does
+        self._pending_preemptions = 0
 
     # --- the engine core's loops -------------------------------------------------------------------
 
@@ -234,11 +237,14 @@ class VllmEngine:
         for r in sched.waiting:
             self._target[r.request_id] = r.num_tokens
         so = sched.schedule()
+        self._pending_preemptions += len(so.preempted_req_ids or ())
         if so.total_num_scheduled_tokens == 0:
             return so, self._model_output([], {}), now, None
         step = len(self.trace.steps)
         chunks, sampled = [], {}
         prefill = decode = hits = 0
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        entries = []
         for req_id, num in so.num_scheduled_tokens.items():
             request = sched.requests[req_id]
             end = request.num_computed_tokens  # already advanced by `num`
@@ -247,6 +253,9 @@ class VllmEngine:
             if req_id not in before:  # admitted (new or resumed): its start is what the prefix cache held
                 hits += start
                 self.trace.first_scheduled.setdefault(index, step)
+            k = tail_blocks(num, self.setup.block_size, req_id not in before)
+            tables = [m.req_to_blocks.get(req_id, []) for m in managers]
+            entries.append((index, num, [[b.block_id for b in (t if k is None else t[-k:])] for t in tables]))
             target = self._target.get(req_id, request.num_prompt_tokens)
             in_prefill = max(0, min(end, target) - start)
             prefill += in_prefill
@@ -259,8 +268,11 @@ class VllmEngine:
         # With async scheduling a batch is scheduled while the one before runs, and starts when that one ends.
         start = max(now, self._gpu_free_at)
         self._gpu_free_at = start + self.step_time(chunks)
-        record = StepRecord(start, len(sched.running), prefill, decode, len(so.preempted_req_ids or ()), hits)
+        record = StepRecord(start, len(sched.running), prefill, decode, self._pending_preemptions, hits, encode_schedule(entries))
+        self._pending_preemptions = 0
         self.trace.steps.append(record)
+        if self.progress is not None and len(self.trace.steps) % 1024 == 0:
+            self.progress(f"vLLM's scheduler, step {len(self.trace.steps):,}")
         return so, self._model_output(list(so.num_scheduled_tokens), sampled), self._gpu_free_at, step
 
     def _model_output(self, req_ids: list[str], sampled: dict[str, list[int]]):

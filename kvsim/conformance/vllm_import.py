@@ -177,7 +177,9 @@ def install(root: Path | None = None) -> _VllmFinder:
                 try:
                     importlib.import_module(req)
                 except ImportError as exc:
-                    raise VllmImportError(f"vLLM's modules need the package {req!r}: {exc}") from None
+                    raise VllmImportError(f"vLLM's modules need the package {req!r} ({exc}): install kvsim's "
+                                          "conformance extra, pip install -e '.[conformance]' in a clone "
+                                          "(pip install 'kvsim[conformance]' otherwise)") from None
             if root is None:
                 from kvsim.conformance.vllm_wheel import vllm_source_root
 

@@ -62,19 +62,28 @@ def fetch_wheel(cache: Path) -> Path:
     return _pip_download(cache)
 
 
+WHEEL_SIZE = "~340 MB"  # vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl: 336,361,138 B
+
+
 def _pip_download(cache: Path) -> Path:
     # The wheel's Python files are the same on every platform; pinning one lets any machine fetch them.
+    print(f"kvsim: downloading vLLM {VLLM_VERSION}'s wheel ({WHEEL_SIZE}, once) into {cache}; only its Python "
+          "sources are extracted and kept beside it", file=sys.stderr, flush=True)
+    try:  # pip's progress bar (on its stdout) shown on our stderr, so a piped table stays clean
+        shown = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        shown = subprocess.DEVNULL
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp,
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "--dest", tmp,
                "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
                f"vllm=={VLLM_VERSION}"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(cmd, stdout=shown, stderr=subprocess.PIPE, text=True, timeout=1800)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise VllmWheelUnavailable(f"pip download failed: {exc}") from None
         wheels = sorted(Path(tmp).glob(WHEEL_GLOB))
         if proc.returncode != 0 or not wheels:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no wheel"]
             raise VllmWheelUnavailable(f"pip download vllm=={VLLM_VERSION} failed: {tail[0]}")
         return _move_in(wheels[0], cache, copy=False)
 

@@ -53,7 +53,8 @@ def cache_curve_chart(curve, ctx):
         per = ctx.bytes_per_token / 2**30
         sec = ax.secondary_xaxis("top", functions=(lambda t: t * per, lambda g: g / per))
         sec.set_xlabel(f"{ctx.model} KV cache (GiB)")
-    ax.legend(loc="upper left")
+    # Below the axes: inside, it sat on the dashed ideal line (the curve's top, wherever the data puts it)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=1, frameon=False)
     subtitle = (f"{ctx.name} · {curve.num_requests:,} requests · {curve.prompt_tokens:,} prompt tokens · block size {bs}"
                 " · arrival order, each request alone")
     titles(fig, "Prefix-cache hit rate vs cache capacity", subtitle)

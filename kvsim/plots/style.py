@@ -82,7 +82,8 @@ def titles(fig: Figure, title: str, subtitle: str) -> None:
     """
     above = lambda points: offset_copy(fig.transFigure, fig=fig, y=points, units="points")  # noqa: E731
     fig.text(0.5, 1.0, subtitle, transform=above(4), ha="center", va="bottom", fontsize=9.5, color="#555555")
-    fig.text(0.5, 1.0, title, transform=above(20), ha="center", va="bottom", fontsize=13, fontweight="bold")
+    lift = 12 * subtitle.count("\n")  # a subtitle of several lines pushes the title up
+    fig.text(0.5, 1.0, title, transform=above(20 + lift), ha="center", va="bottom", fontsize=13, fontweight="bold")
     fig.kvsim_title, fig.kvsim_subtitle = title, subtitle  # read back by tests
 
 

@@ -30,10 +30,37 @@ LABELS = {
 }
 
 
+# A workload field swept or searched: what to call it on an axis, and its unit
+AXIS_NAMES = {
+    "requests.arrival.rate": ("arrival rate", "requests/s"),
+    "requests.duration_s": ("duration of arrivals", "s"),
+    "requests.arrival.every_s": ("burst interval", "s"),
+    "requests.trace.time_scale": ("time scale", "x"),
+    "requests.count": ("requests", "requests"),
+    "max_model_len": ("max_model_len", "tokens"),
+    "gpu_memory_utilization": ("gpu_memory_utilization", "fraction of GPU memory"),
+}
+
+
+def _axis_label(path: str) -> str:
+    """`requests.arrival.rate` -> 'arrival rate (requests/s)'; a field without a known unit as itself."""
+    name, unit = AXIS_NAMES.get(path, (path, None))
+    return f"{name} ({unit})" if unit else name
+
+
 def _label(metric: str, meta: dict) -> str:
     if metric == "capacity" and meta.get("search_axis"):
-        return f"capacity ({meta['search_axis']})"
+        return f"capacity: {_axis_label(meta['search_axis'])}"
     return LABELS.get(metric, metric)
+
+
+def _clock(table: pd.DataFrame, meta: dict) -> str:
+    """The clock the table's replays ran on (a table written before rows named it: the sweep's `timing`)."""
+    if "clock" in table.columns and table["clock"].notna().any():
+        clocks = list(dict.fromkeys(table["clock"].dropna()))
+        return "clock " + " / ".join(str(c) for c in clocks)
+    timing = meta.get("timing", "roofline")
+    return "clock " + ("auto (kernels-db where it applies, else roofline)" if timing == "auto" else timing)
 
 
 def is_sweep(path: Path) -> bool:
@@ -77,7 +104,7 @@ def _subtitle(table: pd.DataFrame, meta: dict) -> str:
             parts.append(str(table[column].iloc[0]))
     if meta.get("search_target"):
         parts.append("target " + ", ".join(f"{m} <= {v:g}" for m, v in meta["search_target"].items()))
-    return " · ".join(parts)
+    return " · ".join(parts) + "\n" + _clock(table, meta)
 
 
 def _positions(values: pd.Series) -> tuple[list, np.ndarray, bool]:
@@ -114,7 +141,7 @@ def lines(table: pd.DataFrame, meta: dict):
             if col == 0:
                 ax.set_ylabel(_label(metric, meta))
             if r == len(metrics) - 1:
-                ax.set_xlabel(x_axis)
+                ax.set_xlabel(_axis_label(x_axis))
                 if not numeric:
                     ax.set_xticks(xs, [str(v) for v in order])
     grid[0][-1].legend(title=" / ".join(others) if others else "allocator", loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -190,11 +217,11 @@ def capacity(table: pd.DataFrame, meta: dict):
             text = {"at hi": f">={value:g}", "below lo": "< lo"}.get(row.get("capacity_status"), f"{value:g}")
             ax.text(x, value, text, ha="center", va="bottom", fontsize=7.5)
     ax.set_xticks(range(len(points)), [" / ".join(map(str, p)) for p in points])
-    ax.set_xlabel(" / ".join(axes))
-    search_axis = meta.get("search_axis") or "capacity"
-    ax.set_ylabel(f"largest {search_axis}")
+    ax.set_xlabel(" / ".join(_axis_label(a) for a in axes))
+    searched = _axis_label(meta["search_axis"]) if meta.get("search_axis") else "capacity"
+    ax.set_ylabel(f"largest {searched}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), title="allocator")
-    titles(fig, f"Capacity: the largest {search_axis} meeting the target", _subtitle(table, meta))
+    titles(fig, f"Capacity: the largest {searched} meeting the target", _subtitle(table, meta))
     return fig
 
 

@@ -23,7 +23,7 @@ PROGRESS_EVERY = 512  # rows between progress callbacks
 StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
 
-def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None, observer: StepObserver | None = None) -> AllocatorRun:
+def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None, observer: StepObserver | None = None, on_schedule: Callable[[SchedulerOutput, Scheduler], None] | None = None) -> AllocatorRun:
     """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it.
 
     A fresh allocator over the same KV budget, a `Scheduler`, optionally real cache tensors (`KVCache`: every
@@ -35,7 +35,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     postprocess (the conformance harness's view): `finished` are the requests that postprocess finished (with
     async scheduling, by the output of the row before); `preemptions` include those of rounds that computed
     nothing before it. With async scheduling it also sees the flush of the last row's output (`out` None).
-    Decode runs are off with an observer, so every row is one step.
+    Decode runs are off with an observer, so every row is one step. `on_schedule(out, sched)` sees each row
+    that computes, right after it is scheduled (the block tables as the row runs them).
     """
     from kvsim.workload.requests import make_token_ids
 
@@ -155,6 +156,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
             assert empty_rounds < 3, "the scheduler made no progress"
             continue
         empty_rounds = 0
+        if on_schedule is not None:
+            on_schedule(out, sched)
         if runner is not None:
             runner.execute(out)
         if out.run_time_s is not None:

@@ -1,7 +1,9 @@
-"""A replay's reports (pandas): steps.parquet, requests.csv, summary.csv/.json and meta.json under one folder.
+"""A replay's reports (pandas): steps.parquet, requests.csv, summary.csv/.json and meta.json under one folder,
+and beside them what this host measured: kernels.parquet, kernels.json (with cache tensors) and host.json.
 
-summary.csv holds only simulated quantities (rounded to 6 significant digits), so the same workload and seed
-give a byte-identical file on any host; measured kernel times go to summary.json and steps.parquet only.
+The first five hold only what the workload, seed and command determine, so a rerun gives byte-identical files
+(the shipped reports/ stay unchanged by `kvsim replay workloads/poisson.yaml`); kernel times, versions and the
+platform go to the last three, which git ignores under reports/.
 """
 
 from __future__ import annotations
@@ -43,13 +45,28 @@ class ReportPaths:
     summary_csv: Path
     summary_json: Path
     meta: Path
+    host: Path
+    kernels: Path | None  # kernels.parquet and kernels.json, with cache tensors only
+    kernels_json: Path | None
 
 
-def steps_frame(result: ReplayResult) -> pd.DataFrame:
-    """One row per scheduled row per allocator (a row covers `num_steps` identical decode steps)."""
+def steps_frame(result: ReplayResult, *, kernels: bool = True) -> pd.DataFrame:
+    """One row per scheduled row per allocator (a row covers `num_steps` identical decode steps); without
+    `kernels`, only the simulated columns (steps.parquet: kernel times are kernels.parquet's)."""
+    names = [name for name, _ in STEP_COLUMNS if kernels or name not in KERNEL_COLUMNS]
     frames = []
     for run in result.runs:
-        frame = pd.DataFrame({name: run.steps[name] for name, _ in STEP_COLUMNS})
+        frame = pd.DataFrame({name: run.steps[name] for name in names})
+        frame.insert(0, "allocator", run.label)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def kernels_frame(result: ReplayResult) -> pd.DataFrame:
+    """kernels.parquet: each row's measured kernel µs per step (write, read, attention), keyed by allocator and step."""
+    frames = []
+    for run in result.runs:
+        frame = pd.DataFrame({name: run.steps[name] for name in ("step", *KERNEL_COLUMNS)})
         frame.insert(0, "allocator", run.label)
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
@@ -168,16 +185,32 @@ def summary_frame(result: ReplayResult) -> pd.DataFrame:
     return pd.DataFrame(summary_records(result, kernels=False))
 
 
+def kernel_records(result: ReplayResult) -> list[dict]:
+    """kernels.json: per allocator, the decode steps whose reads were timed and the kernel µs medians and p90."""
+    records = summary_records(result)
+    keys = ["allocator", "num_read_samples"] + [f"{name[:-3]}_us_p{q}" for name in KERNEL_COLUMNS for q in (50, 90)]
+    return [{k: rec[k] for k in keys} for rec in records]
+
+
+def host(result: ReplayResult) -> dict:
+    """host.json: what ran the replay (versions, platform), which a rerun elsewhere does not reproduce."""
+    return {
+        "kvsim_version": _version("kvsim"),
+        "torch_version": _version("torch"),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": result.device,
+    }
+
+
 def meta(result: ReplayResult, *, command: str | None = None) -> dict:
-    """meta.json: versions, device, seed and the workload's hash: what it takes to reproduce the run."""
+    """meta.json: the settings, seed and the workload's hash: what it takes to reproduce the run (the host's
+    versions and platform are host.json's, so a rerun gives the same file)."""
     workload = result.workload
     opts = result.options
     return {
         "kvsim_version": _version("kvsim"),
         "scheduler": SCHEDULER_FOLLOWS,
-        "torch_version": _version("torch"),
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
         "device": result.device,
         "tensors": opts.tensors,
         "materialised_layers": opts.num_layers if opts.tensors else 0,
@@ -217,16 +250,26 @@ def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = Fals
         summary_csv=out / "summary.csv",
         summary_json=out / "summary.json",
         meta=out / "meta.json",
+        host=out / "host.json",
+        kernels=out / "kernels.parquet" if result.options.tensors else None,
+        kernels_json=out / "kernels.json" if result.options.tensors else None,
     )
     try:
-        steps = steps_frame(result)
+        steps = steps_frame(result, kernels=False)
         steps.to_parquet(paths.steps, index=False)
         if paths.steps_csv is not None:
-            _write_csv(steps, paths.steps_csv)
+            _write_csv(steps_frame(result), paths.steps_csv)  # the CSV, never shipped, keeps the kernel columns
         _write_csv(requests_frame(result), paths.requests)
         summary_frame(result).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
-        paths.summary_json.write_text(json.dumps(jsonable(summary_records(result)), indent=2) + "\n")
+        paths.summary_json.write_text(json.dumps(jsonable(summary_records(result, kernels=False)), indent=2) + "\n")
         paths.meta.write_text(json.dumps(meta(result, command=command), indent=2) + "\n")
+        paths.host.write_text(json.dumps(host(result), indent=2) + "\n")
+        for stale in (out / "kernels.parquet", out / "kernels.json"):  # an earlier run's, with tensors
+            if paths.kernels is None and stale.is_file():
+                stale.unlink()
+        if paths.kernels is not None:
+            kernels_frame(result).to_parquet(paths.kernels, index=False)
+            paths.kernels_json.write_text(json.dumps(jsonable(kernel_records(result)), indent=2) + "\n")
     except OSError as exc:  # e.g. a directory where a report file goes, a full disk
         name = exc.filename or out
         raise KvsimError(f"cannot write {name}: {exc.strerror or exc}", field="--out") from None

@@ -117,6 +117,7 @@ def run_replay(
             except KvsimError as exc:
                 raise KvsimError(f"{model.name}: {str(exc).removeprefix('prefix_caching: ')}; drop prefix_caching for it",
                                  source=source, field=f"allocators[{i}].prefix_caching") from None
+    _check_num_blocks(workload, ctx, source)
     if device == "cpu":
         _check_host_memory(workload.allocators, ctx, options)
     result = ReplayResult(
@@ -179,6 +180,27 @@ def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str, tp: int =
         if exc.field in ("model", "hardware", "kv_dtype"):
             raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
         raise
+
+
+# A paged pool is one Python object per block (~112 B, and about a second per million to build): 2**24 blocks
+# take ~1.9 GB of host memory. A GPU's pool is far smaller: 80 GiB of 1.75 MiB blocks is ~47,000.
+MAX_NUM_BLOCKS = 2**24
+
+
+def _check_num_blocks(workload, ctx: ReplayContext, source: str) -> None:
+    """Refuse, before anything is built, a paged pool of more blocks than the host holds (a kv_budget of 64TiB)."""
+    for config in workload.allocators:
+        if config.kind != "paged":
+            continue
+        spec = ctx.spec(config.block_size)
+        page = spec.block_bytes if spec.pool is None else spec.pool.bytes_per_block
+        num_blocks = ctx.budget_bytes // page
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise KvsimError(
+                f"{ctx.budget_bytes:,} B is {num_blocks:,} {config.label} blocks of {page:,} B, more than the replay "
+                f"builds ({MAX_NUM_BLOCKS:,}: ~112 B of host memory each)",
+                source=source, field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
+            )
 
 
 def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:

@@ -16,7 +16,6 @@ from rich.text import Text
 
 from kvsim.out_paths import output_dir
 from kvsim.units import format_bytes, parse_bytes
-from kvsim.units import format_bytes
 from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
 
@@ -177,6 +176,7 @@ def run_replay_cli(
     max_host_memory: str = "1GiB",
     tp: int | None = None,
     ep: int | None = None,
+    overrides=None,
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 
@@ -185,9 +185,10 @@ def run_replay_cli(
     from kvsim.replay.run import run_replay
     from kvsim.replay.options import ReplayOptions
     from kvsim.replay.reports import jsonable, summary_records, write_reports
-    from kvsim.workload.spec import load_workload
+    from kvsim.workload.overrides import WorkloadOverrides, load_workload_with, naming_flags
 
-    workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
+    workload = load_workload_with(workload_path, overrides or WorkloadOverrides(),
+                                  trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
     max_host_bytes = parse_bytes(max_host_memory, field="--max-host-memory")
     options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity,
                             read_every=read_every, max_host_bytes=max_host_bytes, tp=tp, ep=ep)  # fmt: skip
@@ -196,8 +197,8 @@ def run_replay_cli(
         Console(stderr=True).print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
     out_dir = output_dir(out if out is not None else Path("reports") / workload.name, create=False)  # before the replay runs
     console = Console(stderr=json_out)
-    with ReplayProgress(console, enabled=not quiet) as progress:
-        result = run_replay(workload, options, progress=progress)
+    with ReplayProgress(Console(stderr=True), enabled=not quiet) as progress, naming_flags(overrides or WorkloadOverrides()):
+        result = run_replay(workload, options, progress=progress)  # progress on stderr, always
     if result.note and not quiet:
         Console(stderr=True).print(f"note: {result.note}", style="dim", markup=False)
     paths = write_reports(result, out_dir, csv=csv, command=command)
@@ -221,5 +222,7 @@ def run_replay_cli(
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):
             console.print(line, markup=False, highlight=False)
-        console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json)")
+        kernels = ", kernels.parquet, kernels.json" if paths.kernels is not None else ""
+        console.print(f"reports in {paths.out_dir}/ (steps.parquet, requests.csv, summary.csv, summary.json, meta.json; "
+                      f"this host's: host.json{kernels})")
     return paths.out_dir

@@ -80,7 +80,7 @@ class RequestSpec:
     request's `hash_ids` name its 512-token prompt blocks (chained), and its prompt's token ids follow from them.
     """
 
-    request_id: int  # 0 .. n-1 in arrival order
+    request_id: int  # 0 .. n-1 in arrival order (a trace: its rows sorted by arrival, ties in file order)
     arrival_time: float  # seconds from the first request
     num_prompt_tokens: int
     max_tokens: int

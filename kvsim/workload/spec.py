@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 
@@ -23,6 +23,9 @@ from kvsim.workload.yaml_fields import Fields
 # The most requests one workload may generate: a stream is held in memory (a few hundred bytes per request),
 # so this caps it near a few GiB; the Azure conversation trace has 19,366.
 MAX_REQUESTS = 10_000_000
+# The largest kv_budget: the replay's step records hold bytes in doubles, exact up to 2**53 B (8 PiB); past it a
+# budget's % columns stop adding up (1e20 B gave free = -9.2%).
+MAX_KV_BUDGET_BYTES = 2**53
 
 __all__ = ["Deployment", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
@@ -92,9 +95,11 @@ WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware
                    "max_model_len", "requests", "allocators", "scheduler", "deployment")  # fmt: skip
 
 
-def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
+def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None,
+                  edit: Callable[[object], object] | None = None) -> Workload:
     """Read and validate a workload YAML. `trace` (a path, relative to the working directory) replaces the
-    file's request source with that trace; `seed` and `limit` override the file's seed and request limit."""
+    file's request source with that trace; `seed` and `limit` override the file's seed and request limit;
+    `edit` changes the parsed YAML before it is validated (command-line settings, kvsim.workload.overrides)."""
     path = Path(path)
     source = str(path)
     try:
@@ -108,6 +113,8 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    if edit is not None:
+        raw = edit(raw)
     return workload_from_mapping(raw, path, sha256=hashlib.sha256(data).hexdigest(), trace=trace, seed=seed, limit=limit)
 
 
@@ -119,6 +126,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     source = str(path)
     if raw is None:
         raise KvsimError("the workload file is empty (see workloads/poisson.yaml for every field)", source=source)
+    raw = _aliases(raw, source)
     f = Fields(raw, source=source)
     f.only(WORKLOAD_FIELDS)
     base_dir = path.parent
@@ -140,6 +148,8 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     if f.has("kv_budget") == f.has("gpu_memory_utilization"):
         raise f.error("kv_budget", "give exactly one of kv_budget (e.g. 4GiB) and gpu_memory_utilization (e.g. 0.9)")
     kv_budget = f.bytes("kv_budget", None)
+    if kv_budget is not None and kv_budget > MAX_KV_BUDGET_BYTES:
+        raise f.error("kv_budget", f"{kv_budget:.3g} B is more than the replay can count exactly (8 PiB, 2**53 B)")
     utilization = f.float("gpu_memory_utilization", None, min=0, max=1)
     if utilization == 0:
         raise f.error("gpu_memory_utilization", "must be > 0")
@@ -171,6 +181,23 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         old = workload.requests.limit
         workload = replace(workload, requests=replace(workload.requests, limit=limit if old is None else min(old, limit)))
     return workload
+
+
+# The command line's names, accepted in the file too: `gpu: h100-80gb` is `hardware: h100-80gb`.
+FIELD_ALIASES = {"gpu": "hardware", "utilization": "gpu_memory_utilization"}
+
+
+def _aliases(raw, source: str):
+    """`raw` with the command line's names (`gpu`, `utilization`) under the file's; both names at once is an error."""
+    if not isinstance(raw, dict) or not any(alias in raw for alias in FIELD_ALIASES):
+        return raw
+    raw = dict(raw)
+    for alias, name in FIELD_ALIASES.items():
+        if alias in raw:
+            if name in raw:
+                raise KvsimError(f"give {name} or {alias} (the same setting), not both", source=source, field=alias)
+            raw[name] = raw.pop(alias)
+    return raw
 
 
 def _scheduler(f: Fields | None) -> SchedulerConfig:

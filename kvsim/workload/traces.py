@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -94,12 +95,28 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
     # 2.4e-7 s, coarser than a decode step's share of it).
     arrival -= arrival.min()
     order = np.argsort(arrival, kind="stable")[:limit]  # (n,)
+    late = np.flatnonzero(arrival[1:] < arrival[:-1])  # (k,) rows that arrive before the row above them
+    if len(late):
+        _say_unsorted(source, int(late[0]) + 2, int(len(late)), len(arrival))
     with np.errstate(over="ignore"):
         scaled = arrival[order] * time_scale  # (n,) checked below
     if not np.all(np.isfinite(scaled)):
         raise KvsimError(f"time_scale {time_scale:g} overflows the arrival times (latest {arrival.max():g} s)", source=source)
     ids = tuple(hash_ids[i] for i in order.tolist()) if hash_ids is not None else None
     return Trace(path, form, scaled, prompt[order], output[order], ids)
+
+
+_told: set[str] = set()  # traces already said to be unsorted by this process (a sweep reads one per point)
+
+
+def _say_unsorted(source: str, first: int, num_late: int, n: int) -> None:
+    """One line on stderr: the trace's rows are replayed in arrival order, not file order, and what ids mean."""
+    if source in _told:
+        return
+    _told.add(source)
+    print(f"kvsim: {source}: arrivals are not in file order (request {first:,} of the file arrives before the one above "
+          f"it; {num_late:,} of {n:,} do): replayed sorted by arrival, ties in file order; request ids number the "
+          "requests in that order (0 arrives first)", file=sys.stderr)
 
 
 def _columns_fast(form: TraceForm, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

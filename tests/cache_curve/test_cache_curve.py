@@ -259,3 +259,26 @@ def test_shared_prefix_workload_ideal_by_hand(cli):
     assert data["num_requests"] == 1000 and data["ideal_hit_rate"] == pytest.approx(expected, rel=1e-12)
     assert data["curve"][2]["hit_rate"] == data["ideal_hit_rate"]
     assert data["curve"][1]["capacity_bytes"] == 16 * 131_072  # the workload's model, llama-3.1-8b
+
+
+def test_the_charts_legend_sits_below_the_axes_off_the_ideal_line():
+    """Inside the axes at the upper left, the legend covered the dashed ideal line (the curve's ceiling)."""
+    import matplotlib.pyplot as plt
+
+    from kvsim.cache_curve.view import CurveContext
+    from kvsim.plots.cache_curve import cache_curve_chart
+    from kvsim.workload.traces import read_trace
+    from kvsim.workload.requests import trace_requests
+
+    trace = REPO / "workloads" / "traces" / "mooncake-conversation-500.jsonl"
+    curve = cache_curve_of(trace_requests(read_trace(trace)), block_size=16)
+    ctx = CurveContext("mooncake-conversation", "llama-3.1-8b", 131_072, "h100-80gb", 61_248_888_832, "memory x 0.9 - weights")
+    fig = cache_curve_chart(curve, ctx)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_legend() is None and len(fig.legends) == 1
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[1] == "unbounded cache (ideal): 16.4%" and labels[2].endswith("467,291 tokens, 3.6%")
+    legend, axes = fig.legends[0].get_window_extent(), ax.get_window_extent()
+    assert legend.y1 <= axes.y0  # wholly under the plot, whose top holds the ideal line
+    plt.close(fig)

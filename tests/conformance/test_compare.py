@@ -42,3 +42,34 @@ def test_a_field_differs_and_a_missing_step_is_described():
 def test_rejections_alone_make_a_difference():
     c = compare(_trace("kvsim", STEPS, {}, rejected=[5]), _trace("vllm", STEPS, {}))
     assert c.differing_steps == 0 and c.differs
+
+
+def test_a_schedule_round_trips_through_its_bytes():
+    from kvsim.conformance.trace import decode_schedule, encode_schedule
+
+    entries = [(7, 1, [[5, 6]]), (2, 300, [[1, 2, 3], [0, 0, 9]])]
+    assert decode_schedule(encode_schedule(entries)) == {2: (300, ((1, 2, 3), (0, 0, 9))), 7: (1, ((5, 6),))}
+    assert encode_schedule(entries) == encode_schedule(entries[::-1])  # request order does not matter
+
+
+def test_equal_counts_with_other_requests_tokens_or_blocks_differ():
+    """Same running count and token totals, but a request ran with other blocks, or other requests ran."""
+    from dataclasses import replace
+
+    from kvsim.conformance.trace import encode_schedule
+
+    ran = encode_schedule([(0, 1, [[3, 4]]), (1, 1, [[7]])])
+    other_blocks = encode_schedule([(0, 1, [[3, 5]]), (1, 1, [[7]])])
+    other_request = encode_schedule([(0, 1, [[3, 4]]), (2, 1, [[7]])])
+    other_split = encode_schedule([(0, 2, [[3, 4]]), (1, 0, [[7]])])  # 2 tokens in all, as before
+    a = _trace("kvsim", STEPS, {0: 1, 1: 2})
+    for changed, says in [(other_blocks, "request 0: kvsim 1 tokens, blocks [[3, 4]]; vLLM 1 tokens, blocks [[3, 5]]"),
+                          (other_request, "request 1: kvsim 1 tokens, blocks [[7]]; vLLM did not run"),
+                          (other_split, "request 0: kvsim 1 tokens, blocks [[3, 4]]; vLLM 2 tokens, blocks [[3, 4]]")]:
+        a.steps[1] = replace(a.steps[1], scheduled=ran)
+        b = _trace("vllm", STEPS, {0: 1, 1: 2})
+        b.steps[1] = replace(b.steps[1], scheduled=changed)
+        c = compare(a, b)
+        assert c.differs and c.first_step == 1 and c.differing_steps == 1
+        assert c.kvsim_state.record.compared()[:-1] == c.vllm_state.record.compared()[:-1]  # the counts agree
+        assert says in c.schedule_difference

@@ -96,6 +96,72 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     assert c.differs and c.first_step is not None
 
 
+def test_a_preemption_in_a_call_that_schedules_nothing_is_counted_on_vllms_side(vllm_loaded, monkeypatch):
+    """block-32-long (async, 32-token blocks, prompts near max_model_len): vLLM's scheduler once preempts in a
+    call that schedules no token. The harness counts it with the next step, as kvsim does (dropped: 15 vs 16)."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import VllmEngine
+
+    rs = resolve(next(s for s in STREAMS if s.name == "block-32-long"))
+    schedule = VllmEngine._schedule
+    preempted_in_empty_calls = []
+
+    def look(self, now):
+        result = schedule(self, now)
+        so = result[0]
+        if so.total_num_scheduled_tokens == 0 and so.preempted_req_ids:
+            preempted_in_empty_calls.append(len(so.preempted_req_ids))
+        return result
+
+    monkeypatch.setattr(VllmEngine, "_schedule", look)
+    kvsim, vllm = run_kvsim(rs), run_vllm(rs)
+    assert sum(preempted_in_empty_calls) >= 1  # the case is exercised
+    c = compare(kvsim, vllm)
+    assert c.differing_steps == 0 and c.kvsim_preemptions == c.vllm_preemptions == 16
+
+
+def test_a_stream_files_async_scheduling_runs_vllms_async_scheduler(vllm_loaded):
+    """block-32-long says `scheduler: {async_scheduling: true}`: both sides run async (vLLM's AsyncScheduler);
+    vLLM run synchronously against kvsim's async replay differs, as the harness once ran it."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+
+    stream = next(s for s in STREAMS if s.name == "block-32-long")
+    assert not stream.async_scheduling  # not forced by the suite: the file's own setting
+    rs = resolve(stream)
+    assert rs.workload.scheduler.async_scheduling and rs.setup.async_scheduling
+    assert type(build_scheduler(rs.setup)).__name__ == "AsyncScheduler"
+    kvsim = run_kvsim(rs)
+    assert compare(kvsim, run_vllm(rs)).differing_steps == 0
+    rs.setup = replace(rs.setup, async_scheduling=False)
+    assert compare(kvsim, run_vllm(rs)).differs
+
+
+def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vllm_loaded, monkeypatch):
+    """kvsim freeing a request's blocks in the opposite order reuses other block ids: every count of every step
+    still agrees with vLLM's, and the harness reports the steps whose block ids differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.engine.block_pool import BlockPool
+
+    rs = resolve(next(s for s in STREAMS if s.name == "pressure"))
+    vllm = run_vllm(rs)
+    free_blocks = BlockPool.free_blocks
+    monkeypatch.setattr(BlockPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
+    kvsim = run_kvsim(rs)
+    counts = lambda t: [s.compared()[:-1] for s in t.steps]  # noqa: E731  every field but the schedule
+    assert counts(kvsim) == counts(vllm)
+    c = compare(kvsim, vllm)
+    assert c.differs and c.differing_steps > 0
+    assert c.schedule_difference and c.schedule_difference[0].startswith("request ")
+    assert "blocks" in c.schedule_difference[0]
+
+
 def test_cli_prints_the_table_and_exits_0(vllm_loaded, cli):
     result = cli(["conformance", "--stream", "plenty"])
     assert result.exit_code == 0, result.output
@@ -109,3 +175,19 @@ def test_cli_unknown_stream_is_a_user_error(cli):
     result = cli(["conformance", "--stream", "nope"])
     assert result.exit_code == 2
     assert "unknown stream 'nope'" in result.output
+
+
+def test_a_long_stream_reports_its_progress(vllm_loaded):
+    """max-num-seqs runs 1,139 steps: each side says where it is at step 1,024, and the line is cleared before
+    the stream's row."""
+    from kvsim.conformance.suite import run_suite
+
+    events = []
+    code = run_suite(["max-num-seqs"], echo=lambda line: events.append(("row", line)),
+                     progress=lambda text: events.append(("progress", text)))
+    assert code == 0
+    shown = [text for kind, text in events if kind == "progress"]
+    assert shown == ["max-num-seqs (1 of 1): kvsim's replay", "max-num-seqs (1 of 1): kvsim's replay, step 1,024",
+                     "max-num-seqs (1 of 1): vLLM's scheduler", "max-num-seqs (1 of 1): vLLM's scheduler, step 1,024", ""]
+    row = next(k for k, (kind, line) in enumerate(events) if kind == "row" and line.startswith("max-num-seqs"))
+    assert events[row - 1] == ("progress", "")

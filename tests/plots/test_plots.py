@@ -149,6 +149,30 @@ def test_figure2_bar_heights_are_summary_percentages(report_dir):
         assert bottom == pytest.approx(100.0)  # the five categories are the whole budget
 
 
+
+
+def test_figure2_thin_segments_figures_do_not_sit_on_each_other(tmp_path):
+    """paged-16 of the README's run: reservation 1.0% and internal fragmentation 0.1%, both too thin to hold
+    their figure: written beside the bar, one above the other."""
+    from kvsim.plots.waste import THIN_LABEL_GAP
+
+    directory = make_replay_report(tmp_path / "r")
+    summary = pd.read_csv(directory / "summary.csv")
+    thin = {"token_states_pct": 77.9, "reservation_pct": 1.0, "internal_fragmentation_pct": 0.1,
+            "external_fragmentation_pct": 0.0, "free_pct": 21.0}
+    for column, value in thin.items():
+        summary.loc[summary["allocator"] == "paged-16", column] = value
+    summary.to_csv(directory / "summary.csv", index=False)
+    fig = draw(directory, "figure2")
+    ax = fig.axes[0]
+    labels = {t.get_gid(): t for t in ax.texts if (t.get_gid() or "").startswith("label:paged-16:")}
+    reservation, internal = labels["label:paged-16:reservation"], labels["label:paged-16:internal_fragmentation"]
+    assert (reservation.get_text(), internal.get_text()) == ("1.0", "0.1")
+    gap = internal.get_position()[1] - reservation.get_position()[1]
+    assert gap >= THIN_LABEL_GAP - 1e-9  # 0.55 % apart before: the two figures overprinted
+    assert reservation.get_position()[1] == pytest.approx(77.9 + 0.5)  # the lowest stays at its segment
+
+
 @pytest.mark.parametrize("workload", ["sharegpt-like", "alpaca_like"])
 def test_figure2_puts_the_papers_bars_beside_ours_for_paper_like_workloads(tmp_path, workload):
     fig = draw(make_replay_report(tmp_path / "r", workload=workload), "figure2")

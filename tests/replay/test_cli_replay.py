@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.replay.test_replay import write_tiny
@@ -85,7 +86,7 @@ def test_trace_flag_replaces_the_workload_requests(cli, tmp_path):
 
 def test_cpu_tensors_keep_summary_csv_byte_identical_and_count_read_samples(cli, tmp_path):
     """summary.csv holds simulated figures only: byte for byte the same with CPU tensors and without; the
-    timed kernels live in summary.json, which says how many decode steps read + attended."""
+    timed kernels live in kernels.json, which says how many decode steps read + attended."""
     path = write_tiny(tmp_path, count=8)
     on, off = tmp_path / "on", tmp_path / "off"
     result = cli(["replay", str(path), "--device", "cpu", "--read-every", "5", "--quiet", "--out", str(on)])
@@ -93,10 +94,36 @@ def test_cpu_tensors_keep_summary_csv_byte_identical_and_count_read_samples(cli,
     assert cli(["replay", str(path), "--no-tensors", "--quiet", "--out", str(off)]).exit_code == 0
     assert (on / "summary.csv").read_bytes() == (off / "summary.csv").read_bytes()
     assert b"num_read_samples" not in (on / "summary.csv").read_bytes()
-    records = json.loads((on / "summary.json").read_text())
+    records = json.loads((on / "kernels.json").read_text())
     for r in records:
         assert r["num_read_samples"] >= 2 and r["read_us_p50"] > 0 and r["write_us_p50"] > 0
-    assert all(r["num_read_samples"] == 0 for r in json.loads((off / "summary.json").read_text()))
+    kernels = pd.read_parquet(on / "kernels.parquet")
+    assert list(kernels.columns) == ["allocator", "step", "write_us", "read_us", "attention_us"]
+    assert (kernels["write_us"] > 0).all()
+    assert not (off / "kernels.json").exists()  # accounting only: nothing measured
+
+
+def test_a_rerun_gives_the_same_bytes_for_every_file_a_report_ships(cli, tmp_path):
+    """The files git tracks under reports/ (steps.parquet, requests.csv, summary.csv/.json, meta.json) are the
+    same bytes on a rerun with cache tensors; what the host measured sits in the files git ignores."""
+    import subprocess
+
+    path = write_tiny(tmp_path, count=8)
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / "reports" / name
+        result = cli(["replay", str(path), "--device", "cpu", "--read-every", "5", "--quiet", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        runs.append(out)
+    shipped = ("steps.parquet", "requests.csv", "summary.csv", "summary.json", "meta.json")
+    for name in shipped:
+        assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
+    measured = sorted(p.name for p in runs[0].iterdir() if p.name not in shipped)
+    assert measured == ["host.json", "kernels.json", "kernels.parquet"]
+    repo = Path(__file__).resolve().parents[2]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *(f"reports/poisson/{n}" for n in (*shipped, *measured))],
+                             cwd=repo, capture_output=True, text=True).stdout.split()
+    assert ignored == [f"reports/poisson/{n}" for n in measured]
 
 
 def test_read_every_must_be_positive_and_measured_names_the_device_it_measured(cli, tmp_path):
@@ -119,6 +146,25 @@ def test_budget_below_one_block_is_a_user_error(cli, tmp_path, tensors):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "tiny-budget.yaml: kv_budget:" in lines[0] and "holds not one" in lines[0]
+
+
+@pytest.mark.parametrize("budget,says", [
+    ("1e20", "more than the replay can count exactly"),  # flat-max reported free = -9.2%
+    ("1000000000000000000000000000000", "more than the replay can count exactly"),  # 10**30: a MemoryError
+    ("1e30", "more than the replay can count exactly"),  # ran for minutes
+    ("64TiB", "more than the replay builds"),  # 38 million paged-16 blocks: minutes and gigabytes
+])
+def test_a_budget_the_replay_cannot_hold_is_refused_before_anything_runs(cli, tmp_path, budget, says):
+    path = write_tiny(tmp_path)
+    huge = tmp_path / "huge-budget.yaml"
+    text = path.read_text()
+    budget_line = next(line for line in text.splitlines() if line.startswith("kv_budget:"))
+    huge.write_text(text.replace(budget_line, f"kv_budget: {budget}").replace("reserve: oracle", "reserve: max"))
+    result = cli(["replay", str(huge), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "huge-budget.yaml: kv_budget:" in lines[0] and says in lines[0], lines
+    assert not (tmp_path / "o").exists()
 
 
 def test_an_out_dir_that_cannot_be_written_is_one_line(cli, tmp_path):

@@ -61,4 +61,16 @@ def test_capacity_bars_are_the_capacities_found(tmp_path):
     expected = pd.concat([table[table["allocator"] == a] for a in ["flat-max", "paged-16"]])["capacity"]
     assert heights == [0.0 if pd.isna(v) else v for v in expected]
     assert "< lo" in [t.get_text() for t in fig.axes[0].texts]  # flat-max: not one 2048-token slab in 64 MiB
+    # the clock and the rate's unit: a capacity differs several-fold between clocks
+    assert set(table["clock"].dropna()) == {"roofline"}  # a search that found nothing has no replay
+    assert fig.kvsim_subtitle.endswith("\nclock roofline")
+    assert fig.axes[0].get_ylabel() == "largest arrival rate (requests/s)"
+    assert fig.kvsim_title == "Capacity: the largest arrival rate (requests/s) meeting the target"
+    plt.close(fig)
+    fig = lines(table, {**meta, "metrics": ["capacity", "throughput_tokens_per_s"]})
+    assert fig.axes[0].get_ylabel() == "capacity: arrival rate (requests/s)" and fig.kvsim_subtitle.endswith("clock roofline")
+    plt.close(fig)
+    # a table written before rows named their clock: the sweep's timing
+    fig = capacity(table.drop(columns="clock"), {**meta, "timing": "auto"})
+    assert fig.kvsim_subtitle.endswith("\nclock auto (kernels-db where it applies, else roofline)")
     plt.close(fig)

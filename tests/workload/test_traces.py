@@ -40,6 +40,21 @@ def test_each_form_parses_sorted_by_arrival(tmp_path, form, text):
     assert trace.num_prompt_tokens.dtype == np.int64 and trace.arrival_time.dtype == np.float64
 
 
+def test_an_unsorted_trace_is_said_so_once_on_stderr(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    path.write_text(VIDUR)
+    read_trace(path)
+    read_trace(path)  # a sweep reads the trace once per point: said once
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert f"{path}: arrivals are not in file order (request 4 of the file" in err[0]
+    assert "1 of 4 do" in err[0] and "request ids number the requests in that order" in err[0]
+    sorted_path = tmp_path / "sorted.csv"
+    sorted_path.write_text(VIDUR.replace("4.5,879,55\n1.5,91,16", "1.5,91,16\n4.5,879,55"))
+    read_trace(sorted_path)
+    assert capsys.readouterr().err == ""
+
+
 def test_time_scale_and_limit(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text(VIDUR)

@@ -1,0 +1,34 @@
+"""`--help` of every command at a narrow terminal: every option name shown whole, none cut with an ellipsis."""
+
+from __future__ import annotations
+
+import pytest
+import typer.main
+
+from kvsim.cli import app
+
+
+def _commands():
+    root = typer.main.get_command(app)
+    stack = [((), root)]
+    while stack:
+        path, cmd = stack.pop()
+        yield path, cmd
+        if hasattr(cmd, "commands"):  # a group
+            stack += [((*path, name), sub) for name, sub in cmd.commands.items()]
+
+
+COMMANDS = sorted(_commands(), key=lambda pc: pc[0])
+
+
+@pytest.mark.parametrize("path,cmd", COMMANDS, ids=[" ".join(p) or "kvsim" for p, _ in COMMANDS])
+@pytest.mark.parametrize("width", [80, 60])
+def test_help_shows_every_option_name_whole(cli, path, cmd, width):
+    result = cli([*path, "--help"], env={"COLUMNS": str(width)})  # not TERMINAL_WIDTH: typer reads it once, at import
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    words = {w.strip("│,") for line in result.output.splitlines() for w in line.split()}
+    names = [name for param in cmd.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")]
+    names.append("--help")
+    missing = [name for name in names if name not in words]
+    assert not missing, f"cut or missing at COLUMNS={width}: {missing}"
