@@ -39,7 +39,7 @@ class AllocatorConfig:
 
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
     """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`: a paged one over
-    vLLM's KV cache groups when `spec.pool` carries them (a mixed model), else over one group."""
+    vLLM's KV cache groups when `spec.pool` carries them (a mixed model), else over its one group."""
     assert spec.block_size == config.block_size or config.kind == "flat"
     if config.kind == "paged" and spec.pool is not None:
         from kvsim.engine.paged_hybrid import HybridPagedAllocator
@@ -54,6 +54,7 @@ def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int
     if config.kind == "paged":
         from kvsim.engine.paged import PagedAllocator
 
+        assert spec.is_uniform, "a mixed model's spec carries vLLM's groups (kvsim.size.vllm_pool.with_pool)"
         return PagedAllocator(
             spec,
             budget_bytes,

@@ -11,8 +11,8 @@ from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.engine.paged_coordinator import HybridCoordinator
-from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache, block_hashes
-from kvsim.engine.paged_layout import Lane
+from kvsim.engine.kv_cache_utils import block_hashes
+from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
@@ -50,6 +50,8 @@ class HybridPagedAllocator(KVAllocator):
     and admits a hit the groups agree on (`paged_hybrid_prefix`). Forks are not modelled here yet.
     """
 
+    paged = True
+
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -86,12 +88,10 @@ class HybridPagedAllocator(KVAllocator):
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
-        # The scheduler's view: a lane per group that grows with the tokens (one block each per block_size).
-        self.lanes = [
-            Lane(g.num_layers * g.layer_page_bytes // g.block_size, g.window if g.kind == "sliding" else None, 1, 0)
-            for g in self.groups
-            if g.kind != "state"
-        ]
+        # A decode run: blocks each token group opens per block_size tokens, and the smallest sliding window
+        self._num_token_groups = sum(g.kind != "state" for g in self.groups)
+        windows = [g.window for g in self.groups if g.kind == "sliding"]
+        self._max_run_by_window = 2 * min(windows) - 1 if windows else None
         # breakdown(): bytes one token occupies in a group's block, and the padding of each of its blocks
         self._token_bytes = [g.num_layers * g.layer_page_bytes // g.block_size for g in self.groups]
         self._pad_bytes = [bpb - g.num_layers * g.layer_page_bytes for g in self.groups]
@@ -161,9 +161,6 @@ class HybridPagedAllocator(KVAllocator):
             return True
         return self._grow(req, max(0, settled), min(total, self.max_model_len))
 
-    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        return [seq for seq in seqs if not self.append_slots(seq, 1)]
-
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`, group by group, each table's tail first."""
         self.coordinator.free(self._reqs.pop(seq).tables)
@@ -205,10 +202,22 @@ class HybridPagedAllocator(KVAllocator):
                 return False
         return True
 
+    def max_decode_run(self, num_seqs: int) -> int:
+        """Each of `num_seqs` requests opens at most ceil((k - 1) / block_size) blocks in every token group in a
+        run of k steps; and the run's first step must still own its block when the run grows its requests to its
+        middle step first (nulling what left a sliding window there): middle step < the smallest window."""
+        k = self.pool.num_free_blocks // num_seqs // self._num_token_groups * self.spec.block_size + 1
+        return k if self._max_run_by_window is None else min(k, self._max_run_by_window)
+
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of the slot group; None where the block was replaced by the null block (vLLM: block 0)."""
         null = self.pool.null_block
         return [None if b is null else b.block_id for b in self._reqs[seq].tables[self._slot_group]]
+
+    @property
+    def slot_window(self) -> int | None:
+        group = self.groups[self._slot_group]
+        return group.window if group.kind == "sliding" else None
 
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """Every group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the null block)."""

@@ -3,29 +3,13 @@ per group, a right-to-left hit search for sliding-window groups, and the fixed p
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvsim.engine.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import PoolGroupSpec
 
-_ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
 
 # the kinds whose groups share prefixes here; vLLM's `FullAttentionSpec` family first (MLA is one)
 FULL_KINDS = ("full", "mla")
 CACHEABLE_KINDS = FULL_KINDS + ("sliding",)
-
-
-def block_hashes(token_ids: np.ndarray, num_tokens: int, block_size: int) -> list[int]:
-    """Chained hashes of the full blocks within the first `num_tokens` of `token_ids`: block j's hash names
-    the whole prefix up to its end (vLLM's `hash_block_tokens` over the parent hash)."""
-    end = num_tokens // block_size * block_size
-    ids = np.ascontiguousarray(token_ids[:end], dtype=np.int64)  # (end,)
-    chunks = ids.view(np.dtype((np.void, block_size * 8))).tolist()  # end // block_size bytes objects
-    out, h = [], _ROOT_HASH
-    for chunk in chunks:
-        h = hash((h, chunk))
-        out.append(h)
-    return out
 
 
 class HybridPrefixCache:

@@ -228,8 +228,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         num_preemptions=preemptions,
         num_cached_tokens=cached_tokens,
         rejected_reason=rejected,
-        prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
-        prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
+        prefix_query_tokens=allocator.prefix_query_tokens,
+        prefix_hit_tokens=allocator.prefix_hit_tokens,
         num_read_samples=runner.num_read_samples if runner is not None else 0,
     )
 

@@ -52,17 +52,12 @@ class ModelRunner:
         self.estimate_reads = estimate_reads
         self.estimate: dict[str, float] = {}
         self._us_per_token: dict[str, float] = {}
-        self.paged = hasattr(allocator, "block_table")
-        self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
+        self.paged = allocator.paged
         self.num_decode_steps = 0  # decode steps executed so far: the read sampling counter
         self.num_read_samples = 0  # steps that read and attended
 
     def execute(self, out: SchedulerOutput) -> None:
         cache, alloc = self.cache, self.allocator
-        if self.pop_cow is not None:
-            pairs = self.pop_cow()
-            if pairs:
-                cache.copy_blocks(pairs)
         decodes, k = out.decodes, out.num_steps
         self.estimate = {}
         starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
@@ -146,7 +141,7 @@ class ModelRunner:
             bs = self.allocator.block_size
             held = next((j for j, b in enumerate(table) if b is not None), len(table))
             begin = min(held * bs, end)
-            window = self.allocator.lanes[0].window
+            window = self.allocator.slot_window
             if window is not None:
                 # Positions before the window's first block are never read again; a swap-out dropped them, and
                 # the swap-in gives them fresh (unwritten) blocks, so only the window is checked.

@@ -75,15 +75,6 @@ class Scheduler(Preemption, DecodeRuns, OutputUpdate):
         self.waiting: deque[SchedSeq] = deque()
         self.swapped: deque[SchedSeq] = deque()
         self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
-        self._is_flat = hasattr(allocator, "slab")
-        self._free_blocks = getattr(type(allocator), "num_free_blocks", None) is not None
-        # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
-        lanes = getattr(allocator, "lanes", None)
-        self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
-        # A decode run grows its requests to its middle step first, which frees blocks that left a sliding
-        # window there; the run's first step must still own its block: middle step < the smallest window.
-        windows = [lane.window for lane in lanes or () if lane.window is not None]
-        self._max_run = min(MAX_DECODE_RUN, 2 * min(windows) - 1) if windows else MAX_DECODE_RUN
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -100,12 +91,9 @@ class Scheduler(Preemption, DecodeRuns, OutputUpdate):
         seq.set_max_tokens(min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens))
         if self.async_scheduling:  # prefix caching hashes a block once its tokens are known (sampled)
             seq.num_known_tokens = seq.num_tokens
-        if not self.allocator.can_ever_fit(seq):
-            alloc = self.allocator
-            needs = f"needs {seq.num_final_tokens} tokens of KV"
-            if hasattr(alloc, "slab_size"):  # flat: the reserve policy decides the slab, not the request
-                needs = f"its slab of {alloc.slab_size(seq):,} token slots ({alloc.reserve} reservation)"
-            return f"{needs}, more than the allocator can ever hold"
+        reason = self.allocator.never_fits_reason(seq)
+        if reason is not None:
+            return reason
         self.waiting.append(seq)
         return None
 

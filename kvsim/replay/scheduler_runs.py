@@ -23,13 +23,8 @@ class DecodeRuns:
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(self._max_run, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
-        if not self._is_flat:
-            if not self._free_blocks:
-                return
-            # Each request grows by <= ceil((k - 1) / block_size) blocks during the run.
-            per_seq = self.allocator.num_free_blocks // n // self._pages_per_block
-            k = min(k, per_seq * self.block_size + 1)
+        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
+        k = min(k, self.allocator.max_decode_run(n))
         if k < 2:
             return
         ctx_sum = sum(seq.num_computed_tokens for seq in decodes)

@@ -64,7 +64,7 @@ class OutputUpdate:
         finished: list[SchedSeq] = []
         num_prefill_samples = len(out.sampled) - len(out.decodes)
         k = out.num_steps
-        cache_blocks = getattr(self.allocator, "cache_blocks", None) if self.async_scheduling else None
+        cache_blocks = self.allocator.cache_blocks if self.async_scheduling else None
         in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
         if cache_blocks is not None and self._in_flight is not None:
             for seq in self._in_flight.decodes:

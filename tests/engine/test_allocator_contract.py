@@ -100,7 +100,7 @@ def test_decode_grows_and_keeps_earlier_slots(config):
         assert admit(alloc, s) == 0
     before = [alloc.slot_mapping(s, 0, s.num_computed_tokens) for s in seqs]
     for _ in range(6):
-        assert alloc.append_decode(seqs) == []
+        assert alloc.append_decode_in_order(seqs) == len(seqs)
         for s in seqs:
             s.num_computed_tokens += 1
     for s, old in zip(seqs, before):

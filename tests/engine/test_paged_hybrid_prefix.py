@@ -7,7 +7,7 @@ import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.engine.paged_hybrid import HybridPagedAllocator
-from kvsim.engine.paged_hybrid_prefix import block_hashes
+from kvsim.engine.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import PoolGroupSpec, PoolSpec
