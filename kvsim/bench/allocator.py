@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_file

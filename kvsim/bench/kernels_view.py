@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvsim.bench.kernels import WRITE_KERNELS, bench_kernels
-from kvsim.engine.device import resolve_device
+from kvsim.engine.tensors.device import resolve_device
 from kvsim.errors import KvsimError
 
 

@@ -15,8 +15,8 @@ from kvsim.replay.options import ProgressFn, ReplayContext, ReplayOptions
 from kvsim.replay.records import AllocatorRun, fill_kernel_columns, step_columns
 from kvsim.clock.roofline import Roofline
 from kvsim.replay.runner import ModelRunner
-from kvsim.replay.scheduler import Scheduler
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.scheduler import Scheduler
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
 # (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
@@ -43,7 +43,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
     cache = None
     if options.tensors:
-        from kvsim.engine.cache import KVCache
+        from kvsim.engine.tensors.cache import KVCache
 
         try:
             cache = KVCache(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 
 def read_groups(lens: np.ndarray, *, one: bool = False) -> list[np.ndarray]:

@@ -19,8 +19,8 @@ SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=
 BPT = SPEC.bytes_per_token
 MAX_MODEL_LEN = 40
 
-HAS_PAGED = importlib.util.find_spec("kvsim.engine.paged") is not None
-_no_paged = pytest.mark.skipif(not HAS_PAGED, reason="kvsim/engine/paged.py (PagedAllocator) does not exist yet")
+HAS_PAGED = importlib.util.find_spec("kvsim.engine.paged.unitary_kv_cache_manager") is not None
+_no_paged = pytest.mark.skipif(not HAS_PAGED, reason="kvsim/engine/paged/unitary_kv_cache_manager.py (PagedAllocator) does not exist yet")
 
 ALLOCATOR_CONFIGS = [
     pytest.param(AllocatorConfig("flat", reserve=r, placement=p), id=f"flat-{r}-{p}")

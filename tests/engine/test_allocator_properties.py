@@ -235,7 +235,7 @@ def test_random_operations_against_model(config, num_slots, extra_bytes, words):
     model.finish_all()
 
 
-# --- mixed models: vLLM's KV cache groups (kvsim/engine/paged_hybrid.py) -----------------------------------
+# --- mixed models: vLLM's KV cache groups (kvsim/engine/paged/kv_cache_manager.py) -----------------------------------
 
 MIXED_LEN = 48
 # group_size 2, pages of 32 B: two sliding groups (window 6; the second with a padding layer), a full group,

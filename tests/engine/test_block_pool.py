@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvsim.engine.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
+from kvsim.engine.paged.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
 
 
 def ids(blocks: list[Block]) -> list[int]:
@@ -250,7 +250,7 @@ def test_a_hit_on_the_oldest_copy_keeps_the_younger_one_evictable():
 SCENARIO = """
 import json, numpy as np
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
 alloc = PagedAllocator(spec, 24 * 64, max_model_len=256, enable_prefix_caching=True, watermark=0.0)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvsim.engine import cache as cache_mod
-from kvsim.engine import kernels
-from kvsim.engine.cache import KVCache
+from kvsim.engine.tensors import cache as cache_mod
+from kvsim.engine.tensors import kernels
+from kvsim.engine.tensors.cache import KVCache
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import StepTimer
 from kvsim.errors import KvsimError
 
 BS = 4
@@ -123,7 +123,7 @@ def test_the_rows_kernel_writes_numpy_rows_into_the_tensor_itself():
 
 
 def test_a_cpu_pool_is_zeroed_contiguous_memory_of_its_shape():
-    from kvsim.engine.device import zeros_pool
+    from kvsim.engine.tensors.device import zeros_pool
 
     for shape in [(2, 1, 3, 4, 2, 8), (2, 1, 1024, 16, 8, 64)]:  # under and over the 2 MiB huge-page size
         pool = zeros_pool(shape, torch.bfloat16, torch.device("cpu"))
@@ -374,7 +374,7 @@ def test_copy_blocks_reads_every_source_before_writing():
 # Run in a child process: Triton picks its interpreter when a kernel is defined (at import), from this variable.
 _CACHE_TRITON_WRITES_ON_CPU = """
 import numpy as np, torch
-from kvsim.engine.cache import KVCache
+from kvsim.engine.tensors.cache import KVCache
 from kvsim.size.kv_cache_spec import KVCacheSpec
 
 spec = KVCacheSpec.uniform(num_layers=6, num_kv_heads=2, head_dim=8, block_size=4, dtype="bf16", dtype_bytes=2)

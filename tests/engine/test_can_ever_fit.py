@@ -11,10 +11,10 @@ import random
 import pytest
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.flat.flat_allocator import FlatAllocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
-from kvsim.engine.paged import PagedAllocator
-from kvsim.engine.paged_hybrid import HybridPagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
+from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
 
 

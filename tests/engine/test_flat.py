@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.flat.flat_allocator import FlatAllocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.engine.sequence import Sequence
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.engine.cache import KVCache
-from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.tensors.cache import KVCache
+from kvsim.engine.flat.flat_allocator import FlatAllocator
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 
 BS = 4

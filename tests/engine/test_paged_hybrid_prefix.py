@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.engine.paged_hybrid import HybridPagedAllocator
-from kvsim.engine.kv_cache_utils import block_hashes
+from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
+from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import PoolGroupSpec, PoolSpec

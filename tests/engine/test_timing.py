@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import StepTimer
 
 
 class FakeDevice:

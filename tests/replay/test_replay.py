@@ -209,7 +209,7 @@ def test_options_that_need_tensors_say_so():
 
 def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):
     """The check above can fail: swap KV back in reversed order and the next read of that request trips it."""
-    from kvsim.engine.cache import KVCache
+    from kvsim.engine.tensors.cache import KVCache
 
     original = KVCache.swap_in
 
@@ -228,7 +228,7 @@ def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkey
 def test_integrity_without_reads_still_catches_lost_and_overwritten_kv(tmp_path, monkeypatch, fault):
     """Reads sampled away entirely, integrity still sees a decode step whose write never happened, and KV
     overwritten behind a request's back (here: the whole pool zeroed whenever a request finishes)."""
-    from kvsim.engine.cache import KVCache
+    from kvsim.engine.tensors.cache import KVCache
 
     if fault == "lost_write":
         original = KVCache.write_steps
@@ -342,7 +342,7 @@ def test_a_mistyped_device_is_an_error_even_without_tensors():
 def test_layers_beyond_the_model_and_a_pool_too_big_for_memory_name_the_flag(tmp_path, monkeypatch):
     """--layers 1000 on a 2-layer model tried to allocate 1000 layers (and would time them as the model's 2);
     the free-memory refusal named `num_layers`, the cache's argument, not the flag."""
-    from kvsim.engine import cache
+    from kvsim.engine.tensors import cache
     from kvsim.errors import KvsimError
 
     workload = tiny_workload(tmp_path, count=2)

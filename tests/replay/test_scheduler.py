@@ -7,8 +7,8 @@ import pytest
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.clock.roofline import Roofline
-from kvsim.replay.scheduler import Scheduler
-from kvsim.replay.scheduler_output import SchedSeq
+from kvsim.replay.sched.scheduler import Scheduler
+from kvsim.replay.sched.output import SchedSeq
 
 # 1 layer, 1 KV head, head_dim 1, bf16: K+V = 4 bytes per token; block_size 4 -> 16-byte blocks.
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=4)

@@ -8,11 +8,11 @@ import math
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged_coordinator import HybridCoordinator
-from kvsim.engine.kv_cache_utils import block_hashes
-from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache
+from kvsim.engine.paged.kv_cache_coordinator import HybridCoordinator
+from kvsim.engine.paged.kv_cache_utils import block_hashes
+from kvsim.engine.paged.prefix_cache import CACHEABLE_KINDS, HybridPrefixCache
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 

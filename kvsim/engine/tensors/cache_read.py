@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import operator
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.block_pool import Block, BlockPool
-from kvsim.engine.kv_cache_utils import ROOT_HASH, block_token_bytes, chain_block_hashes
+from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.engine.paged.kv_cache_utils import ROOT_HASH, block_token_bytes, chain_block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec

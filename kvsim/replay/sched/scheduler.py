@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
-from kvsim.replay.scheduler_preemption import Preemption
-from kvsim.replay.scheduler_runs import MAX_DECODE_RUN, DecodeRuns
-from kvsim.replay.scheduler_update import OutputUpdate
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.scheduler_preemption import Preemption
+from kvsim.replay.sched.scheduler_runs import MAX_DECODE_RUN, DecodeRuns
+from kvsim.replay.sched.scheduler_update import OutputUpdate
 
 
 class Scheduler(Preemption, DecodeRuns, OutputUpdate):

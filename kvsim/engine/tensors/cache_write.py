@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 from kvsim.errors import KvsimError
 
 

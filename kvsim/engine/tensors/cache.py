@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsim.engine import kernels
-from kvsim.engine.cache_read import CacheReads
-from kvsim.engine.cache_swap import CacheSwaps
-from kvsim.engine.cache_write import CacheWrites
-from kvsim.engine.device import TORCH_DTYPES, free_memory_bytes, resolve_device, zeros_pool
-from kvsim.engine.integrity import IntegrityPatterns
+from kvsim.engine.tensors import kernels
+from kvsim.engine.tensors.cache_read import CacheReads
+from kvsim.engine.tensors.cache_swap import CacheSwaps
+from kvsim.engine.tensors.cache_write import CacheWrites
+from kvsim.engine.tensors.device import TORCH_DTYPES, free_memory_bytes, resolve_device, zeros_pool
+from kvsim.engine.tensors.integrity import IntegrityPatterns
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import StepTimer
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
 

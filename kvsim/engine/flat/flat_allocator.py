@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.arena import PLACEMENTS, Arena, Placement
+from kvsim.engine.flat.arena import PLACEMENTS, Arena, Placement
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheSpec
 

@@ -83,7 +83,7 @@ def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor
         return
     row = h * d
     block = min(1 << (row - 1).bit_length(), 2048)  # triton.next_power_of_2
-    from kvsim.engine.triton_store import store_kv  # imports triton on first use
+    from kvsim.engine.tensors.triton_store import store_kv  # imports triton on first use
 
     store_kv[(num_tokens, num_layers)](
         src,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvsim.replay.scheduler_output import SchedulerOutput
+from kvsim.replay.sched.output import SchedulerOutput
 
 # Longest run of identical decode steps one `schedule()` may cover (one row of the step records).
 MAX_DECODE_RUN = 256

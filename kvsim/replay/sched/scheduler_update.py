@@ -4,7 +4,7 @@ state is the scheduler's)."""
 
 from __future__ import annotations
 
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 
 class OutputUpdate:

@@ -3,7 +3,7 @@ requests (a mixin of `kvsim.replay.scheduler.Scheduler`: the state is the schedu
 
 from __future__ import annotations
 
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 
 class Preemption:

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 
 
 class IntegrityPatterns:

@@ -3,9 +3,9 @@ caching on or off): one manager and one block table per group, one shared free-b
 
 from __future__ import annotations
 
-from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import PoolSpec
-from kvsim.engine.paged_groups import SingleTypeManager, make_manager
+from kvsim.engine.paged.single_type_kv_cache_manager import SingleTypeManager, make_manager
 
 
 class HybridCoordinator:

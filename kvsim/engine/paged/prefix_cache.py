@@ -3,7 +3,7 @@ per group, a right-to-left hit search for sliding-window groups, and the fixed p
 
 from __future__ import annotations
 
-from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import PoolGroupSpec
 
 
