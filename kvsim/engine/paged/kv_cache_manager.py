@@ -10,6 +10,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.vllm_capacity import num_gpu_blocks
 from kvsim.engine.paged.kv_cache_coordinator import HybridCoordinator
 from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.paged.prefix_cache import CACHEABLE_KINDS, HybridPrefixCache
@@ -79,7 +80,7 @@ class HybridPagedAllocator(KVAllocator):
         self._slot_group = next(i for i, g in enumerate(self.groups) if g.kind != "state")
         self.block_size = self.groups[self._slot_group].block_size
         self.bytes_per_block = bpb = pool_spec.bytes_per_block
-        self.num_blocks = budget_bytes // bpb  # num_gpu_blocks, the null block included
+        self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)

@@ -17,6 +17,7 @@ from kvsim.engine.paged.kv_cache_utils import ROOT_HASH, block_token_bytes, chai
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 _BLOCK_ID = operator.attrgetter("block_id")
 
@@ -76,8 +77,8 @@ class PagedAllocator(KVAllocator):
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         self.bytes_per_token = spec.bytes_per_token
-        self.bytes_per_block = spec.block_bytes
-        self.num_blocks = budget_bytes // self.bytes_per_block  # num_gpu_blocks, the null block included
+        self.bytes_per_block = bytes_per_block(spec)
+        self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
