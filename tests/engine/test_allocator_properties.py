@@ -22,7 +22,7 @@ from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.engine.sequence import Sequence
 
-from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, build
+from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, SPEC, build
 
 NUM_EXAMPLES = 1000
 OPS = ("admit", "admit", "step", "step", "step", "free")
@@ -34,7 +34,7 @@ class Model:
 
     def __init__(self, config: AllocatorConfig, num_slots_hint: int, extra_bytes: int):
         self.config = config
-        self.alloc = build(config, num_slots_hint * BPT + extra_bytes)
+        self.alloc = build(config, SPEC, num_slots_hint * BPT + extra_bytes)
         self.pool = np.full(self.alloc.num_slots, -1, dtype=np.int64)  # token id held by each slot
         self.live: dict[int, Sequence] = {}
         self.slots: dict[int, np.ndarray] = {}  # seq_id -> slots of its computed tokens, as last seen

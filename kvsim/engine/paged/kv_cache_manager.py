@@ -77,7 +77,11 @@ class HybridPagedAllocator(KVAllocator):
         if enable_prefix_caching:
             check_prefix_caching(spec.pool.groups)
         # slots and block_table follow the first group that keeps tokens (a state group's block is a state)
-        self._slot_group = next(i for i, g in enumerate(self.groups) if g.kind != "state")
+        token_groups = [i for i, g in enumerate(self.groups) if g.kind != "state"]
+        if not token_groups:
+            raise KvsimError("the paged replay needs at least one attention layer group (an attention-free model "
+                             "has no block table to replay)", field="model")
+        self._slot_group = token_groups[0]
         self.block_size = self.groups[self._slot_group].block_size
         self.bytes_per_block = bpb = pool_spec.bytes_per_block
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
