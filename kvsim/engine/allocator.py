@@ -27,7 +27,7 @@ class MemoryBreakdown:
     - external_fragmentation: free bytes that could not admit the waiting request at the head of the queue
       although their total would fit it (always 0 for paged);
     - free: the rest (cached-but-unreferenced prefix blocks count as free: they are reusable).
-    `shared_saved_bytes` is not a category: the bytes that sharing (prefix cache, forks) avoided allocating.
+    `shared_saved_bytes` is not a category: the bytes that sharing (prefix cache) avoided allocating.
     `padding_bytes` is not a category either: the part of internal fragmentation that is vLLM's page padding
     (the pages of a mixed model's padding layers, and pages padded past what their layer needs).
     """

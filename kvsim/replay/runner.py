@@ -91,7 +91,7 @@ class ModelRunner:
             self.estimate = {kind: us * tokens for kind, us in self._us_per_token.items()}
         if self.paged and first < k:
             raw = [self.allocator.block_table(seq) for seq in decodes]
-            complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
+            complete = all(b is not None for table in raw for b in table)  # a sliding window frees old blocks
             tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in raw]
         done = 1  # steps written so far (step 0 by `execute`)
         for j in [*range(first, k, every), None]:  # the sampled steps, then the row's end
@@ -134,7 +134,7 @@ class ModelRunner:
                 self._verify(seq, seq.final_tokens)
 
     def _verify(self, seq: SchedSeq, end: int) -> None:
-        """Check positions [0, end) of `seq` in the pool (from its first held block: sliding lanes free old ones)."""
+        """Check positions [0, end) of `seq` in the pool (from its first held block: a sliding window frees old ones)."""
         begin = 0
         if self.paged:
             table = self.allocator.block_table(seq)

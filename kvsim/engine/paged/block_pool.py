@@ -80,7 +80,7 @@ class BlockPool:
 
     Block 0 is vLLM's null block (`BlockPool.null_block`): taken out of the free queue at creation and never
     handed out, so `num_blocks - 1` blocks are usable. `num_shared_refs` is the running sum over blocks of
-    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks, forks)
+    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks)
     avoided.
     """
 
@@ -181,7 +181,7 @@ class BlockPool:
             del self.cached_duplicates[block_hash]
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """One more holder for each of `blocks` (a prefix hit or a fork); free ones leave the free queue."""
+        """One more holder for each of `blocks` (a prefix hit); free ones leave the free queue."""
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)

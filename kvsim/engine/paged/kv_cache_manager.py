@@ -48,7 +48,7 @@ class HybridPagedAllocator(KVAllocator):
     (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
     to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens.
     Prefix caching (full-attention and sliding-window groups) caches each group's full blocks under (hash, group id)
-    and admits a hit the groups agree on (`paged_hybrid_prefix`). Forks are not modelled here yet.
+    and admits a hit the groups agree on (`prefix_cache`).
     """
 
     paged = True

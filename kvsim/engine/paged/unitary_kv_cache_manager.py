@@ -1,7 +1,7 @@
 """The paged allocator for a model of one KV cache group (full attention or MLA layers only): vLLM v1's
 `KVCacheManager` over its single-group coordinator, with prefix caching and the admission watermark.
 
-A mixed model's groups are `HybridPagedAllocator`'s (`paged_hybrid`); this class is their single-group fast
+A mixed model's groups are `HybridPagedAllocator`'s (`kv_cache_manager`); this class is their single-group fast
 path, with every step of a decode token inlined: a replay spends most of its time here.
 """
 

@@ -200,7 +200,7 @@ def prefix_fingerprints(token_ids: np.ndarray) -> np.ndarray:
     """(n,) uint64: fingerprint p identifies the whole prefix token_ids[: p + 1] (a chained hash, like a
     prefix-cache block hash, but per token): XOR-accumulated hashes of (token id, position).
 
-    Two requests that share a prefix get equal fingerprints over it, so a cached or forked block reads the
+    Two requests that share a prefix get equal fingerprints over it, so a cached block reads the
     same integrity values whoever wrote it, and differ from the first differing token on.
     """
     pos = np.arange(len(token_ids), dtype=_U64)
