@@ -60,7 +60,7 @@ class KVCache:
         kv_flat  [2, num_layers, num_blocks * block_size, num_kv_heads, head_dim]   (same memory)
 
     `num_blocks = ceil(num_slots / block_size)`, so a flat arena whose slot count is not a multiple of the
-    block size fits too. Every write/read/swap/copy is timed into `timer` (µs per step and kind).
+    block size fits too. Every write/read/swap is timed into `timer` (µs per step and kind).
 
     Integrity mode writes token-unique bit patterns instead of random data and checks reads and `verify`
     against them (`patterns`, an `IntegrityPatterns`: the values follow each token's prefix fingerprint).
@@ -128,7 +128,6 @@ class KVCache:
         self._flat_bits = self.kv_flat.view(self._bits)
         # 3-D views for indexed copies along dim 1 (see kernels' module docstring for why)
         self._slot_rows = self._flat_bits.view(2 * num_layers, -1, spec.num_kv_heads * spec.head_dim)  # [2L, S, H*D]
-        self._block_rows = self._cache_bits.view(2 * num_layers, self.num_blocks, -1)  # [2L, num_blocks, bs*H*D]
         # The pool as numpy token rows, for the CPU's write kernel (`kernels.scatter_rows`)
         self._token_rows = kernels.token_rows(self.kv_flat) if self.device.type == "cpu" else None
 
@@ -168,28 +167,6 @@ class KVCache:
     def forget(self, seq_id: int) -> None:
         """Drop a finished request's fingerprints (its blocks may stay cached for others)."""
         self.patterns.forget(seq_id)
-
-    # --- copies --------------------------------------------------------------------------------------
-    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """kv_flat[..., dst[i], ...] = kv_flat[..., src[i], ...] for all layers: timed as "copy"."""
-        if not self.enabled or len(src) == 0:
-            return
-        assert len(src) == len(dst)
-        s, d = self._index(src), self._index(dst)
-        with self.timer.measure("copy"):
-            self._slot_rows.index_copy_(1, d, self._slot_rows.index_select(1, s))
-
-    def copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
-        """Copy whole blocks (src_block, dst_block), e.g. copy-on-write of a shared partial block: timed "copy".
-
-        Every source is read before any destination is written (a pair's source may be another's destination;
-        destinations must be distinct).
-        """
-        if not self.enabled or len(pairs) == 0:
-            return
-        p = self._index(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
-        with self.timer.measure("copy"):
-            self._block_rows.index_copy_(1, p[:, 1], self._block_rows.index_select(1, p[:, 0]))
 
     # --- writes -----------------------------------------------------------------------------------
 
