@@ -1,7 +1,8 @@
 """`kvsim bench allocator`: the paged allocator's CPU cost per token on a synthetic serving trace.
 
-A minimal admission loop (prefill the whole prompt, then one decode token per running request per step,
-free at finish, recompute-preempt a request whose growth fails) drives the allocator; only the allocator
+A minimal admission loop (prefill the whole prompt, then one decode token per running request per step with
+`append_decode_in_order`, as the replay's scheduler grows them, free at finish, recompute-preempt the newest
+request when one cannot grow) drives the allocator; only the allocator
 calls are timed, so the loop's own bookkeeping is not counted. Each call is timed twice: wall clock
 (perf_counter_ns) and this thread's CPU time (thread_time_ns), which stays meaningful on a busy machine.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_file
@@ -39,7 +40,7 @@ class AllocatorBenchResult:
     blocks_allocated: int
     preemptions: int
     prefill_us_per_token: float  # allocate() time / prompt tokens admitted
-    decode_us_per_token: float  # append_decode() time / decode tokens
+    decode_us_per_token: float  # append_decode_in_order() time / decode tokens
     free_us_per_request: float  # free() time / requests freed (finished or preempted)
     total_us_per_decode_token: float  # every allocator call / decode tokens
     blocks_per_s: float  # blocks handed out / total allocator time
@@ -113,16 +114,16 @@ def run_allocator_bench(
             seq.num_computed_tokens = seq.num_prompt_tokens  # hit from the cache, the rest computed
             prefill_tokens += seq.num_prompt_tokens
             running.append(seq)
-        failed = timed("decode", alloc.append_decode, running)
-        if failed:  # recompute-preempt the requests that could not grow
-            for seq in failed:
-                timed("free", alloc.free, seq)
-                seq.num_computed_tokens = 0
-                waiting.appendleft(seq)
+        i = 0  # the replay's running loop: grow in order; at the first failure preempt the newest, retry
+        while i < len(running):
+            i += timed("decode", alloc.append_decode_in_order, running[i:] if i else running)
+            if i < len(running):
+                victim = running.pop()
+                timed("free", alloc.free, victim)
+                victim.num_computed_tokens = 0
+                waiting.appendleft(victim)
                 preemptions += 1
                 frees += 1
-            gone = set(map(id, failed))
-            running = [s for s in running if id(s) not in gone]
         decode_tokens += len(running)
         still = []
         for seq in running:
@@ -144,7 +145,7 @@ def run_allocator_bench(
         prefix_caching=prefix_caching,
         seed=seed,
         stream=stream,
-        prefix_hit_tokens=getattr(alloc, "prefix_hit_tokens", 0),
+        prefix_hit_tokens=alloc.prefix_hit_tokens,
         prefill_tokens=prefill_tokens,
         decode_tokens=decode_tokens,
         blocks_allocated=alloc.pool.num_blocks_allocated,
@@ -207,7 +208,7 @@ def show_allocator_bench(
     row("requests / max running", lambda r: f"{r.num_requests} / {r.max_running}")
     row("prefill / decode tokens", lambda r: f"{r.prefill_tokens:,} / {r.decode_tokens:,}")
     row("prompt tokens hit in the cache", lambda r: f"{r.prefix_hit_tokens:,} ({r.prefix_hit_tokens / max(r.prefill_tokens, 1):.0%})")
-    row("µs / decode token (append_decode)", lambda r: f"{r.decode_us_per_token:.3f} / {r.decode_cpu_us_per_token:.3f}")
+    row("µs / decode token (append_decode_in_order)", lambda r: f"{r.decode_us_per_token:.3f} / {r.decode_cpu_us_per_token:.3f}")
     row("µs / prefill token (allocate)", lambda r: f"{r.prefill_us_per_token:.3f} / {r.prefill_cpu_us_per_token:.3f}")
     row("µs / decode token (all calls)", lambda r: f"{r.total_us_per_decode_token:.3f} / {r.total_cpu_us_per_decode_token:.3f}")
     row("µs / request freed (free)", lambda r: f"{r.free_us_per_request:.2f}")

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from kvsim.bench import flex_paged
 from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_tables, slot_mapping
 from kvsim.bench.kernel_timing import measure
-from kvsim.engine import kernels
-from kvsim.engine.device import TORCH_DTYPES, device_name, device_slug, resolve_device
+from kvsim.engine.tensors import kernels
+from kvsim.engine.tensors.device import TORCH_DTYPES, device_name, device_slug, resolve_device
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_dir, output_file
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvsim.bench.kernels import WRITE_KERNELS, bench_kernels
-from kvsim.engine.device import resolve_device
+from kvsim.engine.tensors.device import resolve_device
 from kvsim.errors import KvsimError
 
 
@@ -26,7 +26,7 @@ def parse_sizes(text: str | None, field: str) -> tuple[int, ...] | None:
 CPU_NOTES = (
     "sdpa vs gather: `sdpa` is torch SDPA over the contiguous cache with enable_gqa=True; `gather` copies the "
     "blocks out and runs SDPA with each KV head's query heads folded into rows and a padding mask "
-    "(kvsim.engine.kernels.decode_attention). On a CPU these take different SDPA code paths, so their ratio "
+    "(kvsim.engine.tensors.kernels.decode_attention). On a CPU these take different SDPA code paths, so their ratio "
     "measures those paths (either may win by several times), not the gather's cost.",
     "* eager FlexAttention over the paged pool evaluates its mask over every block of the pool for every "
     "sequence (only a compiled kernel skips blocks outside a block table), so `flex paged` grows with the "

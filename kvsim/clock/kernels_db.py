@@ -12,8 +12,9 @@ from pathlib import Path
 
 from kvsim.errors import KvsimError
 from kvsim.clock.roofline import HOST_BANDWIDTH_BYTES_PER_S, last_step_before
+from kvsim.vllm_version import VLLM_VERSION
 
-KVSIM_VLLM_VERSION = "0.33.0"  # the vLLM kvsim follows; the database's closest version is picked
+KVSIM_VLLM_VERSION = VLLM_VERSION  # the vLLM kvsim follows; the database's closest version is picked
 BACKEND = "vllm"
 # kvsim's GPU keys -> the database's system names. A100 40GB is left out on purpose: the database's A100 is
 # the 80 GB SXM board (2.0 TB/s against 1.6), so its decode times would be a fifth too fast.

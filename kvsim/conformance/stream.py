@@ -47,6 +47,7 @@ def resolve(stream: Stream) -> ResolvedStream:
     from kvsim.workload.requests import generate_requests
     from kvsim.clock.roofline import Roofline
     from kvsim.size.sizing import kv_cache_spec, weight_bytes
+    from kvsim.size.vllm_capacity import num_gpu_blocks as vllm_num_gpu_blocks
     from kvsim.workload.spec import load_workload
 
     workload = load_workload(stream.workload)
@@ -68,10 +69,9 @@ def resolve(stream: Stream) -> ResolvedStream:
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=spec.bytes_per_token)
     sc = workload.scheduler
     ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed)
-    pool = ctx.spec(config.block_size).pool  # a mixed model: vLLM's groups, which kvsim's pool follows
-    if not spec.is_uniform and pool is None:
-        raise KvsimError(f"kvsim's replay does not follow vLLM's KV cache groups for {model.name}", source=source, field="model")
-    num_gpu_blocks = workload.kv_budget_bytes // (spec.block_bytes if pool is None else pool.bytes_per_block)
+    kv_spec = ctx.spec(config.block_size)  # a mixed model: vLLM's groups (a KvsimError where vLLM builds none)
+    pool = kv_spec.pool
+    num_gpu_blocks = vllm_num_gpu_blocks(kv_spec, workload.kv_budget_bytes)
     setup = EngineSetup(
         num_gpu_blocks=num_gpu_blocks,
         block_size=config.block_size,

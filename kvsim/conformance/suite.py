@@ -19,6 +19,7 @@ def _streams() -> tuple[Stream, ...]:
         "chunked-long", "max-model-len", "block-32", "block-256",
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
         "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups
+        "parallel-sampling", "gemma3-parallel-sampling",  # n samples a prompt: child requests sharing it by prefix caching
     ]
     as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]

@@ -1,4 +1,5 @@
-"""The memory engine: the allocator interface, the paged allocator (block pool, prefix caching, forks, vLLM's
-hybrid groups) and the flat baselines (arena placement), the cache tensors with their kernels, integrity
-patterns and timers. It may import `kvsim.models` and `kvsim.size` (the KV cache spec), nothing later.
+"""The memory engine: the allocator interface (`allocator.py`), a request's state (`sequence.py`) and the one place
+allocators are built (`factory.py`); the paged allocators laid out as vLLM's `v1/core` (`paged/`), the flat
+baselines (`flat/`), and the cache tensors with their kernels, integrity patterns and timers (`tensors/`).
+It may import `kvsim.models` and `kvsim.size` (the KV cache spec), nothing later.
 """

@@ -27,7 +27,7 @@ class MemoryBreakdown:
     - external_fragmentation: free bytes that could not admit the waiting request at the head of the queue
       although their total would fit it (always 0 for paged);
     - free: the rest (cached-but-unreferenced prefix blocks count as free: they are reusable).
-    `shared_saved_bytes` is not a category: the bytes that sharing (prefix cache, forks) avoided allocating.
+    `shared_saved_bytes` is not a category: the bytes that sharing (prefix cache) avoided allocating.
     `padding_bytes` is not a category either: the part of internal fragmentation that is vLLM's page padding
     (the pages of a mixed model's padding layers, and pages padded past what their layer needs).
     """
@@ -57,18 +57,23 @@ class MemoryBreakdown:
 
 
 class KVAllocator(ABC):
-    """Shared interface of the flat and paged allocators.
+    """The one interface the scheduler, the tensor runner and the replay loop use: flat, paged and hybrid
+    allocators implement all of it, and nobody asks an allocator what it is otherwise.
 
     Capacity protocol (the scheduler's side): a request is admitted with `allocate(seq, n)`, which makes room
     for its first `n` tokens past any prefix-cache hit and returns the hit in tokens; the scheduler then sets
-    `seq.num_computed_tokens` to the hit, computes `n` tokens and advances it. Later chunks and decode steps
-    call `append_slots(seq, n)`, which makes room for `seq.num_computed_tokens + n` tokens. `free(seq)`
-    returns everything (finish or preemption).
+    `seq.num_computed_tokens` to the hit, computes `n` tokens and advances it. Later chunks call
+    `append_slots(seq, n)`, which makes room for `seq.num_computed_tokens + n` tokens, and decode steps
+    `append_decode_in_order(seqs)`. `free(seq)` returns everything (finish or preemption).
     """
 
     spec: KVCacheSpec
     budget_bytes: int
+    max_model_len: int
     num_slots: int  # size of the token-slot space the cache tensors must index
+    paged: bool  # True: block tables (`block_table`); False: one slab per request (`slab`)
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, summed
+    prefix_hit_tokens: int = 0  # of those, tokens found cached
 
     @abstractmethod
     def allocate(
@@ -97,17 +102,10 @@ class KVAllocator(ABC):
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `seq.num_computed_tokens + num_new_tokens` tokens; False (nothing changed) if it can't."""
 
-    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One decode token for each of `seqs`, in order; returns those that could not grow.
-
-        Allocators override this with a batched version: it is the hot path of a replay.
-        """
-        return [seq for seq in seqs if not self.append_slots(seq, 1)]
-
     def append_decode_in_order(self, seqs: list[Sequence]) -> int:
         """One decode token for each of `seqs`, in order, stopping at the first that cannot grow: returns its
         index (`len(seqs)` when all grew). vLLM's running loop grows requests one at a time and preempts at the
-        first failure, before the requests after it grow.
+        first failure, before the requests after it grow. The replay's hot path: allocators inline it.
         """
         for i, seq in enumerate(seqs):
             if not self.append_slots(seq, 1):
@@ -118,13 +116,24 @@ class KVAllocator(ABC):
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (finished or preempted)."""
 
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Let `child` share `parent`'s KV so far (parallel sampling). False if not supported or no room."""
-        return False
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's `KVCacheManager.cache_blocks`,
+        which async scheduling calls once a step's sampled tokens are known). Nothing without a prefix cache."""
 
     @abstractmethod
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` could run to its final length on an otherwise empty allocator."""
+
+    def never_fits_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` can never run here (what the scheduler rejects it with at arrival), or None if it can."""
+        if self.can_ever_fit(seq):
+            return None
+        return f"needs {seq.num_final_tokens} tokens of KV, more than the allocator can ever hold"
+
+    @abstractmethod
+    def max_decode_run(self, num_seqs: int) -> int:
+        """The most identical decode steps `num_seqs` running requests can take in one scheduled row, each
+        growing every step, such that no step inside the run could fail to grow (no preemption is skipped)."""
 
     @abstractmethod
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
@@ -134,6 +143,20 @@ class KVAllocator(ABC):
         """Slots of positions [starts[n], starts[n] + k) of each of `seqs`, (k, N) int64: a decode run's
         `slot_mapping` for the whole batch (allocators override it with array arithmetic)."""
         return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, np.asarray(starts).tolist())], axis=1)
+
+    def block_table(self, seq: Sequence) -> list[int | None]:
+        """Paged (`paged` True): block ids of `seq`'s block table (the group slots follow); None where a block
+        left a sliding window. The tensor runner's paged reads take it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no block tables")
+
+    def slab(self, seq: Sequence) -> tuple[int, int]:
+        """Flat (`paged` False): (start_slot, num_slots) of `seq`'s slab. The tensor runner's flat reads take it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no slabs")
+
+    @property
+    def slot_window(self) -> int | None:
+        """The sliding window of the layers slots follow (positions before it are never read again), or None."""
+        return None
 
     @abstractmethod
     def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:

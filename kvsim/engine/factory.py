@@ -39,10 +39,10 @@ class AllocatorConfig:
 
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
     """Build the allocator `config` describes over `budget_bytes` of KV memory for `spec`: a paged one over
-    vLLM's KV cache groups when `spec.pool` carries them (a mixed model), else over one group."""
+    vLLM's KV cache groups when `spec.pool` carries them (a mixed model), else over its one group."""
     assert spec.block_size == config.block_size or config.kind == "flat"
     if config.kind == "paged" and spec.pool is not None:
-        from kvsim.engine.paged_hybrid import HybridPagedAllocator
+        from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 
         return HybridPagedAllocator(
             spec,
@@ -52,8 +52,9 @@ def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int
             enable_prefix_caching=config.prefix_caching,
         )
     if config.kind == "paged":
-        from kvsim.engine.paged import PagedAllocator
+        from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 
+        assert spec.is_uniform, "a mixed model's spec carries vLLM's groups (kvsim.size.vllm_pool.with_pool)"
         return PagedAllocator(
             spec,
             budget_bytes,
@@ -61,6 +62,6 @@ def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int
             enable_prefix_caching=config.prefix_caching,
             watermark=config.watermark,
         )
-    from kvsim.engine.flat import FlatAllocator
+    from kvsim.engine.flat.flat_allocator import FlatAllocator
 
     return FlatAllocator(spec, budget_bytes, max_model_len=max_model_len, reserve=config.reserve, placement=config.placement)

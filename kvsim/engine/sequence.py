@@ -28,7 +28,6 @@ class Sequence:
     arrival_time: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
-    parent_id: int | None = None  # set for a fork (parallel sampling)
     # Tokens whose ids are known so far; None: all of them. Prefix caching hashes only known tokens' blocks
     # (vLLM's async scheduling computes a token before the step that samples it has returned it).
     num_known_tokens: int | None = None

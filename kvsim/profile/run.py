@@ -44,8 +44,8 @@ def run_profile(workload: str | Path, *, reserve: str = "max", block_size: int =
     import pandas as pd
     import torch
 
-    from kvsim.engine.device import slugify
-    from kvsim.engine.flat import RESERVES
+    from kvsim.engine.tensors.device import slugify
+    from kvsim.engine.flat.flat_allocator import RESERVES
     from kvsim.workload.spec import load_workload
 
     if not settings:

@@ -15,8 +15,8 @@ from kvsim.replay.options import ProgressFn, ReplayContext, ReplayOptions
 from kvsim.replay.records import AllocatorRun, fill_kernel_columns, step_columns
 from kvsim.clock.roofline import Roofline
 from kvsim.replay.runner import ModelRunner
-from kvsim.replay.scheduler import Scheduler
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.scheduler import Scheduler
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
 # (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
@@ -44,7 +44,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
     cache = None
     if options.tensors:
-        from kvsim.engine.cache import KVCache
+        from kvsim.engine.tensors.cache import KVCache
 
         try:
             cache = KVCache(
@@ -231,8 +231,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         num_preemptions=preemptions,
         num_cached_tokens=cached_tokens,
         rejected_reason=rejected,
-        prefix_query_tokens=getattr(allocator, "prefix_query_tokens", 0),
-        prefix_hit_tokens=getattr(allocator, "prefix_hit_tokens", 0),
+        prefix_query_tokens=allocator.prefix_query_tokens,
+        prefix_hit_tokens=allocator.prefix_hit_tokens,
         num_read_samples=runner.num_read_samples if runner is not None else 0,
     )
 

@@ -94,7 +94,7 @@ def fill_kernel_columns(steps: dict[str, np.ndarray], timer, timer_steps: array)
     `StepTimer`, read once after the replay's loop (one host sync). A kind never measured in a row's steps
     is NaN there; otherwise the mean is over the steps that measured it.
     """
-    from kvsim.engine.timing import KINDS
+    from kvsim.engine.tensors.timing import KINDS
 
     us, seen = timer.per_step()  # [kinds, timer steps]
     spans = np.frombuffer(timer_steps, dtype=np.int64).reshape(-1, 2)  # (rows, [first, last] timer step)

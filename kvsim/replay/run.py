@@ -83,7 +83,7 @@ def run_replay(
         raise KvsimError(f"{model.name} has {num_attention_layers} attention layers; materialise at most that many, "
                          f"got {options.num_layers}", field="--layers")
     if options.tensors:
-        from kvsim.engine.device import resolve_device
+        from kvsim.engine.tensors.device import resolve_device
 
         try:
             resolved = resolve_device(options.device)
@@ -110,7 +110,7 @@ def run_replay(
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
         pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
-            from kvsim.engine.paged_hybrid import check_prefix_caching
+            from kvsim.engine.paged.kv_cache_manager import check_prefix_caching
 
             try:
                 check_prefix_caching(pool.groups)

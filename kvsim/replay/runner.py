@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 
 def read_groups(lens: np.ndarray, *, one: bool = False) -> list[np.ndarray]:
@@ -52,17 +52,12 @@ class ModelRunner:
         self.estimate_reads = estimate_reads
         self.estimate: dict[str, float] = {}
         self._us_per_token: dict[str, float] = {}
-        self.paged = hasattr(allocator, "block_table")
-        self.pop_cow = getattr(allocator, "pop_copy_on_write", None)
+        self.paged = allocator.paged
         self.num_decode_steps = 0  # decode steps executed so far: the read sampling counter
         self.num_read_samples = 0  # steps that read and attended
 
     def execute(self, out: SchedulerOutput) -> None:
         cache, alloc = self.cache, self.allocator
-        if self.pop_cow is not None:
-            pairs = self.pop_cow()
-            if pairs:
-                cache.copy_blocks(pairs)
         decodes, k = out.decodes, out.num_steps
         self.estimate = {}
         starts = np.array([seq.num_computed_tokens for seq in decodes], dtype=np.int64)  # (num_decodes,)
@@ -96,7 +91,7 @@ class ModelRunner:
             self.estimate = {kind: us * tokens for kind, us in self._us_per_token.items()}
         if self.paged and first < k:
             raw = [self.allocator.block_table(seq) for seq in decodes]
-            complete = all(b is not None for table in raw for b in table)  # sliding lanes free old blocks
+            complete = all(b is not None for table in raw for b in table)  # a sliding window frees old blocks
             tables = [np.array([0 if b is None else b for b in table], dtype=np.int64) for table in raw]
         done = 1  # steps written so far (step 0 by `execute`)
         for j in [*range(first, k, every), None]:  # the sampled steps, then the row's end
@@ -139,14 +134,14 @@ class ModelRunner:
                 self._verify(seq, seq.final_tokens)
 
     def _verify(self, seq: SchedSeq, end: int) -> None:
-        """Check positions [0, end) of `seq` in the pool (from its first held block: sliding lanes free old ones)."""
+        """Check positions [0, end) of `seq` in the pool (from its first held block: a sliding window frees old ones)."""
         begin = 0
         if self.paged:
             table = self.allocator.block_table(seq)
             bs = self.allocator.block_size
             held = next((j for j, b in enumerate(table) if b is not None), len(table))
             begin = min(held * bs, end)
-            window = self.allocator.lanes[0].window
+            window = self.allocator.slot_window
             if window is not None:
                 # Positions before the window's first block are never read again; a swap-out dropped them, and
                 # the swap-in gives them fresh (unwritten) blocks, so only the window is checked.

@@ -150,7 +150,7 @@ def clock_source(result) -> str:
     if result.options.timing == "measured":
         import torch
 
-        from kvsim.engine.device import device_name
+        from kvsim.engine.tensors.device import device_name
 
         return f"timed as measured on {device_name(torch.device(result.device))} (not {result.hardware_name})"
     return f"on {result.hardware_name}"

@@ -5,8 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_hybrid import HybridPages
 from kvsim.size.vllm_settings import VllmSettings
+
+
+def bytes_per_block(spec: KVCacheSpec) -> int:
+    """One block id of the paged pool: a page in each of a mixed model's `group_size` layer tensors (vLLM's
+    groups, `spec.pool`), or one block of `block_size` tokens across a uniform model's layers."""
+    return spec.block_bytes if spec.pool is None else spec.pool.bytes_per_block
+
+
+def num_gpu_blocks(spec: KVCacheSpec, budget_bytes: int) -> int:
+    """vLLM's `num_gpu_blocks` for `budget_bytes` of KV memory (`get_kv_cache_configs`: the budget over the bytes
+    of one block id), the null block included: the one place the paged pool's size is computed."""
+    return budget_bytes // bytes_per_block(spec)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from kvsim.errors import KvsimError
 from kvsim.size.sizing import positive_int
+from kvsim.vllm_version import VLLM_VERSION  # noqa: F401 (re-exported: size speaks of the release it follows)
 
-VLLM_VERSION = "0.33.0"
 # The smallest kernel block of vLLM's default attention backends on Hopper/Ampere: FlashAttention supports
 # any multiple of 16, FlashInfer 16/32/64. vLLM aligns the raised hybrid block size to it.
 DEFAULT_KERNEL_BLOCK_SIZE = 16

@@ -50,10 +50,11 @@ class SyntheticRequests:
     count: int | None = None
     duration_s: float | None = None
     shared_prefix: SharedPrefix | None = None
-    limit: int | None = None  # at most this many (the first by arrival)
+    limit: int | None = None  # at most this many prompts (the first by arrival)
+    n: int = 1  # samples per prompt (vLLM's `SamplingParams.n`): each prompt is n requests, parallel sampling
 
     def __post_init__(self) -> None:
-        assert (self.count is None) != (self.duration_s is None)
+        assert (self.count is None) != (self.duration_s is None) and self.n >= 1
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class RequestSpec:
     `max_tokens` is how many output tokens it will produce (the simulator knows the future). Requests of one
     `prefix_group` share their first `num_prefix_tokens` token ids (0 when `prefix_group` is None). A Mooncake
     request's `hash_ids` name its 512-token prompt blocks (chained), and its prompt's token ids follow from them.
+    A parallel-sampling child (`n` > 1) names the request whose prompt it repeats in `prompt_of`: vLLM v1 fans a
+    request with n samples out into n requests of one prompt (`ParentRequest.get_child_info`), which share the
+    prompt's blocks through prefix caching; each samples its own output tokens.
     """
 
     request_id: int  # 0 .. n-1 in arrival order (a trace: its rows sorted by arrival, ties in file order)
@@ -87,6 +91,7 @@ class RequestSpec:
     prefix_group: int | None = None
     num_prefix_tokens: int = 0
     hash_ids: tuple[int, ...] | None = None
+    prompt_of: int | None = None  # a parallel-sampling child: the request_id whose prompt token ids it repeats
 
     def __post_init__(self) -> None:
         assert self.num_prompt_tokens >= 1 and self.max_tokens >= 0 and self.arrival_time >= 0
@@ -126,9 +131,18 @@ def generate_requests(workload: StreamSource) -> list[RequestSpec]:
         group, prefix = _prefix_groups(spec.shared_prefix, prompt, rng[_PREFIX])
         # The whole stream is drawn before `limit` cuts it, so a limited run is a prefix of the full one.
         arrival, prompt, output, group, prefix = (x[: spec.limit] for x in (arrival, prompt, output, group, prefix))
+    if spec.n == 1:
+        return [
+            RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
+            for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
+        ]
+    # Parallel sampling, as vLLM v1's engine adds a request with n samples: n child requests of one prompt,
+    # arriving together in sample order, each with the parent's max_tokens (`SamplingParams` copied with n=1).
+    n = spec.n
     return [
-        RequestSpec(i, float(t), int(p), int(o), None if g < 0 else int(g), int(k))
+        RequestSpec(i * n + j, float(t), int(p), int(o), None if g < 0 else int(g), int(k), prompt_of=i * n if j else None)
         for i, (t, p, o, g, k) in enumerate(zip(arrival.tolist(), prompt.tolist(), output.tolist(), group.tolist(), prefix.tolist()))
+        for j in range(n)
     ]
 
 
@@ -185,6 +199,10 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
             ids[lo:hi] = _hash_ids(_salt(seed, _TRACE_BLOCK_IDS, h), 0, hi - lo)
     elif k:
         ids[:k] = _hash_ids(_salt(seed, _GROUP_IDS, request.prefix_group), 0, k)
+    if request.prompt_of is not None:  # a parallel-sampling child: the first sample's prompt, its own output
+        p = request.num_prompt_tokens
+        ids[k:p] = _hash_ids(_salt(seed, _REQUEST_IDS, request.prompt_of), k, p)
+        k = p
     ids[k:] = _hash_ids(_salt(seed, _REQUEST_IDS, request.request_id), k, n)
     return ids
 

@@ -26,6 +26,7 @@ MAX_REQUESTS = 10_000_000
 # The largest kv_budget: the replay's step records hold bytes in doubles, exact up to 2**53 B (8 PiB); past it a
 # budget's % columns stop adding up (1e20 B gave free = -9.2%).
 MAX_KV_BUDGET_BYTES = 2**53
+MAX_PARALLEL_SAMPLES = 1024  # samples per prompt (vLLM has no bound of its own; this keeps a typo from exploding a stream)
 
 __all__ = ["Deployment", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
@@ -256,8 +257,11 @@ def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | No
             raise sp.error("tokens", f"must be < max_model_len ({max_model_len}), got {shared.tokens}")
         sp.done()
     limit = f.int("limit", None, min=1)
+    n = f.int("n", 1, min=1, max=MAX_PARALLEL_SAMPLES)  # samples per prompt (vLLM's SamplingParams.n)
+    if count is not None and count * n > MAX_REQUESTS:
+        raise f.error("n", f"{count:,} prompts x {n} samples is more than {MAX_REQUESTS:,} requests (the most one workload may have)")
     f.done()
-    return SyntheticRequests(arrival, prompt, output, count=count, duration_s=duration_s, shared_prefix=shared, limit=limit)
+    return SyntheticRequests(arrival, prompt, output, count=count, duration_s=duration_s, shared_prefix=shared, limit=limit, n=n)
 
 
 def _trace_requests(f: Fields, base_dir: Path, cli_trace: str | None) -> TraceRequests:

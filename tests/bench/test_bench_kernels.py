@@ -12,7 +12,7 @@ from kvsim.bench.kernel_problem import KernelShape, model_shape, random_block_ta
 from kvsim.bench.kernel_timing import measure
 from kvsim.bench.kernels import COLUMNS, bench_kernels
 from kvsim.bench.kernels_view import parse_sizes
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 from kvsim.errors import KvsimError
 
 # Llama 3.1 8B: 32 query heads, 8 KV heads of 128, bf16: one token of one layer is 2 * 8 * 128 * 2 = 4096 bytes.

@@ -56,7 +56,7 @@ def test_mixed_model_streams_run_vllms_group_managers_and_a_pool_without_null_bl
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
     from kvsim.conformance.vllm_engine import build_scheduler
-    from kvsim.engine.paged_groups import SlidingWindowManager
+    from kvsim.engine.paged.single_type_kv_cache_manager import SlidingWindowManager
 
     rs = resolve(next(s for s in STREAMS if s.name == "gemma3-pressure"))
     manager = build_scheduler(rs.setup).kv_cache_manager
@@ -78,7 +78,7 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
     from kvsim.conformance.vllm_engine import build_scheduler
-    from kvsim.engine.block_pool import BlockPool
+    from kvsim.engine.paged.block_pool import BlockPool
 
     rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-pressure"))
     manager = build_scheduler(rs.setup).kv_cache_manager
@@ -147,7 +147,7 @@ def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vll
     from kvsim.conformance.compare import compare
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
-    from kvsim.engine.block_pool import BlockPool
+    from kvsim.engine.paged.block_pool import BlockPool
 
     rs = resolve(next(s for s in STREAMS if s.name == "pressure"))
     vllm = run_vllm(rs)

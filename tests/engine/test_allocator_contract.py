@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import itertools
+import pkgutil
 
 import numpy as np
 import pytest
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.engine.sequence import Sequence
 
 BLOCK_SIZE = 4
@@ -19,22 +20,33 @@ SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=
 BPT = SPEC.bytes_per_token
 MAX_MODEL_LEN = 40
 
-HAS_PAGED = importlib.util.find_spec("kvsim.engine.paged") is not None
-_no_paged = pytest.mark.skipif(not HAS_PAGED, reason="kvsim/engine/paged.py (PagedAllocator) does not exist yet")
+# A mixed model as the replay builds it: vLLM's groups (a full and a sliding group, one layer each, 32-byte pages),
+# 16 bytes per token across both like SPEC; the window is past max_model_len, so the contract's byte counts hold.
+MIXED = KVCacheSpec(
+    groups=(KVCacheGroupSpec("full", 1, bytes_per_token=8), KVCacheGroupSpec("sliding", 1, bytes_per_token=8, window=1000)),
+    block_size=BLOCK_SIZE, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=2, num_attention_layers=2,
+    pool=PoolSpec((PoolGroupSpec("full", 1, BLOCK_SIZE, 32, 32), PoolGroupSpec("sliding", 1, BLOCK_SIZE, 32, 32, window=1000, max_admission_blocks=10)), 1),
+)
+assert MIXED.bytes_per_token == BPT
 
 ALLOCATOR_CONFIGS = [
     pytest.param(AllocatorConfig("flat", reserve=r, placement=p), id=f"flat-{r}-{p}")
     for r, p in itertools.product(("max", "pow2", "oracle"), ("first-fit", "best-fit", "buddy"))
 ] + [
-    pytest.param(AllocatorConfig("paged", block_size=BLOCK_SIZE, prefix_caching=pc), id=f"paged{'+prefix' if pc else ''}",
-                 marks=_no_paged)
+    pytest.param(AllocatorConfig("paged", block_size=BLOCK_SIZE, prefix_caching=pc), id=f"paged{'+prefix' if pc else ''}")
+    for pc in (False, True)
+]
+# Every allocator kind: the flat ones and the paged ones on a uniform model (PagedAllocator) and on a mixed model's
+# groups (HybridPagedAllocator). `test_every_allocator_kind_is_in_the_contract` fails when a kind has no case.
+ALLOCATOR_CASES = [pytest.param(*p.values, SPEC, id=p.id) for p in ALLOCATOR_CONFIGS] + [
+    pytest.param(AllocatorConfig("paged", block_size=BLOCK_SIZE, prefix_caching=pc), MIXED, id=f"hybrid{'+prefix' if pc else ''}")
     for pc in (False, True)
 ]
 
 
-def build(config: AllocatorConfig, budget_bytes: int, *, max_model_len: int = MAX_MODEL_LEN) -> KVAllocator:
-    """The one way tests build an allocator: the factory, over the small test spec."""
-    return make_allocator(config, SPEC, budget_bytes, max_model_len=max_model_len)
+def build(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int = MAX_MODEL_LEN) -> KVAllocator:
+    """The one way tests build an allocator: the factory, over a small test spec."""
+    return make_allocator(config, spec, budget_bytes, max_model_len=max_model_len)
 
 
 def make_seq(seq_id: int, prompt: int, output: int, *, prefix: np.ndarray | None = None) -> Sequence:
@@ -54,35 +66,57 @@ def admit(alloc: KVAllocator, seq: Sequence, num_new_tokens: int | None = None) 
     return hit
 
 
-def null_slots(alloc: KVAllocator) -> int:
-    """Slots of the paged pool's null block (vLLM's block 0): never handed out."""
-    return alloc.block_size if hasattr(alloc, "pool") else 0
+def capacity_bytes(alloc: KVAllocator) -> int:
+    """Bytes of the budget the allocator can address: whole slots (flat) or whole blocks (paged)."""
+    return alloc.num_blocks * alloc.bytes_per_block if alloc.paged else alloc.num_slots * BPT
 
 
-def remainder_bytes(alloc: KVAllocator) -> int:
-    return alloc.budget_bytes - alloc.num_slots * BPT
+def null_bytes(alloc: KVAllocator) -> int:
+    """The paged pool's null block (vLLM's block 0): never handed out."""
+    return alloc.bytes_per_block if alloc.paged else 0
 
 
 def assert_empty(alloc: KVAllocator, b: MemoryBreakdown) -> None:
-    """Nothing held: all bytes free except the budget's remainder smaller than one slot and the null block."""
+    """Nothing held: all bytes free except the budget's remainder smaller than one slot or block and the null block."""
     assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
-    assert b.internal_fragmentation_bytes == remainder_bytes(alloc) + null_slots(alloc) * BPT
-    assert b.free_bytes == (alloc.num_slots - null_slots(alloc)) * BPT
+    assert b.internal_fragmentation_bytes == alloc.budget_bytes - capacity_bytes(alloc) + null_bytes(alloc)
+    assert b.free_bytes == capacity_bytes(alloc) - null_bytes(alloc)
 
 
-pytestmark = pytest.mark.parametrize("config", ALLOCATOR_CONFIGS)
+def test_every_allocator_kind_is_in_the_contract():
+    """Every concrete KVAllocator in kvsim.engine is built by some case above: a new kind, or a renamed module,
+    fails here instead of silently leaving the contract."""
+    import kvsim.engine
+
+    for info in pkgutil.walk_packages(kvsim.engine.__path__, "kvsim.engine."):
+        if ".tensors" not in info.name:  # the tensors need torch and hold no allocator
+            importlib.import_module(info.name)
+
+    def concrete(cls) -> set:
+        subs = set(cls.__subclasses__())
+        return {c for c in subs if not c.__abstractmethods__} | set().union(*(concrete(c) for c in subs))
+
+    kinds = concrete(KVAllocator)
+    built = {type(build(*case.values[:2], 64 * BPT)) for case in ALLOCATOR_CASES}
+    assert {k.__name__ for k in kinds} == {"FlatAllocator", "PagedAllocator", "HybridPagedAllocator"}
+    assert built == kinds
 
 
-def test_fresh_allocator_is_all_free(config):
-    alloc = build(config, 64 * BPT + 7)
-    assert alloc.num_slots > 0 and alloc.num_slots * BPT <= alloc.budget_bytes
+contract = pytest.mark.parametrize("config, spec", ALLOCATOR_CASES)
+
+
+@contract
+def test_fresh_allocator_is_all_free(config, spec):
+    alloc = build(config, spec, 64 * BPT + 7)
+    assert alloc.num_slots > 0 and 0 < capacity_bytes(alloc) <= alloc.budget_bytes
     b = alloc.breakdown()
     assert b.budget_bytes == 64 * BPT + 7
     assert_empty(alloc, b)
 
 
-def test_admit_compute_and_read_slots(config):
-    alloc = build(config, 256 * BPT)
+@contract
+def test_admit_compute_and_read_slots(config, spec):
+    alloc = build(config, spec, 256 * BPT)
     a, b = make_seq(1, 10, 6), make_seq(2, 7, 3)
     assert admit(alloc, a) == 0 and admit(alloc, b) == 0
     ma, mb = alloc.slot_mapping(a, 0, 10), alloc.slot_mapping(b, 0, 7)
@@ -93,14 +127,15 @@ def test_admit_compute_and_read_slots(config):
     assert alloc.breakdown().token_states_bytes == 17 * BPT
 
 
-def test_decode_grows_and_keeps_earlier_slots(config):
-    alloc = build(config, 256 * BPT)  # room for three flat-max slabs, even as 64-slot buddy blocks
+@contract
+def test_decode_grows_and_keeps_earlier_slots(config, spec):
+    alloc = build(config, spec, 256 * BPT)  # room for three flat-max slabs, even as 64-slot buddy blocks
     seqs = [make_seq(i, 5 + i, 6) for i in range(3)]
     for s in seqs:
         assert admit(alloc, s) == 0
     before = [alloc.slot_mapping(s, 0, s.num_computed_tokens) for s in seqs]
     for _ in range(6):
-        assert alloc.append_decode(seqs) == []
+        assert alloc.append_decode_in_order(seqs) == len(seqs)
         for s in seqs:
             s.num_computed_tokens += 1
     for s, old in zip(seqs, before):
@@ -112,8 +147,9 @@ def test_decode_grows_and_keeps_earlier_slots(config):
     assert b.reservation_bytes == 0
 
 
-def test_prefill_in_chunks(config):
-    alloc = build(config, 128 * BPT)
+@contract
+def test_prefill_in_chunks(config, spec):
+    alloc = build(config, spec, 128 * BPT)
     s = make_seq(1, 13, 2)
     assert admit(alloc, s, 5) == 0 and s.num_computed_tokens == 5
     assert alloc.append_slots(s, 5)
@@ -124,8 +160,9 @@ def test_prefill_in_chunks(config):
     assert alloc.breakdown().token_states_bytes == 13 * BPT
 
 
-def test_refusal_is_a_value_and_changes_nothing(config):
-    alloc = build(config, 64 * BPT)
+@contract
+def test_refusal_is_a_value_and_changes_nothing(config, spec):
+    alloc = build(config, spec, 64 * BPT)
     admitted = []
     for i in range(50):
         s = make_seq(i, 10, 6)
@@ -140,8 +177,9 @@ def test_refusal_is_a_value_and_changes_nothing(config):
     assert 1 <= len(admitted) and len(admitted) * 10 <= alloc.num_slots
 
 
-def test_free_returns_everything(config):
-    alloc = build(config, 200 * BPT + 3)
+@contract
+def test_free_returns_everything(config, spec):
+    alloc = build(config, spec, 200 * BPT + 3)
     seqs = [make_seq(i, 8, 4) for i in range(3)]
     for s in seqs:
         assert admit(alloc, s) == 0
@@ -152,14 +190,16 @@ def test_free_returns_everything(config):
     assert admit(alloc, again) is not None
 
 
-def test_can_ever_fit(config):
-    alloc = build(config, 64 * BPT)
+@contract
+def test_can_ever_fit(config, spec):
+    alloc = build(config, spec, 64 * BPT)
     assert alloc.can_ever_fit(make_seq(1, 10, 10))
     assert not alloc.can_ever_fit(make_seq(2, 60, 10))  # longer than the whole budget and max_model_len
 
 
-def test_breakdown_sums_with_a_waiting_head(config):
-    alloc = build(config, 64 * BPT + 5)
+@contract
+def test_breakdown_sums_with_a_waiting_head(config, spec):
+    alloc = build(config, spec, 64 * BPT + 5)
     seqs = [make_seq(i, 6, 4) for i in range(4)]
     for s in seqs:
         admit(alloc, s)
@@ -171,9 +211,10 @@ def test_breakdown_sums_with_a_waiting_head(config):
         assert min(parts) >= 0 and sum(parts) == alloc.budget_bytes
 
 
-def test_deterministic(config):
+@contract
+def test_deterministic(config, spec):
     def run() -> list:
-        alloc = build(config, 180 * BPT)
+        alloc = build(config, spec, 180 * BPT)
         seqs = [make_seq(i, 3 + 2 * i, 5) for i in range(5)]
         out = [admit(alloc, s) for s in seqs]
         live = [s for s in seqs if s.num_computed_tokens]
@@ -189,8 +230,9 @@ def test_deterministic(config):
     assert run() == run()
 
 
-def test_prefix_cache_hit_is_capped_and_in_whole_blocks(config):
-    alloc = build(config, 128 * BPT)
+@contract
+def test_prefix_cache_hit_is_capped_and_in_whole_blocks(config, spec):
+    alloc = build(config, spec, 128 * BPT)
     first = make_seq(1, 14, 2)
     assert admit(alloc, first) == 0
     for prompt in (14, 12):  # 3 full blocks shared; the hit leaves at least one token to compute
@@ -206,9 +248,10 @@ def test_prefix_cache_hit_is_capped_and_in_whole_blocks(config):
 
 
 @pytest.mark.parametrize("k", [1, 3, BLOCK_SIZE])
-def test_a_decode_runs_slots_in_one_call_are_each_requests_own(config, k):
+@contract
+def test_a_decode_runs_slots_in_one_call_are_each_requests_own(config, spec, k):
     # decode_slot_mapping (the replay's whole-batch form) against slot_mapping per request, across block edges.
-    alloc = build(config, 256 * BPT)
+    alloc = build(config, spec, 256 * BPT)
     seqs = [make_seq(i, 3 + 2 * i, 12) for i in range(4)]
     for s in seqs:
         assert admit(alloc, s) == 0

@@ -1,10 +1,10 @@
 """Random operation sequences (hypothesis) against a reference model, for every allocator configuration.
 
 The model plays scheduler and cache: it admits requests (some sharing prefixes), grows them by prefill
-chunks and batched decode, preempts, forks, finishes, and writes each computed token's id into a numpy
+chunks and batched decode, preempts, finishes, and writes each computed token's id into a numpy
 "pool" at the slots the allocator gave. After every step it checks: slots in range and stable, a slot held
-twice only when both holders hold the same token (a shared prefix or fork), every live token reads back
-intact (so prefix-cache hits and copy-on-write are real), ref counts match the holders, the five byte
+twice only when both holders hold the same token (a shared prefix), every live token reads back
+intact (so prefix-cache hits are real), ref counts match the holders, the five byte
 categories sum to the budget (exactly as predicted for flat), and at the end nothing is leaked.
 """
 
@@ -22,10 +22,10 @@ from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
 from kvsim.engine.sequence import Sequence
 
-from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, build
+from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, SPEC, build
 
 NUM_EXAMPLES = 1000
-OPS = ("admit", "admit", "step", "step", "step", "free", "fork")
+OPS = ("admit", "admit", "step", "step", "step", "free")
 FAMILY_PREFIX = 12  # requests of one family share up to this many leading tokens
 
 
@@ -34,11 +34,10 @@ class Model:
 
     def __init__(self, config: AllocatorConfig, num_slots_hint: int, extra_bytes: int):
         self.config = config
-        self.alloc = build(config, num_slots_hint * BPT + extra_bytes)
+        self.alloc = build(config, SPEC, num_slots_hint * BPT + extra_bytes)
         self.pool = np.full(self.alloc.num_slots, -1, dtype=np.int64)  # token id held by each slot
         self.live: dict[int, Sequence] = {}
         self.slots: dict[int, np.ndarray] = {}  # seq_id -> slots of its computed tokens, as last seen
-        self.forked: set[int] = set()  # seq ids that share blocks through a fork
         self.waiting_head: Sequence | None = None
         self.next_id = 0
 
@@ -82,8 +81,9 @@ class Model:
             self.compute(seq, n)
             return
         batch = [s for s in self.live.values() if s.num_computed_tokens < s.num_final_tokens]
-        failed = self.alloc.append_decode(batch)
-        assert self.config.kind == "paged" or not failed, "a flat allocator refused a decode token"
+        grown = self.alloc.append_decode_in_order(batch)
+        assert self.config.kind == "paged" or grown == len(batch), "a flat allocator refused a decode token"
+        failed = batch[grown:]  # the first that could not grow, and those not tried after it: preempted
         for s in batch:
             if s in failed:
                 self.drop(s)
@@ -96,25 +96,6 @@ class Model:
     def free(self, c: int) -> None:
         if self.live:
             self.drop(self.live[sorted(self.live)[c % len(self.live)]])
-
-    def fork(self, output: int, c: int) -> None:
-        if not self.live:
-            return
-        parent = self.live[sorted(self.live)[c % len(self.live)]]
-        done, prompt = parent.num_computed_tokens, parent.num_prompt_tokens
-        max_tokens = max(output, done - prompt)
-        ids = 10_000 * (self.next_id + 1) + np.arange(prompt + max_tokens, dtype=np.int64)
-        keep = max(done, prompt)
-        ids[:keep] = parent.token_ids[:keep]
-        child = Sequence(self.next_id, prompt, max_tokens, token_ids=ids, parent_id=parent.seq_id)
-        self.next_id += 1
-        if not self.alloc.fork(parent, child):
-            return
-        child.num_computed_tokens = done
-        self.live[child.seq_id] = child
-        self.slots[child.seq_id] = child_slots = self.alloc.slot_mapping(child, 0, done)
-        self.pool[child_slots] = self.pool[self.slots[parent.seq_id]]  # the cache copies (flat) or shares
-        self.forked |= {parent.seq_id, child.seq_id}
 
     def finish(self) -> None:
         for seq in [s for s in self.live.values() if s.num_computed_tokens == s.num_final_tokens]:
@@ -131,17 +112,9 @@ class Model:
         self.slots[seq.seq_id] = np.concatenate([self.slots[seq.seq_id], new])
 
     def sync(self, seq: Sequence) -> None:
-        """After an allocator call on `seq`: computed tokens may move only by copy-on-write of a shared block."""
+        """After an allocator call on `seq`: its computed tokens never move."""
         old = self.slots[seq.seq_id]
-        now = self.alloc.slot_mapping(seq, 0, len(old))
-        moved = np.flatnonzero(now != old)
-        if len(moved):
-            assert self.config.kind == "paged" and seq.seq_id in self.forked, (seq, old, now)
-            assert moved.min() >= len(old) // BLOCK_SIZE * BLOCK_SIZE, "a full block moved"
-            self.pool[now[moved]] = self.pool[old[moved]]  # the cache layer's copy
-            self.slots[seq.seq_id] = now
-        if hasattr(self.alloc, "pop_copy_on_write"):
-            self.alloc.pop_copy_on_write()
+        assert np.array_equal(self.alloc.slot_mapping(seq, 0, len(old)), old), seq
 
     def drop(self, seq: Sequence) -> None:
         self.alloc.free(seq)
@@ -218,14 +191,14 @@ class Model:
             assert block.ref_count == holders.get(block.block_id, 0) >= 0, block
         assert 0 not in holders  # block 0 is the null block: never handed out
         assert alloc.num_free_blocks == alloc.pool.num_blocks - 1 - len(holders)
-        assert b.free_bytes == alloc.num_free_blocks * alloc.page_bytes
+        assert b.free_bytes == alloc.num_free_blocks * alloc.bytes_per_block
 
     def finish_all(self) -> None:
         for seq in list(self.live.values()):
             self.drop(seq)
         b = self.alloc.breakdown()
         assert (b.token_states_bytes, b.reservation_bytes, b.external_fragmentation_bytes) == (0, 0, 0)
-        null_bytes = self.alloc.page_bytes if self.config.kind == "paged" else 0  # the null block
+        null_bytes = self.alloc.bytes_per_block if self.config.kind == "paged" else 0  # the null block
         assert b.internal_fragmentation_bytes == self.alloc.budget_bytes - self.alloc.num_slots * BPT + null_bytes
         assert b.free_bytes == self.alloc.num_slots * BPT - null_bytes, "bytes leaked after every request finished"
         if self.config.kind == "paged":
@@ -256,15 +229,13 @@ def test_random_operations_against_model(config, num_slots, extra_bytes, words):
             model.admit(a, b, c)
         elif op == "step":
             model.step(a, c)
-        elif op == "free":
-            model.free(c)
         else:
-            model.fork(b, c)
+            model.free(c)
         model.check()
     model.finish_all()
 
 
-# --- mixed models: vLLM's KV cache groups (kvsim/engine/paged_hybrid.py) -----------------------------------
+# --- mixed models: vLLM's KV cache groups (kvsim/engine/paged/kv_cache_manager.py) -----------------------------------
 
 MIXED_LEN = 48
 # group_size 2, pages of 32 B: two sliding groups (window 6; the second with a padding layer), a full group,
@@ -339,7 +310,7 @@ def test_mixed_model_random_operations(num_blocks, extra_bytes, words):
     for i, (op, a, b, c) in enumerate(map(decode, words)):
         for seq in [s for s in live.values() if s.num_computed_tokens == s.num_final_tokens]:
             alloc.free(live.pop(seq.seq_id))
-        if op in ("admit", "fork"):
+        if op == "admit":
             output = min(b, MIXED_LEN - a)
             seq = Sequence(i, a, output, token_ids=10_000 * (i + 1) + np.arange(a + output, dtype=np.int64))
             chunk = 1 + c % a
@@ -420,7 +391,7 @@ def test_mixed_model_with_prefix_caching_random_operations(num_blocks, extra_byt
     for i, (op, a, b, c) in enumerate(map(decode, words)):
         for seq in [s for s in live.values() if s.num_computed_tokens == s.num_final_tokens]:
             alloc.free(live.pop(seq.seq_id))
-        if op in ("admit", "fork"):
+        if op == "admit":
             output = min(b, MIXED_LEN - a)
             ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
             shared = min(a, 4 * (c % 7))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.engine.arena import PLACEMENTS, Arena
+from kvsim.engine.flat.arena import PLACEMENTS, Arena
 
 
 def fill(arena: Arena, sizes: list[int]) -> list[int]:

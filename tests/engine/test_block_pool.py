@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvsim.engine.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
+from kvsim.engine.paged.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
 
 
 def ids(blocks: list[Block]) -> list[int]:
@@ -19,21 +19,20 @@ def ids(blocks: list[Block]) -> list[int]:
 def assert_links(queue: FreeKVCacheBlockQueue) -> None:
     """Forward and backward walks agree with the count."""
     forward = queue.blocks()
-    backward, block = [], queue._tail.prev_free
-    while block is not queue._head:
+    backward, block = [], queue.tail.prev_free
+    while block is not queue.head:
         backward.append(block)
         block = block.prev_free
     assert forward == backward[::-1]
     assert len(forward) == queue.num_free_blocks
 
 
-def test_queue_pops_in_id_order_at_start():
-    blocks = [Block(i) for i in range(5)]
-    queue = FreeKVCacheBlockQueue(blocks)
-    assert queue.num_free_blocks == 5
-    assert [queue.popleft().block_id for _ in range(3)] == [0, 1, 2]
-    assert ids(queue.blocks()) == [3, 4]
-    assert_links(queue)
+def test_blocks_are_handed_out_in_id_order_at_start():
+    pool = BlockPool(6)  # block 0 is the null block
+    assert pool.free_queue.num_free_blocks == 5
+    assert ids(pool.get_new_blocks(2)) == [1, 2] and pool.get_new_block().block_id == 3
+    assert ids(pool.free_queue.blocks()) == [4, 5]
+    assert_links(pool.free_queue)
 
 
 @pytest.mark.parametrize("victim", [0, 2, 4])
@@ -55,15 +54,6 @@ def test_remove_touches_only_the_neighbours():
     changed = [i for i, b in enumerate(blocks) if (b.prev_free, b.next_free) != before[i]]
     assert changed == [4_999, 5_000, 5_001]
     assert blocks[4_999].next_free is blocks[5_001] and blocks[5_001].prev_free is blocks[4_999]
-
-
-def test_append_and_appendleft():
-    blocks = [Block(i) for i in range(4)]
-    queue = FreeKVCacheBlockQueue(blocks[:2])
-    queue.append(blocks[2])
-    queue.appendleft(blocks[3])
-    assert ids(queue.blocks()) == [3, 0, 1, 2]
-    assert_links(queue)
 
 
 def test_block_zero_is_the_null_block_and_never_handed_out():
@@ -250,7 +240,7 @@ def test_a_hit_on_the_oldest_copy_keeps_the_younger_one_evictable():
 SCENARIO = """
 import json, numpy as np
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
 alloc = PagedAllocator(spec, 24 * 64, max_model_len=256, enable_prefix_caching=True, watermark=0.0)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvsim.engine import cache as cache_mod
-from kvsim.engine import kernels
-from kvsim.engine.cache import KVCache
+from kvsim.engine.tensors import cache as cache_mod
+from kvsim.engine.tensors import kernels
+from kvsim.engine.tensors.cache import KVCache
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import StepTimer
 from kvsim.errors import KvsimError
 
 BS = 4
@@ -123,7 +123,7 @@ def test_the_rows_kernel_writes_numpy_rows_into_the_tensor_itself():
 
 
 def test_a_cpu_pool_is_zeroed_contiguous_memory_of_its_shape():
-    from kvsim.engine.device import zeros_pool
+    from kvsim.engine.tensors.device import zeros_pool
 
     for shape in [(2, 1, 3, 4, 2, 8), (2, 1, 1024, 16, 8, 64)]:  # under and over the 2 MiB huge-page size
         pool = zeros_pool(shape, torch.bfloat16, torch.device("cpu"))
@@ -165,7 +165,8 @@ def test_decode_over_gathered_pages_equals_sdpa_over_contiguous_tensor():
     # the same tokens copied into flat slabs (past every block used above) give the same attention
     starts = [128, 150, 170]
     for table, start, n in zip(tables, starts, lens):
-        c.copy_slots(paged_slots(table, n), np.arange(start, start + n))
+        src, dst = c._index(paged_slots(table, n)), c._index(np.arange(start, start + n))
+        c.kv_flat[:, :, dst] = c.kv_flat[:, :, src]
     torch.testing.assert_close(c.decode_attention(c.read_flat(starts, lens), q), out)
 
 
@@ -183,15 +184,6 @@ def test_swap_out_and_in_to_other_slots_copies_data():
     assert torch.equal(c.kv_flat[:, :, new_slots], before)
 
 
-def test_copy_blocks_copies_whole_blocks():
-    c = make_cache(64)
-    c.write(np.arange(8, 16), np.zeros(8, dtype=np.int64), np.arange(8))  # blocks 2 and 3
-    c.copy_blocks([(2, 9), (3, 5)])
-    assert torch.equal(c.kv_cache[:, :, 9], c.kv_cache[:, :, 2])
-    assert torch.equal(c.kv_cache[:, :, 5], c.kv_cache[:, :, 3])
-    assert c.kv_cache[:, :, 2].abs().sum() > 0
-
-
 def test_accounting_only_cache_is_a_no_op(monkeypatch):
     monkeypatch.setattr(cache_mod, "free_memory_bytes", lambda device: 0)  # never probed or refused
     c = make_cache(10**9, num_layers=0, integrity=True)
@@ -202,8 +194,6 @@ def test_accounting_only_cache_is_a_no_op(monkeypatch):
     assert c.decode_attention(None) is None
     assert c.swap_out(slots) is None
     c.swap_in(None, slots)
-    c.copy_slots(slots, slots + 4)
-    c.copy_blocks([(0, 1)])
     c.verify(0, slots, slots)  # nothing to check
     assert c.timer.step_times() == {} and c.timer.all_steps() == [{}]
 
@@ -240,9 +230,8 @@ def test_timer_records_each_kind_per_step():
     first = c.timer.step_times()
     assert set(first) == {"write", "read", "attention"} and all(us > 0 for us in first.values())
     c.timer.new_step()
-    c.copy_slots(slots, slots + 8)
     c.swap_in(c.swap_out(slots), slots + 16)
-    assert set(c.timer.step_times()) == {"copy", "swap"}
+    assert set(c.timer.step_times()) == {"swap"}
     steps = c.timer.all_steps()
     assert len(steps) == 3 and steps[0] == {} and steps[1] == first
 
@@ -363,18 +352,10 @@ def test_verify_skips_freed_positions():
         c.verify(1, slots, np.arange(8))  # another request's values
 
 
-def test_copy_blocks_reads_every_source_before_writing():
-    c = make_cache(64)
-    c.write(np.arange(8, 16), np.zeros(8, dtype=np.int64), np.arange(8))  # blocks 2 and 3
-    before = c.kv_cache[:, :, 2:4].clone()
-    c.copy_blocks([(2, 3), (3, 4)])  # block 3 is both a destination and a source
-    assert torch.equal(c.kv_cache[:, :, 3], before[:, :, 0]) and torch.equal(c.kv_cache[:, :, 4], before[:, :, 1])
-
-
 # Run in a child process: Triton picks its interpreter when a kernel is defined (at import), from this variable.
 _CACHE_TRITON_WRITES_ON_CPU = """
 import numpy as np, torch
-from kvsim.engine.cache import KVCache
+from kvsim.engine.tensors.cache import KVCache
 from kvsim.size.kv_cache_spec import KVCacheSpec
 
 spec = KVCacheSpec.uniform(num_layers=6, num_kv_heads=2, head_dim=8, block_size=4, dtype="bf16", dtype_bytes=2)

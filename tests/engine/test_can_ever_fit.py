@@ -11,9 +11,10 @@ import random
 import pytest
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.engine.flat import FlatAllocator
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.flat.flat_allocator import FlatAllocator
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
+from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
 
 
@@ -33,15 +34,8 @@ def runs_alone(alloc: KVAllocator, seq: Sequence) -> bool:
 
 
 def random_paged(rng: random.Random) -> PagedAllocator:
-    layout = rng.choice(["full", "sliding", "full+sliding", "full+state", "sliding+state"])
-    groups = []
-    if "full" in layout:
-        groups.append(KVCacheGroupSpec("full", 1, bytes_per_token=rng.choice([8, 16, 24])))
-    if "sliding" in layout:
-        groups.append(KVCacheGroupSpec("sliding", 1, bytes_per_token=rng.choice([8, 16]), window=rng.randint(1, 40)))
-    if "state" in layout:
-        groups.append(KVCacheGroupSpec("state", 1, state_bytes=rng.randint(1, 300)))
-    spec = KVCacheSpec(tuple(groups), rng.choice([1, 2, 4, 16]), "bf16", 2, 1, 4, len(groups))
+    """One KV cache group (a mixed model's groups are HybridPagedAllocator's, tested in test_paged_hybrid)."""
+    spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=rng.choice([2, 4, 6]), block_size=rng.choice([1, 2, 4, 16]))
     watermark = rng.choice([0.0, 0.01, 0.1, 0.3])
     return PagedAllocator(spec, rng.randint(200, 3000), max_model_len=140, watermark=watermark)
 
@@ -73,10 +67,15 @@ def test_can_ever_fit_is_running_alone(make):
     assert verdicts == {True, False}  # both answers were exercised
 
 
+# Every layer slides (Mistral-7B-v0.1 style): vLLM's one sliding group, window 5, block size 4, 64-byte blocks.
+SLIDING = KVCacheSpec(
+    (KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1,
+    pool=PoolSpec((PoolGroupSpec("sliding", 1, 4, 64, 64, window=5, max_admission_blocks=3),), 1),
+)
+
+
 def test_sliding_window_only_model_frees_blocks_outside_the_window():
-    # Every layer slides (Mistral-7B-v0.1 style): one lane of one-page blocks, window 5, block size 4.
-    spec = KVCacheSpec((KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1)
-    alloc = PagedAllocator(spec, 8 * 64, max_model_len=200, watermark=0.0)  # 8 blocks: 7 usable, 0 is null
+    alloc = HybridPagedAllocator(SLIDING, 8 * 64, max_model_len=200, watermark=0.0)  # 8 blocks: 7 usable, 0 is null
     seq = Sequence(0, 16, 40)
     assert alloc.allocate(seq, 16) == 0 and alloc.num_free_blocks == 3
     seq.num_computed_tokens = 16
@@ -89,14 +88,12 @@ def test_sliding_window_only_model_frees_blocks_outside_the_window():
     # 2 blocks, never the 14 that 56 tokens take; the first 12 are gone at the end.
     assert held == [2] * 40
     assert alloc.block_table(seq)[:12] == [None] * 12 and None not in alloc.block_table(seq)[12:]
-    assert not alloc.fork(seq, Sequence(1, 4, 1))  # freed blocks cannot be shared
     alloc.free(seq)
     assert alloc.num_free_blocks == 7
 
 
 def test_slot_mapping_marks_positions_the_window_freed():
-    spec = KVCacheSpec((KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1)
-    alloc = PagedAllocator(spec, 8 * 64, max_model_len=200, watermark=0.0)
+    alloc = HybridPagedAllocator(SLIDING, 8 * 64, max_model_len=200, watermark=0.0)
     seq = Sequence(0, 8, 8)
     alloc.allocate(seq, 8)
     seq.num_computed_tokens = 8

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.flat.flat_allocator import FlatAllocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
 from kvsim.engine.sequence import Sequence
 
@@ -76,7 +76,7 @@ def test_no_growth_past_the_slab_and_decode_batch():
     a.num_computed_tokens, b.num_computed_tokens = 4, 3
     assert alloc.append_slots(a, 2) and not alloc.append_slots(a, 3)
     a.num_computed_tokens = 6  # a has produced its last token
-    assert alloc.append_decode([a, b]) == [a]
+    assert alloc.append_decode_in_order([a, b]) == 0
     assert alloc.append_slots(b, 5) and not alloc.append_slots(b, 6)
 
 
@@ -141,22 +141,6 @@ def test_slot_mapping_is_the_slab_slice():
     m = alloc.slot_mapping(b, 2, 5)
     assert m.dtype == np.int64 and m.tolist() == [8, 9, 10]
     assert alloc.slot_mapping(a, 0, 0).shape == (0,)
-
-
-def test_fork_copies_into_its_own_slab():
-    alloc = make_flat(30, reserve="oracle")
-    parent = seq(1, 8, 4)
-    alloc.allocate(parent, 8)
-    parent.num_computed_tokens = 8
-    child = Sequence(2, 8, 4, parent_id=1)
-    assert alloc.fork(parent, child)
-    child.num_computed_tokens = 8
-    assert alloc.slab(child) == (12, 12)
-    b = alloc.breakdown()
-    assert b.token_states_bytes == 16 * BPT and b.shared_saved_bytes == 0  # nothing shared
-    third = Sequence(3, 8, 4, parent_id=1)
-    assert not alloc.fork(parent, third)  # 6 slots left
-    assert alloc.num_live == 2
 
 
 def test_state_layers_reserve_state_slots_per_request():

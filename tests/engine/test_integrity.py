@@ -1,5 +1,5 @@
 """Integrity mode end to end with the real allocators: every read holds what the reading request's tokens
-wrote, across preemption (recompute), swap into other slots, shared prefix blocks and forks (copy on write);
+wrote, across preemption (recompute), swap into other slots, shared prefix blocks;
 and the check is live: it names the first token that is wrong."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsim.engine.cache import KVCache
-from kvsim.engine.flat import FlatAllocator
+from kvsim.engine.tensors.cache import KVCache
+from kvsim.engine.flat.flat_allocator import FlatAllocator
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 
 BS = 4
@@ -170,45 +170,16 @@ def test_shared_prefix_values_must_follow_token_content(device):
         check_reads(alloc, cache, [b])
 
 
-@pytest.mark.parametrize("copy_on_write", [True, False])
-def test_fork_shares_full_blocks_and_copies_the_partial_one(copy_on_write, device):
-    alloc = make_paged(16)
-    cache = make_cache(alloc, device)
-    parent_ids = tokens(1, 12)
-    parent = make_seq(1, parent_ids, 6, cache)
-    admit(alloc, cache, parent, 6)  # block 0 full, block 1 holds 2 tokens
-    child = make_seq(2, np.concatenate([parent_ids[:6], tokens(2, 6)]), 6, cache)
-    assert alloc.fork(parent, child)
-    child.num_computed_tokens = parent.num_computed_tokens
-    assert alloc.append_slots(child, 1)  # the child writes into the shared partial block: copy on write
-    pairs = alloc.pop_copy_on_write()
-    assert len(pairs) == 1 and pairs[0][0] == alloc.block_table(parent)[1]
-    if copy_on_write:
-        cache.copy_blocks(pairs)
-    compute(alloc, cache, child, 1)
-    decode(alloc, cache, parent, 2)
-    decode(alloc, cache, child, 2)
-    assert alloc.block_table(child)[0] == alloc.block_table(parent)[0]  # the full block stays shared
-    if copy_on_write:
-        check_reads(alloc, cache, [parent, child])
-    else:
-        with pytest.raises(AssertionError, match="seq 2 position 4"):
-            check_reads(alloc, cache, [parent, child])
-
-
-def test_flat_slabs_round_trip_and_fork_by_copy(device):
+def test_flat_slabs_round_trip(device):
     alloc = FlatAllocator(SPEC, 50 * SPEC.bytes_per_token, max_model_len=16, reserve="oracle")
     cache = make_cache(alloc, device)
     assert cache.num_slots == 50 and cache.num_blocks == 13
-    parent_ids = tokens(1, 12)
-    parent = make_seq(1, parent_ids, 7, cache)
+    parent = make_seq(1, tokens(1, 12), 7, cache)
+    child = make_seq(2, np.concatenate([tokens(1, 12)[:7], tokens(2, 5)]), 7, cache)
     other = make_seq(3, tokens(3, 10), 9, cache)
     admit(alloc, cache, other, 9)
     admit(alloc, cache, parent, 7)
-    child = make_seq(2, np.concatenate([parent_ids[:7], tokens(2, 5)]), 7, cache)
-    assert alloc.fork(parent, child)  # flat engines cannot share: the child's slab gets a copy
-    cache.copy_slots(alloc.slot_mapping(parent, 0, 7), alloc.slot_mapping(child, 0, 7))
-    child.num_computed_tokens = 7
+    admit(alloc, cache, child, 7)  # a flat engine cannot share: the same prompt is written twice
     for seq in (parent, child, other):
         decode(alloc, cache, seq, 1)
     seqs = [parent, child, other]
@@ -218,14 +189,14 @@ def test_flat_slabs_round_trip_and_fork_by_copy(device):
         cache.read_flat(starts[::-1], [s.num_computed_tokens for s in seqs], [s.seq_id for s in seqs])
 
 
-OPS = st.lists(st.tuples(st.sampled_from("admit decode preempt resume swap unswap fork finish".split()),
+OPS = st.lists(st.tuples(st.sampled_from("admit decode preempt resume swap unswap finish".split()),
                          st.integers(0, 99), st.integers(1, 14)), min_size=1, max_size=30)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(ops=OPS)
 def test_random_schedules_keep_every_read_intact(ops):
-    """Random admissions (with shared prefixes), decodes, preemptions, swaps, forks and finishes on a tight
+    """Random admissions (with shared prefixes), decodes, preemptions, swaps and finishes on a tight
     paged pool with prefix caching: after every operation each running request reads exactly its tokens."""
     alloc = make_paged(12, prefix_caching=True)
     cache = KVCache(SPEC, alloc.num_slots, device="cpu", num_layers=1, integrity=True)
@@ -238,7 +209,6 @@ def test_random_schedules_keep_every_read_intact(ops):
     def grow(seq: Sequence) -> bool:
         if seq.num_computed_tokens >= seq.num_final_tokens or not alloc.append_slots(seq, 1):
             return False
-        cache.copy_blocks(alloc.pop_copy_on_write())
         compute(alloc, cache, seq, 1)
         return True
 
@@ -282,14 +252,5 @@ def test_random_schedules_keep_every_read_intact(ops):
                 preempted.append((seq, n))
             elif op == "finish":
                 cache.forget(seq.seq_id)
-        elif op == "fork":
-            parent = running[pick % len(running)]
-            n = parent.num_computed_tokens
-            ids = np.concatenate([parent.token_ids[:n], tokens(pick + 7, 4)])
-            child = make_seq(next(next_id), ids, min(n, parent.num_prompt_tokens), cache)
-            if alloc.fork(parent, child):
-                child.num_computed_tokens = n
-                running.append(child)
-                grow(child)
         if running:
             check_reads(alloc, cache, running)

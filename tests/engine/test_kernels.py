@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -144,7 +144,7 @@ def test_triton_scatter_matches_index_copy_and_skips_negative_slots():
 # Run in a child process: Triton picks its interpreter when a kernel is defined (at import), from this variable.
 _TRITON_ON_CPU = textwrap.dedent("""
     import torch
-    from kvsim.engine import kernels
+    from kvsim.engine.tensors import kernels
 
     assert kernels.HAS_TRITON
     gen = torch.Generator().manual_seed(0)

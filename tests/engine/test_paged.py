@@ -1,4 +1,4 @@
-"""PagedAllocator: hand-computed block tables, slots, prefix hits, eviction, forks, watermark, mixed layers."""
+"""PagedAllocator (one KV cache group): hand-computed block tables, slots, prefix hits, eviction, watermark."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
-from kvsim.engine.paged import PagedAllocator
+from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
@@ -16,20 +16,6 @@ BS = 4
 # 2 (K,V) * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes per token; a block of 4 tokens = 64 bytes.
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BS, dtype_bytes=2)
 BPT, BLOCK = 16, 64
-# Full layer 16 B/token, two sliding layers (window 8) 32 B/token, a 100-byte state: page = 4 x gcd(16, 32) = 64 B.
-MIXED = KVCacheSpec(
-    groups=(
-        KVCacheGroupSpec("full", 1, bytes_per_token=16),
-        KVCacheGroupSpec("sliding", 2, bytes_per_token=32, window=8),
-        KVCacheGroupSpec("state", 1, state_bytes=100),
-    ),
-    block_size=BS,
-    dtype="bf16",
-    dtype_bytes=2,
-    num_kv_heads=1,
-    head_dim=4,
-    num_attention_layers=3,
-)
 
 
 def make_alloc(num_blocks: int, *, extra: int = 0, spec: KVCacheSpec = SPEC, **kwargs) -> PagedAllocator:
@@ -95,7 +81,7 @@ def test_append_decode_batches_and_reports_failures():
     a, b = make_seq(0, 4, 4), make_seq(1, 4, 4)
     admit(alloc, a)
     admit(alloc, b)
-    assert alloc.append_decode([a, b]) == [b]  # a takes the last block, b cannot grow
+    assert alloc.append_decode_in_order([a, b]) == 1  # a takes the last block, b cannot grow
     assert alloc.block_table(a) == [1, 3] and alloc.block_table(b) == [2]
 
 
@@ -183,27 +169,12 @@ def test_a_block_filled_by_decode_is_cached_when_its_last_token_is_scheduled():
 
     assert num_cached() == 1
     for total in range(6, 13):
-        assert alloc.append_decode([a]) == []  # schedules token total - 1
+        assert alloc.append_decode_in_order([a]) == 1  # schedules token total - 1
         assert num_cached() == total // 4, total  # cached once its last token is scheduled, not before
         a.num_computed_tokens += 1
     assert alloc.block_table(a) == [1, 2, 3]
     alloc.free(a)
     assert probe_hit(alloc, np.concatenate([a.token_ids[:12], [7]])) == 12 and alloc.num_free_blocks == 12
-
-
-def test_a_fork_chains_its_own_block_hashes_from_its_parents():
-    alloc = make_alloc(12, enable_prefix_caching=True)
-    a = make_seq(0, 8, 4)
-    admit(alloc, a)
-    b = make_seq(1, 8, 4, prefix=a.token_ids[:8])  # same prompt, its own output tokens
-    assert alloc.fork(a, b)
-    b.num_computed_tokens = 8
-    for _ in range(4):
-        assert alloc.append_decode([b]) == []
-        b.num_computed_tokens += 1
-    assert alloc.block_table(b)[:2] == alloc.block_table(a)[:2] and len(alloc.block_table(b)) == 3
-    assert probe_hit(alloc, np.concatenate([b.token_ids[:12], [7]])) == 12  # b's third block is cached
-    assert probe_hit(alloc, np.concatenate([a.token_ids[:12], [7]])) == 8  # a has not written its own yet
 
 
 def test_watermark_refuses_admission_but_not_growth():
@@ -219,89 +190,13 @@ def test_watermark_refuses_admission_but_not_growth():
     assert alloc.num_free_blocks == 0 and len(alloc.block_table(seq)) == 100
 
 
-def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
-    alloc = make_alloc(10)
-    a = make_seq(0, 6, 4)
-    admit(alloc, a)
-    b = make_seq(1, 6, 4)
-    assert alloc.fork(a, b)
-    b.num_computed_tokens = 6
-    assert alloc.block_table(b) == [1, 2]
-    assert [alloc.pool.blocks[i].ref_count for i in (1, 2)] == [2, 2]
-    # 6 unique tokens computed; 2 slots of the shared partial block reserved; a's third... none yet.
-    bd = alloc.breakdown()
-    assert bd.shared_saved_bytes == 2 * BLOCK
-    assert parts(alloc) == (6 * BPT, 2 * BPT, BLOCK, 0, 8 * BLOCK)  # internal: the null block
-    assert decode(alloc, b)  # writing token 6 into the shared block 2: b gets a copy
-    assert alloc.block_table(b) == [1, 3]
-    assert alloc.pop_copy_on_write() == [(2, 3)] and alloc.pop_copy_on_write() == []
-    assert [alloc.pool.blocks[i].ref_count for i in (1, 2, 3)] == [2, 1, 1]
-    assert decode(alloc, a) and alloc.block_table(a) == [1, 2]  # block 2 is a's alone now: no copy
-    assert alloc.pop_copy_on_write() == []
-    assert alloc.slot_mapping(b, 4, 7).tolist() == [12, 13, 14]
-    assert alloc.breakdown().shared_saved_bytes == BLOCK
-    alloc.free(a)
-    alloc.free(b)
-    assert alloc.num_free_blocks == 10 and alloc.pool.num_shared_refs == 0 and not alloc._fork_partials
-
-
-def test_mixed_model_pages_sliding_window_and_state():
-    alloc = PagedAllocator(MIXED, 31 * 64 + 10, max_model_len=64, watermark=0.0)  # page 0: the null block
-    assert (alloc.page_bytes, alloc.num_blocks) == (64, 31)
-    assert [(lane.window, lane.pages_per_block, lane.pad_bytes) for lane in alloc.lanes] == [(None, 1, 0), (8, 2, 0)]
-    seq = make_seq(0, 8, 12)
-    assert admit(alloc, seq) == 0
-    assert alloc.num_free_blocks == 30 - (2 * 1 + 2 * 2 + 2)  # 2 full pages, 4 sliding pages, 2 state pages
-    # token states: 8 tokens x (16 + 32) + 100 state bytes; internal: 28 state padding, the null page, 10 remainder.
-    assert parts(alloc) == (8 * 48 + 100, 0, 28 + 64 + 10, 0, 22 * 64)
-    free_after = []
-    for _ in range(8):  # computed 8 .. 15
-        assert decode(alloc, seq)
-        free_after.append(alloc.num_free_blocks)
-    # token 8 opens block 2 (3 pages); at computed 11 the window [4, 12) leaves sliding block 0 (2 pages);
-    # token 12 opens block 3; at computed 15 sliding block 1 goes.
-    assert free_after == [19, 19, 19, 21, 18, 18, 18, 20]
-    assert alloc._reqs[seq].tables[1][:4] == [None] * 4
-    # the full lane's pages: 1, 2 at admission (sliding 3-6, state 7-8), 9 for block 2, and page 4 for block 3
-    # (the window freed sliding block 0's pages 3, 4 last first, and the first freed is reused first)
-    assert alloc.block_table(seq) == [1, 2, 9, 4]
-    # 16 computed: full 16 x 16, sliding (16 - 8 freed) x 32, state 100.
-    assert parts(alloc) == (256 + 256 + 100, 0, 28 + 64 + 10, 0, 20 * 64)
-    other = make_seq(1, 4, 0)
-    assert not alloc.fork(seq, other)
-    alloc.free(seq)
-    assert alloc.num_free_blocks == 30 and parts(alloc) == (0, 0, 64 + 10, 0, 30 * 64)
-
-
-def test_mixed_pages_pad_when_the_gcd_is_too_small():
-    spec = KVCacheSpec(
-        groups=(KVCacheGroupSpec("full", 1, bytes_per_token=3000), KVCacheGroupSpec("sliding", 1, bytes_per_token=2048, window=4)),
-        block_size=BS, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=4, num_attention_layers=2,
-    )
-    alloc = PagedAllocator(spec, 100 * 4 * 2048, max_model_len=64, watermark=0.0)
-    assert alloc.page_bytes == 4 * 2048  # gcd(3000, 2048) = 8 would need 375 pages per block
-    assert [(lane.pages_per_block, lane.pad_bytes) for lane in alloc.lanes] == [(2, 2 * 8192 - 12000), (1, 0)]
-    seq = make_seq(0, 4, 0)
-    admit(alloc, seq)
-    bd = alloc.breakdown()
-    # internal: the full lane's padding and the null page
-    assert bd.token_states_bytes == 4 * (3000 + 2048) and bd.internal_fragmentation_bytes == 2 * 8192 - 12000 + 8192
-
-
 def test_can_ever_fit():
     alloc = make_alloc(10, watermark=0.1)  # 1 block kept free when admitting beside a running request
     assert alloc.can_ever_fit(make_seq(0, 36, 4))  # 9 blocks to admit, 10 at the end
     assert alloc.can_ever_fit(make_seq(1, 40, 0))  # all 10 blocks to admit: alone, the watermark does not apply
     assert not alloc.can_ever_fit(make_seq(2, 36, 5))  # 11 blocks at the end
     assert not make_alloc(100).can_ever_fit(make_seq(3, 250, 7))  # longer than max_model_len 256
-    mixed = PagedAllocator(MIXED, 31 * 64, max_model_len=256, watermark=0.0)  # 30 usable pages
-    # The window keeps the sliding lane at 3 blocks (6 pages) + 2 state pages: 10 full blocks fit, 25 do not.
-    assert mixed.can_ever_fit(make_seq(4, 4, 36)) and not mixed.can_ever_fit(make_seq(5, 4, 96))
-
-
 def test_user_mistakes_raise_kvsim_errors():
-    with pytest.raises(KvsimError, match="prefix_caching"):
-        PagedAllocator(MIXED, 1 << 20, max_model_len=64, enable_prefix_caching=True)
     with pytest.raises(KvsimError, match="watermark"):
         make_alloc(10, watermark=1.5)
 
@@ -347,64 +242,6 @@ def test_shared_prefix_stream_hits_the_cache_by_hand():
     assert run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3).prefix_hit_tokens == 0
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_mixed_model_random_operations_keep_pages_consistent(seed):
-    """Random admissions, chunks, decodes and frees: every page is held once or free, bytes always add up."""
-    rng = np.random.default_rng(seed)
-    alloc = PagedAllocator(MIXED, 60 * 64 + 3, max_model_len=64, watermark=0.05)
-    running: list[Sequence] = []
-    for step in range(300):
-        op = rng.integers(4)
-        if op == 0 and len(running) < 6:
-            seq = make_seq(step, int(rng.integers(1, 24)), int(rng.integers(0, 24)))
-            chunk = int(rng.integers(1, seq.num_prompt_tokens + 1))
-            if alloc.allocate(seq, chunk) is not None:
-                seq.num_computed_tokens = chunk
-                running.append(seq)
-        elif op == 1 and running:
-            active = [s for s in running if s.num_computed_tokens < s.num_final_tokens]
-            failed = alloc.append_decode(active)
-            for seq in active:
-                if seq not in failed:
-                    assert alloc._reqs[seq].cap > seq.num_computed_tokens
-                    seq.num_computed_tokens += 1
-        elif op == 2 and running:
-            seq = running[int(rng.integers(len(running)))]
-            room = seq.num_final_tokens - seq.num_computed_tokens
-            if room > 0 and alloc.append_slots(seq, n := int(rng.integers(1, room + 1))):
-                seq.num_computed_tokens += n
-        elif op == 3 and running:
-            alloc.free(running.pop(int(rng.integers(len(running)))))
-        held = [b.block_id for s in running for t in alloc._reqs[s].tables for b in t if b is not None]
-        held += [b.block_id for s in running for b in alloc._reqs[s].state_pages]
-        assert len(held) == len(set(held)) == alloc.num_blocks - 1 - alloc.num_free_blocks  # page 0: null block
-        bd = alloc.breakdown()  # asserts the five categories sum to the budget
-        assert bd.internal_fragmentation_bytes >= 3 + len(running) * 28
-        for s in running:  # the window's tokens are always held
-            window_start = max(0, s.num_computed_tokens - 8 + 1)
-            assert all(b is not None for b in alloc._reqs[s].tables[1][window_start // BS * 2 :])
-    for seq in running:
-        alloc.free(seq)
-    assert alloc.num_free_blocks == alloc.num_blocks - 1
-    assert parts(alloc) == (0, 0, 64 + 3, 0, 59 * 64)
-
-
-def test_fork_partial_tail_is_reservation_when_any_holder_will_write_it():
-    # A (final 8) forks B (final 6) at 6 computed: blocks [0, 1] shared, block 1 holds tokens 4, 5.
-    # The shared tail (slots 6, 7) is A's reservation and B's internal fragmentation: physically one tail,
-    # which A will write, so reservation. C (3 computed of 8, one block) must keep its own 1-slot reservation.
-    alloc = make_alloc(10)
-    a, b, c = make_seq(0, 6, 2), make_seq(1, 6, 0), make_seq(2, 3, 5)
-    admit(alloc, a)
-    assert alloc.fork(a, b)
-    b.num_computed_tokens = 6
-    admit(alloc, c)
-    assert parts(alloc) == ((4 + 2 + 3) * BPT, (2 + 1) * BPT, BLOCK, 0, 7 * BLOCK)  # internal: the null block
-    assert alloc.breakdown().shared_saved_bytes == 2 * BLOCK
-    alloc.free(a)  # B alone: its tail is internal fragmentation
-    assert parts(alloc) == ((6 + 3) * BPT, 1 * BPT, 2 * BPT + BLOCK, 0, 7 * BLOCK)
-
-
 def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
     """(token states, reservation, internal) bytes by classifying every slot of every held block.
 
@@ -416,7 +253,7 @@ def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
     best: dict[tuple[int, int], str] = {}
     for seq, req in alloc._reqs.items():
         computed = max(seq.num_computed_tokens, req.hit)
-        for j, block in enumerate(req.tables[0]):
+        for j, block in enumerate(req.table):
             for i in range(BS):
                 pos = j * BS + i
                 kind = "ts" if pos < computed else "res" if pos < seq.num_final_tokens else "int"
@@ -428,7 +265,7 @@ def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_breakdown_matches_a_slot_by_slot_count(seed):
-    """Random admissions (chunked, prefix hits), growth, forks and frees; every step completes its tokens."""
+    """Random admissions (chunked, prefix hits), growth and frees; every step completes its tokens."""
     rng = np.random.default_rng(seed)
     prefixes = [np.arange(100) + 1000 * k for k in range(3)]
     for _ in range(100):
@@ -446,13 +283,6 @@ def test_breakdown_matches_a_slot_by_slot_count(seed):
                     live.append(seq)
             elif r < 0.45:
                 alloc.free(live.pop(int(rng.integers(len(live)))))
-            elif r < 0.55:
-                parent = live[int(rng.integers(len(live)))]
-                done = parent.num_computed_tokens  # the child's final length may end before or after the parent's
-                child = make_seq(2000 + step, parent.num_prompt_tokens, max(0, done - parent.num_prompt_tokens) + int(rng.integers(0, 7)), parent.token_ids[:done])
-                if alloc.fork(parent, child):
-                    child.num_computed_tokens = parent.num_computed_tokens
-                    live.append(child)
             else:
                 seq = live[int(rng.integers(len(live)))]
                 left = seq.num_final_tokens - seq.num_computed_tokens

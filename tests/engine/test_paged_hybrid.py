@@ -6,7 +6,7 @@ import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
-from kvsim.engine.paged_hybrid import HybridPagedAllocator
+from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
 
 # 3 sliding layers (window 8) and 2 full layers, 8 B per token per layer, block_size 4: every page 32 B.

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import KINDS, StepTimer
 
 
 class FakeDevice:
@@ -136,7 +136,7 @@ def test_per_step_arrays_mark_what_each_step_measured():
     for _ in range(2000):  # past the arrays' first capacity
         timer.new_step()
     us, seen = timer.per_step()
-    assert us.shape == seen.shape == (5, 2003) and timer.num_steps == 2003
-    assert seen[:, 0].tolist() == [True, False, False, False, False] and not seen[:, 1].any()
+    assert us.shape == seen.shape == (len(KINDS), 2003) and timer.num_steps == 2003
+    assert seen[:, 0].tolist() == [True, False, False, False] and not seen[:, 1].any()
     assert seen[1, 2] and not seen[:, 3:].any() and not us[:, 3:].any()
     assert timer.all_steps()[:3] == [{"write": us[0, 0]}, {}, {"read": us[1, 2]}]

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvsim.engine.timing import StepTimer
+from kvsim.engine.tensors.timing import StepTimer
 from kvsim.replay.records import fill_kernel_columns
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,12 @@ def write_tiny(
 
 def tiny_workload(tmp_path: Path, **kwargs):
     return load_workload(write_tiny(tmp_path, **kwargs))
+
+
+def paired_runs(one, two) -> list:
+    """The runs of two replays of one workload, pairwise; never an empty pairing (a loop over it proves nothing)."""
+    assert len(one.runs) == len(two.runs) > 0
+    return list(zip(one.runs, two.runs))
 
 
 def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path):
@@ -130,10 +137,54 @@ def test_parallel_workers_change_nothing(tmp_path):
     workload = tiny_workload(tmp_path, budget_tokens=440)
     one = run_replay(workload, ReplayOptions(tensors=False), workers=1)
     two = run_replay(workload, ReplayOptions(tensors=False), workers=2)
-    for a, b in zip(one.runs, two.runs):
+    for a, b in paired_runs(one, two):
         for name in a.steps:
             np.testing.assert_array_equal(a.steps[name], b.steps[name])
         np.testing.assert_array_equal(a.finished_s, b.finished_s)
+
+
+SEEDED_GEMMA = """\
+name: seeded
+seed: 5
+model: gemma-3-27b
+kv_dtype: bf16
+hardware: h100-80gb
+kv_budget: 2GiB
+max_model_len: 4096
+requests:
+  count: 40
+  arrival: {process: poisson, rate: 50.0}
+  prompt_tokens: {dist: uniform, min: 64, max: 3000}
+  output_tokens: {dist: uniform, min: 8, max: 600}
+  shared_prefix: {groups: 2, tokens: 1200, fraction: 0.7}
+allocators:
+  - {kind: paged, block_size: 16, prefix_caching: true}
+scheduler: {max_num_seqs: 16, max_num_batched_tokens: 2048, preemption: recompute}
+"""
+
+
+def test_a_replay_is_the_same_under_any_hash_seed(tmp_path):
+    """Block hashes are Python's hash() of token bytes, which PYTHONHASHSEED changes from process to process:
+    replays in processes with different seeds (a uniform model and a mixed one, prefix caching on) write
+    byte-identical reports."""
+    import subprocess
+    import sys
+
+    write_tiny(tmp_path)
+    (tmp_path / "seeded.yaml").write_text(SEEDED_GEMMA)
+    root = Path(__file__).resolve().parents[2]
+    for name in ("tiny", "seeded"):
+        outs = []
+        for seed in ("0", "12345"):
+            out = tmp_path / f"{name}-{seed}"
+            env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)}
+            cmd = [sys.executable, "-m", "kvsim", "replay", str(tmp_path / f"{name}.yaml"), "--no-tensors", "-q", "--out", str(out)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            outs.append(out)
+        for report in ("summary.csv", "requests.csv"):
+            assert (outs[0] / report).read_bytes() == (outs[1] / report).read_bytes(), (name, report)
+        assert (outs[0] / "steps.parquet").read_bytes() == (outs[1] / "steps.parquet").read_bytes(), name
 
 
 def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
@@ -141,7 +192,7 @@ def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
     off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
     on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=1))
     assert on.device == "cpu"
-    for a, b in zip(off.runs, on.runs):
+    for a, b in paired_runs(off, on):
         for name in BYTE_COLUMNS + ("num_running", "num_steps", "num_prefill_tokens", "num_decode_tokens"):
             np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
         assert np.isnan(a.steps["write_us"]).all()
@@ -209,7 +260,7 @@ def test_options_that_need_tensors_say_so():
 
 def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkeypatch):
     """The check above can fail: swap KV back in reversed order and the next read of that request trips it."""
-    from kvsim.engine.cache import KVCache
+    from kvsim.engine.tensors.cache import KVCache
 
     original = KVCache.swap_in
 
@@ -228,7 +279,7 @@ def test_integrity_catches_kv_swapped_back_into_the_wrong_slots(tmp_path, monkey
 def test_integrity_without_reads_still_catches_lost_and_overwritten_kv(tmp_path, monkeypatch, fault):
     """Reads sampled away entirely, integrity still sees a decode step whose write never happened, and KV
     overwritten behind a request's back (here: the whole pool zeroed whenever a request finishes)."""
-    from kvsim.engine.cache import KVCache
+    from kvsim.engine.tensors.cache import KVCache
 
     if fault == "lost_write":
         original = KVCache.write_steps
@@ -252,7 +303,7 @@ def test_reads_are_sampled_every_nth_decode_step_and_writes_every_step(tmp_path,
     off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
     on = run_replay(workload, ReplayOptions(tensors=True, device="cpu", read_every=every))
     assert on.options.read_every == every
-    for a, b in zip(off.runs, on.runs):
+    for a, b in paired_runs(off, on):
         st = b.steps
         for name in BYTE_COLUMNS:
             np.testing.assert_array_equal(a.steps[name], st[name], err_msg=f"{a.label} {name}")
@@ -301,7 +352,7 @@ def test_cuda_tensors_match_accounting_and_keep_integrity(tmp_path):
     off = run_replay(workload, ReplayOptions(tensors=False), workers=1)
     on = run_replay(workload, ReplayOptions(tensors=True, device="cuda", integrity=True))
     assert on.device.startswith("cuda")
-    for a, b in zip(off.runs, on.runs):
+    for a, b in paired_runs(off, on):
         for name in BYTE_COLUMNS:
             np.testing.assert_array_equal(a.steps[name], b.steps[name], err_msg=f"{a.label} {name}")
         assert (b.steps["write_us"] > 0).all()
@@ -342,7 +393,7 @@ def test_a_mistyped_device_is_an_error_even_without_tensors():
 def test_layers_beyond_the_model_and_a_pool_too_big_for_memory_name_the_flag(tmp_path, monkeypatch):
     """--layers 1000 on a 2-layer model tried to allocate 1000 layers (and would time them as the model's 2);
     the free-memory refusal named `num_layers`, the cache's argument, not the flag."""
-    from kvsim.engine import cache
+    from kvsim.engine.tensors import cache
     from kvsim.errors import KvsimError
 
     workload = tiny_workload(tmp_path, count=2)

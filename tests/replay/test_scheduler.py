@@ -7,8 +7,8 @@ import pytest
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.clock.roofline import Roofline
-from kvsim.replay.scheduler import Scheduler
-from kvsim.replay.scheduler_output import SchedSeq
+from kvsim.replay.sched.scheduler import Scheduler
+from kvsim.replay.sched.output import SchedSeq
 
 # 1 layer, 1 KV head, head_dim 1, bf16: K+V = 4 bytes per token; block_size 4 -> 16-byte blocks.
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=4)
@@ -328,12 +328,14 @@ def test_decode_run_stops_before_the_paged_pool_could_run_out():
 
 
 def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
-    """Blocks of full and sliding layers take several pool pages: a run's bound counts pages, not blocks."""
-    from kvsim.size.kv_cache_spec import KVCacheGroupSpec
+    """vLLM's groups (as the replay builds them: a full and a sliding group) each open a block per block_size
+    tokens, from one pool: a run's bound counts the blocks of every group, and the window's."""
+    from kvsim.size.kv_cache_spec import KVCacheGroupSpec, PoolGroupSpec, PoolSpec
 
+    pool = PoolSpec((PoolGroupSpec("full", 1, 4, 16, 16), PoolGroupSpec("sliding", 1, 4, 16, 16, window=8, max_admission_blocks=3)), 1)
     spec = KVCacheSpec(
         groups=(KVCacheGroupSpec("full", 1, bytes_per_token=4), KVCacheGroupSpec("sliding", 1, bytes_per_token=4, window=8)),
-        block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2,
+        block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2, pool=pool,
     )
     allocator = make_allocator(AllocatorConfig("paged", block_size=4), spec, 40 * 8, max_model_len=64)
     sched = Scheduler(allocator, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, roofline=roofline())

@@ -83,7 +83,7 @@ def scatter_triton(kv_flat: torch.Tensor, slots: torch.Tensor, src: torch.Tensor
         return
     row = h * d
     block = min(1 << (row - 1).bit_length(), 2048)  # triton.next_power_of_2
-    from kvsim.engine.triton_store import store_kv  # imports triton on first use
+    from kvsim.engine.tensors.triton_store import store_kv  # imports triton on first use
 
     store_kv[(num_tokens, num_layers)](
         src,
@@ -200,7 +200,7 @@ def prefix_fingerprints(token_ids: np.ndarray) -> np.ndarray:
     """(n,) uint64: fingerprint p identifies the whole prefix token_ids[: p + 1] (a chained hash, like a
     prefix-cache block hash, but per token): XOR-accumulated hashes of (token id, position).
 
-    Two requests that share a prefix get equal fingerprints over it, so a cached or forked block reads the
+    Two requests that share a prefix get equal fingerprints over it, so a cached block reads the
     same integrity values whoever wrote it, and differ from the first differing token on.
     """
     pos = np.arange(len(token_ids), dtype=_U64)

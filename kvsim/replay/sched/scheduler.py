@@ -1,5 +1,5 @@
 """Continuous batching over one allocator as vLLM v1 0.33.0 schedules: admission, chunked prefill, decode,
-preemption (`scheduler_preemption`), decode runs (`scheduler_runs`), sampling and finishing (`scheduler_update`).
+preemption, decode runs, sampling and finishing, in one class as vLLM keeps `Scheduler`.
 
 One `Scheduler` per allocator config. Each `schedule()` builds one step's batch and makes room for it through
 the allocator's capacity protocol; `postprocess()` advances the computed tokens and frees finished requests.
@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import deque
 
 from kvsim.engine.allocator import KVAllocator
-from kvsim.replay.scheduler_output import SchedSeq, SchedulerOutput
-from kvsim.replay.scheduler_preemption import Preemption
-from kvsim.replay.scheduler_runs import MAX_DECODE_RUN, DecodeRuns
-from kvsim.replay.scheduler_update import OutputUpdate
+from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
+
+# Longest run of identical decode steps one `schedule()` may cover (one row of the step records).
+MAX_DECODE_RUN = 256
 
 
-class Scheduler(Preemption, DecodeRuns, OutputUpdate):
+class Scheduler:
     """FCFS continuous batching of `SchedSeq`s over `allocator`, one step (or one decode run) at a time, with
     vLLM v1's semantics (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`; see docs/scheduler.md).
 
@@ -75,15 +75,6 @@ class Scheduler(Preemption, DecodeRuns, OutputUpdate):
         self.waiting: deque[SchedSeq] = deque()
         self.swapped: deque[SchedSeq] = deque()
         self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
-        self._is_flat = hasattr(allocator, "slab")
-        self._free_blocks = getattr(type(allocator), "num_free_blocks", None) is not None
-        # Pool pages one more block of every lane takes (mixed full/sliding models pack a block in several).
-        lanes = getattr(allocator, "lanes", None)
-        self._pages_per_block = sum(lane.pages_per_block for lane in lanes) if lanes else 1
-        # A decode run grows its requests to its middle step first, which frees blocks that left a sliding
-        # window there; the run's first step must still own its block: middle step < the smallest window.
-        windows = [lane.window for lane in lanes or () if lane.window is not None]
-        self._max_run = min(MAX_DECODE_RUN, 2 * min(windows) - 1) if windows else MAX_DECODE_RUN
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -100,12 +91,9 @@ class Scheduler(Preemption, DecodeRuns, OutputUpdate):
         seq.set_max_tokens(min(seq.max_tokens, self.max_model_len - seq.num_prompt_tokens))
         if self.async_scheduling:  # prefix caching hashes a block once its tokens are known (sampled)
             seq.num_known_tokens = seq.num_tokens
-        if not self.allocator.can_ever_fit(seq):
-            alloc = self.allocator
-            needs = f"needs {seq.num_final_tokens} tokens of KV"
-            if hasattr(alloc, "slab_size"):  # flat: the reserve policy decides the slab, not the request
-                needs = f"its slab of {alloc.slab_size(seq):,} token slots ({alloc.reserve} reservation)"
-            return f"{needs}, more than the allocator can ever hold"
+        reason = self.allocator.never_fits_reason(seq)
+        if reason is not None:
+            return reason
         self.waiting.append(seq)
         return None
 
@@ -230,3 +218,188 @@ class Scheduler(Preemption, DecodeRuns, OutputUpdate):
             out.decodes.append(seq)
         else:
             out.prefills.append((seq, seq.num_computed_tokens, n))
+
+    # --- decode runs ---------------------------------------------------------------------------------
+
+    def _extend_decode_run(self, out: SchedulerOutput, time_to_next_arrival: float, waiting_head) -> None:
+        """Cover k identical decode steps in this row when nothing can change before the k-th.
+
+        Every running request decodes in every step of the run and nothing is admitted during it: either
+        nothing waits and the next arrival is after the run's last step starts, or the queue head just failed
+        to fit (or found no budget or seat) and memory only shrinks while requests grow.
+        Requests finish no earlier than the run's end. A paged allocator must have the free blocks for every
+        request's growth up front, so no decode step inside the run could fail (no preemption is skipped).
+        """
+        decodes = out.decodes
+        n = len(decodes)
+        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
+        k = min(k, self.allocator.max_decode_run(n))
+        if k < 2:
+            return
+        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
+        if waiting_head is None:
+            k, run_time = self.roofline.decode_steps_before(n, ctx_sum, k, time_to_next_arrival)
+            if k < 2:
+                return
+        else:
+            run_time = self.roofline.decode_run(n, ctx_sum, k)
+        out.num_steps = k
+        out.run_time_s = run_time
+        # Room for the middle step, the memory breakdown there, then room for the whole run.
+        mid = (k - 1) // 2
+        alloc = self.allocator
+        for seq in decodes:
+            ok = alloc.append_slots(seq, mid + 1)
+            assert ok, seq
+            seq.num_computed_tokens += mid
+        out.breakdown = alloc.breakdown(waiting_head)
+        for seq in decodes:
+            ok = alloc.append_slots(seq, k - mid)
+            assert ok, seq
+            seq.num_computed_tokens -= mid
+
+    # --- preemption and swap -------------------------------------------------------------------------
+
+    def _preempt(self, seq: SchedSeq, out: SchedulerOutput) -> None:
+        """Take `seq` (the running tail) off the GPU: to the CPU pool (swap) or back to waiting (recompute)."""
+        assert self.running[-1] is seq
+        self.running.pop()
+        seq.num_preemptions += 1
+        if self.async_scheduling:  # vLLM drops its placeholders; output in flight is delivered as stale
+            flight = self._in_flight
+            seq.stale_output = flight is not None and (seq in flight.decodes or any(c[0] is seq for c in flight.prefills))
+            seq.num_output_placeholders = 0
+        out.preempted.append(seq)
+        out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
+        computed = seq.num_computed_tokens
+        swap_bytes = computed * self.bytes_per_token
+        if self.preemption == "swap" and computed and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes:
+            if self.cache is not None:
+                slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
+                seq.swap_handle = self.cache.swap_out(slots)
+            self.swap_used_bytes += swap_bytes
+            seq.swap_tokens = computed
+            out.swap_bytes += swap_bytes
+            self.allocator.free(seq)
+            self.swapped.appendleft(seq)  # victims go out newest first, so the oldest ends up at the head
+            return
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0  # vLLM recomputes prompt + output so far when it is admitted again
+        self.waiting.appendleft(seq)
+
+    def _drop_swap(self, seq: SchedSeq) -> None:
+        """Turn a swapped request into one to recompute: its CPU copy is dropped."""
+        self.swap_used_bytes -= seq.swap_tokens * self.bytes_per_token
+        seq.swap_tokens = 0
+        seq.swap_handle = None
+        seq.num_computed_tokens = 0
+
+    def _swap_in(self, seq: SchedSeq, out: SchedulerOutput) -> bool:
+        """Bring a swapped request back if room for its KV fits now; its KV returns from the CPU pool."""
+        computed = seq.swap_tokens
+        seq.num_computed_tokens = 0
+        hit = self.allocator.allocate(seq, computed, num_tokens=computed, apply_watermark=bool(self.running))
+        if hit is None:
+            seq.num_computed_tokens = computed
+            return False
+        seq.num_computed_tokens = computed
+        if self.cache is not None and seq.swap_handle is not None:
+            slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
+            self.cache.swap_in(seq.swap_handle, slots)
+            seq.swap_handle = None
+        swap_bytes = computed * self.bytes_per_token
+        self.swap_used_bytes -= swap_bytes
+        seq.swap_tokens = 0
+        out.swap_bytes += swap_bytes
+        out.swapped_in.append(seq)
+        self.running.append(seq)
+        return True
+
+    # --- after a step has run: vLLM's `_update_after_schedule` and `update_from_output` --------------
+
+    def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
+        """After `out` has run: advance computed tokens by what it computed, then process sampled tokens (vLLM's
+        `update_from_output`) and free and return the requests that finished (`check_stop`).
+
+        Synchronous: `out`'s own samples. Async scheduling: those of the step before it, which was in flight
+        while `out` was scheduled; `out` stays in flight until the next `postprocess` or `flush`.
+        """
+        self._advance(out)
+        if not self.async_scheduling:
+            return self._update_from_output(out)
+        previous, self._in_flight = self._in_flight, out
+        return self._update_from_output(previous) if previous is not None else []
+
+    def flush(self) -> list[SchedSeq]:
+        """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
+        previous, self._in_flight = self._in_flight, None
+        return self._update_from_output(previous) if previous is not None else []
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """What vLLM's `_update_after_schedule` does: computed tokens advance; a request whose tokens are all
+        computed samples one (async: an output placeholder until its output is processed)."""
+        sampled = out.sampled
+        for seq, _, n in out.prefills:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens >= seq.num_tokens + seq.num_output_placeholders:
+                sampled.append(seq)
+        k = out.num_steps
+        for seq in out.decodes:
+            seq.num_computed_tokens += k
+        sampled += out.decodes
+        if self.async_scheduling:
+            for seq in sampled:
+                seq.num_output_placeholders += 1
+            for seq, _, n in out.prefills:
+                seq.num_in_flight_tokens += n
+            for seq in out.decodes:
+                seq.num_in_flight_tokens += k
+
+    def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
+        """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
+        `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting."""
+        stale = set()
+        if self.async_scheduling:
+            for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
+                seq.num_in_flight_tokens -= n
+            for seq in out.decodes:
+                seq.num_in_flight_tokens -= out.num_steps
+            for seq in [chunk[0] for chunk in out.prefills] + out.decodes:
+                if seq.stale_output:
+                    seq.stale_output = False
+                    stale.add(seq.seq_id)
+        finished: list[SchedSeq] = []
+        num_prefill_samples = len(out.sampled) - len(out.decodes)
+        k = out.num_steps
+        cache_blocks = self.allocator.cache_blocks if self.async_scheduling else None
+        in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
+        if cache_blocks is not None and self._in_flight is not None:
+            for seq in self._in_flight.decodes:
+                in_flight[seq.seq_id] = 1
+            for seq, _, n in self._in_flight.prefills:
+                in_flight[seq.seq_id] = in_flight.get(seq.seq_id, 0) + n
+        for j, seq in enumerate(out.sampled):
+            count = 1 if j < num_prefill_samples else k
+            seq.num_output_tokens += count
+            if self.async_scheduling:
+                seq.num_known_tokens = seq.num_tokens
+            if seq.num_output_placeholders and seq.seq_id not in stale:
+                seq.num_output_placeholders -= count
+                if cache_blocks is not None:  # vLLM caches what the steps processed so far computed
+                    cache_blocks(seq, seq.num_computed_tokens - in_flight.get(seq.seq_id, 0))
+            if seq.num_output_tokens >= seq.max_tokens:
+                finished.append(seq)
+        if finished:
+            running_ids = {seq.seq_id for seq in self.running}
+            done = {seq.seq_id for seq in finished}
+            self.running = [seq for seq in self.running if seq.seq_id not in done]
+            for seq in finished:
+                if seq.seq_id in running_ids:
+                    self.allocator.free(seq)
+                elif seq in self.swapped:  # async: finished by output that was in flight when it was swapped out
+                    self.swapped.remove(seq)
+                    self._drop_swap(seq)
+                else:  # async: preempted for recompute while its last token was in flight
+                    self.waiting.remove(seq)
+                seq.token_ids = None  # host memory follows live requests, not tokens replayed
+        return finished

@@ -8,11 +8,11 @@ import math
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.engine.paged_coordinator import HybridCoordinator
-from kvsim.engine.paged_hybrid_prefix import CACHEABLE_KINDS, HybridPrefixCache, block_hashes
-from kvsim.engine.paged_layout import Lane
+from kvsim.size.vllm_capacity import num_gpu_blocks
+from kvsim.engine.paged.kv_cache_coordinator import CACHEABLE_KINDS, HybridCoordinator
+from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
@@ -47,8 +47,10 @@ class HybridPagedAllocator(KVAllocator):
     (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
     to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens.
     Prefix caching (full-attention and sliding-window groups) caches each group's full blocks under (hash, group id)
-    and admits a hit the groups agree on (`paged_hybrid_prefix`). Forks are not modelled here yet.
+    and admits a hit the groups agree on (the coordinator's `find_longest_cache_hit`).
     """
+
+    paged = True
 
     def __init__(
         self,
@@ -74,24 +76,25 @@ class HybridPagedAllocator(KVAllocator):
         if enable_prefix_caching:
             check_prefix_caching(spec.pool.groups)
         # slots and block_table follow the first group that keeps tokens (a state group's block is a state)
-        self._slot_group = next(i for i, g in enumerate(self.groups) if g.kind != "state")
+        token_groups = [i for i, g in enumerate(self.groups) if g.kind != "state"]
+        if not token_groups:
+            raise KvsimError("the paged replay needs at least one attention layer group (an attention-free model "
+                             "has no block table to replay)", field="model")
+        self._slot_group = token_groups[0]
         self.block_size = self.groups[self._slot_group].block_size
         self.bytes_per_block = bpb = pool_spec.bytes_per_block
-        self.num_blocks = budget_bytes // bpb  # num_gpu_blocks, the null block included
+        self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.coordinator = HybridCoordinator(pool_spec, self.pool)
-        self.prefix = HybridPrefixCache(self.groups, self.pool) if enable_prefix_caching else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
-        # The scheduler's view: a lane per group that grows with the tokens (one block each per block_size).
-        self.lanes = [
-            Lane(g.num_layers * g.layer_page_bytes // g.block_size, g.window if g.kind == "sliding" else None, 1, 0)
-            for g in self.groups
-            if g.kind != "state"
-        ]
+        # A decode run: blocks each token group opens per block_size tokens, and the smallest sliding window
+        self._num_token_groups = sum(g.kind != "state" for g in self.groups)
+        windows = [g.window for g in self.groups if g.kind == "sliding"]
+        self._max_run_by_window = 2 * min(windows) - 1 if windows else None
         # breakdown(): bytes one token occupies in a group's block, and the padding of each of its blocks
         self._token_bytes = [g.num_layers * g.layer_page_bytes // g.block_size for g in self.groups]
         self._pad_bytes = [bpb - g.num_layers * g.layer_page_bytes for g in self.groups]
@@ -121,10 +124,10 @@ class HybridPagedAllocator(KVAllocator):
         coordinator, free = self.coordinator, self.pool.num_free_blocks
         tables = coordinator.new_tables()
         hashes, hit_blocks, hit, query = None, None, 0, 0
-        if self.prefix is not None and seq.token_ids is not None:
+        if self.enable_prefix_caching and seq.token_ids is not None:
             hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks, hit = self.prefix.find_longest_cache_hit(hashes, query - 1)
+            hit_blocks, hit = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         if full_sequence_must_fit:
             full = min(num_tokens, self.max_model_len)
@@ -160,9 +163,6 @@ class HybridPagedAllocator(KVAllocator):
         if total <= req.quiet_until and settled < req.next_skip:
             return True
         return self._grow(req, max(0, settled), min(total, self.max_model_len))
-
-    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        return [seq for seq in seqs if not self.append_slots(seq, 1)]
 
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`, group by group, each table's tail first."""
@@ -205,10 +205,22 @@ class HybridPagedAllocator(KVAllocator):
                 return False
         return True
 
+    def max_decode_run(self, num_seqs: int) -> int:
+        """Each of `num_seqs` requests opens at most ceil((k - 1) / block_size) blocks in every token group in a
+        run of k steps; and the run's first step must still own its block when the run grows its requests to its
+        middle step first (nulling what left a sliding window there): middle step < the smallest window."""
+        k = self.pool.num_free_blocks // num_seqs // self._num_token_groups * self.spec.block_size + 1
+        return k if self._max_run_by_window is None else min(k, self._max_run_by_window)
+
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of the slot group; None where the block was replaced by the null block (vLLM: block 0)."""
         null = self.pool.null_block
         return [None if b is null else b.block_id for b in self._reqs[seq].tables[self._slot_group]]
+
+    @property
+    def slot_window(self) -> int | None:
+        group = self.groups[self._slot_group]
+        return group.window if group.kind == "sliding" else None
 
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """Every group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the null block)."""
@@ -303,7 +315,7 @@ class HybridPagedAllocator(KVAllocator):
         end = min(total, seq.num_final_tokens, seq.num_final_tokens if known is None else known) // self.block_size
         end = min(end, len(req.hashes))
         if end > req.num_cached:
-            self.prefix.cache_blocks(req.tables, req.hashes, req.num_cached, end)
+            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end)
             req.num_cached = end
 
     def _refresh(self, req: HybridRequest, computed: int) -> None:

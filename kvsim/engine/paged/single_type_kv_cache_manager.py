@@ -3,7 +3,7 @@ needs for `num_tokens`, which of its blocks fall outside the attention window (r
 
 from __future__ import annotations
 
-from kvsim.engine.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import PoolGroupSpec
 
 

@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-KINDS = ("write", "read", "attention", "swap", "copy")
+KINDS = ("write", "read", "attention", "swap")
 _KIND = {kind: i for i, kind in enumerate(KINDS)}
 
 

@@ -8,14 +8,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvsim.engine import kernels
+from kvsim.engine.tensors import kernels
 
 
 class IntegrityPatterns:
     """What every token of every request must hold in the pool, derived from its prefix fingerprint.
 
     A token's value depends on its prefix fingerprint (`register`), layer, K/V side and element, so rewrites
-    after preemption, swaps into other slots, shared prefix blocks and forks all read back exactly what the
+    after preemption, swaps into other slots, and shared prefix blocks all read back exactly what the
     reading request's own tokens would have written. `bits` is the pool's element width (8, 16 or 32).
     """
 

@@ -7,13 +7,14 @@ placed in one arena of the same budget, so reservation, internal and external fr
 
 from __future__ import annotations
 
+import sys
 from operator import attrgetter
 from typing import Literal
 
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.arena import PLACEMENTS, Arena, Placement
+from kvsim.engine.flat.arena import PLACEMENTS, Arena, Placement
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheSpec
 
@@ -39,12 +40,12 @@ class FlatAllocator(KVAllocator):
     - Every per-token layer keeps every token (no window freeing: the paper's systems had none).
     - Nothing grows after admission: `append_slots` only checks the request stays inside its slab, so a flat
       allocator never preempts. A request longer than `max_model_len` is never admitted (`can_ever_fit`).
-    - `fork` copies: the child gets its own slab and the cache copies the parent's KV into it (flat engines
-      cannot share), so parallel sampling pays full memory per sample.
 
     Byte categories are kept as running totals over live requests, plus one pass over their
     `num_computed_tokens` (owned by the scheduler) per `breakdown`; nothing loops over tokens.
     """
+
+    paged = False
 
     def __init__(
         self,
@@ -93,6 +94,16 @@ class FlatAllocator(KVAllocator):
     def can_ever_fit(self, seq: Sequence) -> bool:
         return seq.num_final_tokens <= self.max_model_len and self.slab_size(seq) <= self.arena.max_extent
 
+    def never_fits_reason(self, seq: Sequence) -> str | None:
+        """The reserve policy decides the slab, not the request: the rejection names the slab."""
+        if self.can_ever_fit(seq):
+            return None
+        return f"its slab of {self.slab_size(seq):,} token slots ({self.reserve} reservation), more than the allocator can ever hold"
+
+    def max_decode_run(self, num_seqs: int) -> int:
+        """A slab covers its request's final length: growth never fails, so no bound."""
+        return sys.maxsize
+
     # --- admission and growth -----------------------------------------------------------------------
 
     def allocate(
@@ -121,32 +132,12 @@ class FlatAllocator(KVAllocator):
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         return seq.num_computed_tokens + num_new_tokens <= self._live[seq.seq_id][1]
 
-    def append_decode(self, seqs: list[Sequence]) -> list[Sequence]:
-        live = self._live
-        return [seq for seq in seqs if seq.num_computed_tokens >= live[seq.seq_id][1]]
-
     def append_decode_in_order(self, seqs: list[Sequence]) -> int:
         live = self._live
         for i, seq in enumerate(seqs):
             if seq.num_computed_tokens >= live[seq.seq_id][1]:
                 return i
         return len(seqs)
-
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Give `child` its own slab holding a copy of `parent`'s computed tokens; False if no hole fits.
-
-        The caller sets `child.num_computed_tokens = parent.num_computed_tokens` and copies the KV
-        (slot_mapping of parent -> slot_mapping of child); nothing is shared.
-        """
-        assert parent.seq_id in self._live and child.seq_id not in self._live
-        reserved = self.reserved_tokens(child)
-        if child.num_final_tokens > self.max_model_len or parent.num_computed_tokens > reserved:
-            return False
-        start = self.arena.alloc(reserved + self.num_state_slots)
-        if start is None:
-            return False
-        self._admit(child, start, reserved)
-        return True
 
     def free(self, seq: Sequence) -> None:
         start, reserved = self._live.pop(seq.seq_id)

@@ -1,49 +1,79 @@
-"""Prefix caching across a mixed model's KV cache groups, as vLLM 0.33.0's `HybridKVCacheCoordinator`: cache keys
-per group, a right-to-left hit search for sliding-window groups, and the fixed point that reconciles the groups."""
+"""The KV cache groups of a mixed model over one pool, as vLLM 0.33.0's `HybridKVCacheCoordinator` (prefix
+caching on or off): one manager and one block table per group, one shared free-block count, and prefix caching
+across the groups (cache keys per group, a right-to-left hit search for sliding-window groups, and the fixed
+point that reconciles the groups)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvsim.engine.block_pool import Block, BlockPool
-from kvsim.size.kv_cache_spec import PoolGroupSpec
-
-_ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block
+from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.size.kv_cache_spec import PoolSpec
+from kvsim.engine.paged.single_type_kv_cache_manager import SingleTypeManager, make_manager
 
 # the kinds whose groups share prefixes here; vLLM's `FullAttentionSpec` family first (MLA is one)
 FULL_KINDS = ("full", "mla")
 CACHEABLE_KINDS = FULL_KINDS + ("sliding",)
 
 
-def block_hashes(token_ids: np.ndarray, num_tokens: int, block_size: int) -> list[int]:
-    """Chained hashes of the full blocks within the first `num_tokens` of `token_ids`: block j's hash names
-    the whole prefix up to its end (vLLM's `hash_block_tokens` over the parent hash)."""
-    end = num_tokens // block_size * block_size
-    ids = np.ascontiguousarray(token_ids[:end], dtype=np.int64)  # (end,)
-    chunks = ids.view(np.dtype((np.void, block_size * 8))).tolist()  # end // block_size bytes objects
-    out, h = [], _ROOT_HASH
-    for chunk in chunks:
-        h = hash((h, chunk))
-        out.append(h)
-    return out
+class HybridCoordinator:
+    """One manager per group, asked in group order (`KVCacheCoordinator`).
 
+    A request's blocks are `tables[g]` for group g; the coordinator never pools them per group: every
+    group takes its blocks from, and returns them to, the same `BlockPool`.
 
-class HybridPrefixCache:
-    """The cache lookups and registrations of every group over one `BlockPool`.
-
-    A block is cached under (block hash, group id), vLLM's `BlockHashWithGroupId`: the same prefix has one
-    block per group, and a hit needs every group of a kind to hold it. Groups of one kind and window are
-    looked up together (vLLM's `SpecGroup`), full attention first.
+    With prefix caching a block is cached under (block hash, group id), vLLM's `BlockHashWithGroupId`: the same
+    prefix has one block per group, and a hit needs every group of a kind to hold it. Groups of one kind and
+    window are looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
-    def __init__(self, groups: tuple[PoolGroupSpec, ...], pool: BlockPool):
-        self.groups = groups
+    def __init__(self, pool_spec: PoolSpec, pool: BlockPool):
         self.pool = pool
+        self.managers: list[SingleTypeManager] = [make_manager(g, pool) for g in pool_spec.groups]
+        self.groups = groups = pool_spec.groups
         kinds: dict[tuple, list[int]] = {}
         for g, group in enumerate(groups):
             kinds.setdefault((group.kind in FULL_KINDS, group.kind, group.window, group.block_size), []).append(g)
         # full attention first (a stable sort, as vLLM's), then the other kinds in group order
         self.spec_groups = sorted(kinds.items(), key=lambda kv: not kv[0][0])
+
+    def new_tables(self) -> list[list[Block]]:
+        return [[] for _ in self.managers]
+
+    def get_num_blocks_to_allocate(
+        self,
+        tables: list[list[Block]],
+        num_tokens: int,
+        apply_admission_cap: bool = False,
+        new_computed_blocks: list[list[Block]] | None = None,
+        num_computed_tokens: int = 0,
+    ) -> int:
+        """Blocks every group together needs to hold `num_tokens` tokens (`get_num_blocks_to_allocate`), a new
+        request's prefix-cache hit (`new_computed_blocks`, `num_computed_tokens` long) included."""
+        if new_computed_blocks is None:
+            return sum(m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap) for m, t in zip(self.managers, tables))
+        return sum(
+            m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap, hit, num_computed_tokens)
+            for m, t, hit in zip(self.managers, tables, new_computed_blocks)
+        )
+
+    def allocate_new_computed_blocks(self, tables: list[list[Block]], new_computed_blocks: list[list[Block]], num_computed_tokens: int) -> None:
+        """Every group takes its hit blocks before any group takes a new block, so no group evicts another's hit."""
+        for manager, table, hit in zip(self.managers, tables, new_computed_blocks):
+            manager.add_local_computed_blocks(table, hit, num_computed_tokens)
+
+    def allocate_new_blocks(self, tables: list[list[Block]], num_tokens: int) -> None:
+        for manager, table in zip(self.managers, tables):
+            manager.allocate_new_blocks(table, num_tokens)
+
+    def remove_skipped_blocks(self, tables: list[list[Block]], processed_computed_tokens: int) -> int:
+        """Null the blocks each group no longer reads, against tokens whose step has settled; returns how many."""
+        return sum(m.remove_skipped_blocks(t, processed_computed_tokens) for m, t in zip(self.managers, tables))
+
+    def free(self, tables: list[list[Block]]) -> None:
+        """Every group's blocks back to the pool, group by group, each tail first (`KVCacheCoordinator.free`)."""
+        for manager, table in zip(self.managers, tables):
+            manager.free(table)
+
+    # --- prefix caching across the groups ---------------------------------------------------------------
 
     def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[Block]], int]:
         """Each group's hit blocks and the hit length in tokens (`HybridKVCacheCoordinator.find_longest_cache_hit`).

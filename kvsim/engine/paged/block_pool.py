@@ -29,7 +29,8 @@ class Block:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks with O(1) `popleft`, `append`, `appendleft` and `remove`.
+    """Doubly linked list of free blocks with O(1) `remove` from the middle; `BlockPool` takes blocks from the
+    head and splices freed ones in at either end, through the sentinels `head` and `tail`.
 
     Order is eviction order: the head is reused first. Uncached free blocks go to the head (reused before
     any cached prefix is evicted); freed cached blocks go to the tail, so cached blocks leave in LRU order.
@@ -39,40 +40,19 @@ class FreeKVCacheBlockQueue:
     """
 
     def __init__(self, blocks: list[Block]):
-        self._head = Block(-1)  # sentinels: never handed out
-        self._tail = Block(-1)
+        self.head = Block(-1)  # sentinels: never handed out
+        self.tail = Block(-1)
         self.num_free_blocks = 0
-        prev = self._head
+        prev = self.head
         for block in blocks:
             prev.next_free, block.prev_free = block, prev
             prev = block
-        prev.next_free, self._tail.prev_free = self._tail, prev
+        prev.next_free, self.tail.prev_free = self.tail, prev
         self.num_free_blocks = len(blocks)
-
-    def popleft(self) -> Block:
-        """Take the block to reuse next."""
-        block = self._head.next_free
-        assert block is not self._tail and block is not None, "free queue is empty"
-        self._unlink(block)
-        return block
 
     def remove(self, block: Block) -> None:
         """Take `block` out of the middle in O(1) (a prefix-cache hit on a free cached block)."""
         self._unlink(block)
-
-    def append(self, block: Block) -> None:
-        """Put `block` at the tail: evicted last (a freed block holding a cached prefix)."""
-        last = self._tail.prev_free
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
-        self.num_free_blocks += 1
-
-    def appendleft(self, block: Block) -> None:
-        """Put `block` at the head: reused first (a freed block with nothing worth keeping)."""
-        first = self._head.next_free
-        self._head.next_free, block.prev_free = block, self._head
-        block.next_free, first.prev_free = first, block
-        self.num_free_blocks += 1
 
     def _unlink(self, block: Block) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -83,8 +63,8 @@ class FreeKVCacheBlockQueue:
 
     def blocks(self) -> list[Block]:
         """The free blocks, head (next reused) first. O(n): for tests and debugging."""
-        out, block = [], self._head.next_free
-        while block is not self._tail:
+        out, block = [], self.head.next_free
+        while block is not self.tail:
             out.append(block)
             block = block.next_free
         return out
@@ -100,7 +80,7 @@ class BlockPool:
 
     Block 0 is vLLM's null block (`BlockPool.null_block`): taken out of the free queue at creation and never
     handed out, so `num_blocks - 1` blocks are usable. `num_shared_refs` is the running sum over blocks of
-    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks, forks)
+    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks)
     avoided.
     """
 
@@ -130,10 +110,10 @@ class BlockPool:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref_count 1."""
         queue = self.free_queue
         assert num_blocks <= queue.num_free_blocks, (num_blocks, queue.num_free_blocks)
-        head = queue._head
+        head = queue.head
         out = []
         block = head.next_free
-        for _ in range(num_blocks):  # popleft, inlined: this runs once per block of every request
+        for _ in range(num_blocks):  # off the head, one at a time: this runs once per block of every request
             if block.block_hash is not None:
                 if self.cached_duplicates:
                     self._uncache(block)
@@ -154,9 +134,9 @@ class BlockPool:
     def get_new_block(self) -> Block:
         """`get_new_blocks(1)[0]` without the lists: a decode step opening one block."""
         queue = self.free_queue
-        head = queue._head
+        head = queue.head
         block = head.next_free
-        assert block is not queue._tail, "free queue is empty"
+        assert block is not queue.tail, "free queue is empty"
         nxt = block.next_free
         head.next_free, nxt.prev_free = nxt, head
         block.prev_free = block.next_free = None
@@ -201,7 +181,7 @@ class BlockPool:
             del self.cached_duplicates[block_hash]
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """One more holder for each of `blocks` (a prefix hit or a fork); free ones leave the free queue."""
+        """One more holder for each of `blocks` (a prefix hit); free ones leave the free queue."""
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
@@ -238,13 +218,13 @@ class BlockPool:
                 c_last = block
             freed += 1
         if u_last is not u_mark:
-            head = queue._head
+            head = queue.head
             u_first, nxt = u_mark.next_free, head.next_free
             head.next_free, u_first.prev_free = u_first, head
             u_last.next_free, nxt.prev_free = nxt, u_last
             u_mark.next_free = None
         if c_last is not c_mark:
-            tail = queue._tail
+            tail = queue.tail
             c_first, prev = c_mark.next_free, tail.prev_free
             prev.next_free, c_first.prev_free = c_first, prev
             c_last.next_free, tail.prev_free = tail, c_last

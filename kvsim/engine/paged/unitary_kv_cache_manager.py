@@ -1,0 +1,362 @@
+"""The paged allocator for a model of one KV cache group (full attention or MLA layers only): vLLM v1's
+`KVCacheManager` over its single-group coordinator, with prefix caching and the admission watermark.
+
+A mixed model's groups are `HybridPagedAllocator`'s (`kv_cache_manager`); this class is their single-group fast
+path, with every step of a decode token inlined: a replay spends most of its time here.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
+from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.engine.paged.kv_cache_utils import ROOT_HASH, block_token_bytes, chain_block_hashes
+from kvsim.engine.sequence import Sequence
+from kvsim.errors import KvsimError
+from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
+
+_BLOCK_ID = operator.attrgetter("block_id")
+
+
+class PagedRequest:
+    """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
+
+    __slots__ = ("seq", "final", "table", "hashes", "num_hashed", "quiet_until", "hit", "cap", "used")
+
+    def __init__(self, seq: Sequence, hashes: list[int] | None):
+        self.seq = seq
+        self.final = seq.num_final_tokens
+        self.table: list[Block] = []  # the block table
+        self.hashes = hashes  # chained hashes of every full block of the final tokens; None: no prefix caching
+        self.num_hashed = 0  # leading blocks registered in the prefix cache
+        self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
+        self.hit = 0  # prefix-cache hit at admission
+        self.cap = 0  # token slots allocated: len(table) * block_size
+        self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
+
+
+class PagedAllocator(KVAllocator):
+    """Block tables over a pool of `num_gpu_blocks = budget // bytes_per_block` blocks, block 0 the null block;
+    slot = block_id * block_size + offset.
+
+    Layout of one request (block_size 4, 10 tokens computed, final length 13, 4 blocks held):
+
+        block table  [ 7 ][ 2 ][ 9 ][ 4 ]
+        tokens        0-3  4-7  8-9 | 10-12 reservation | 13-15 internal fragmentation
+                      ^^^^^^^^^^^^^ token states
+
+    `quiet_until` lets an append serve tokens with one compare: the next block to open or to hash comes one
+    token later. The running totals `_sum_cap` and `_sum_used` over admitted requests make `breakdown()` one
+    pass over their computed lengths.
+    """
+
+    paged = True
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.0,
+    ):
+        if not 0.0 <= watermark < 1.0:
+            raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
+        if max_model_len <= 0:
+            raise KvsimError(f"max_model_len must be positive, got {max_model_len}", field="max_model_len")
+        assert spec.is_uniform and spec.pool is None, "a mixed model's groups are HybridPagedAllocator's"
+        self.spec = spec
+        self.budget_bytes = budget_bytes
+        self.block_size = spec.block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        self.bytes_per_token = spec.bytes_per_token
+        self.bytes_per_block = bytes_per_block(spec)
+        self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
+        self.num_slots = self.num_blocks * self.block_size
+        self.watermark_blocks = int(watermark * self.num_blocks)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self._reqs: dict[Sequence, PagedRequest] = {}
+        self._sum_cap = 0  # token slots allocated, over admitted requests
+        self._sum_used = 0  # of those, slots before each request's final length
+
+    # --- the KVAllocator interface ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+        apply_watermark: bool = True,
+    ) -> int | None:
+        """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`, or None (nothing changed).
+
+        As vLLM's `KVCacheManager.allocate_slots` for a waiting request: the blocks it needs (for all
+        `num_tokens` when `full_sequence_must_fit`, else for the hit plus this chunk), counting revived cached
+        hits, plus the watermark when `apply_watermark` (vLLM: only while some request is running), must not
+        exceed the free blocks.
+        """
+        assert seq not in self._reqs, f"{seq} is already admitted"
+        bs = self.block_size
+        hit_blocks: list[Block] = []
+        hashes: list[int] | None = None
+        query = 0
+        if num_tokens is None:
+            num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
+        token_blocks = None
+        if self.enable_prefix_caching and seq.token_ids is not None:
+            token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, bs)
+            query = min(num_tokens, seq.num_final_tokens)
+            hashes, hit_blocks = self._find_longest_cache_hit(token_blocks, (query - 1) // bs)
+        hit = len(hit_blocks) * bs
+        total = hit + min(num_new_tokens, num_tokens - hit)
+        num_blocks = -(-total // bs)
+        revived = sum(1 for b in hit_blocks if b.ref_count == 0)
+        checked = -(-min(num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else num_blocks
+        new_blocks = max(checked, num_blocks) - len(hit_blocks)
+        watermark = self.watermark_blocks if apply_watermark else 0
+        if new_blocks + revived + watermark > self.pool.num_free_blocks:
+            return None
+
+        if hashes is not None:
+            hashes = chain_block_hashes(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once
+        req = PagedRequest(seq, hashes)
+        req.num_hashed = len(hit_blocks)
+        req.hit = hit
+        self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
+        req.table = hit_blocks + self.pool.get_new_blocks(num_blocks - len(hit_blocks))
+        self._set_cap(req, num_blocks * bs)
+        self._reqs[seq] = req
+        if query:
+            self.prefix_query_tokens += query
+            self.prefix_hit_tokens += hit
+        self._cache_full_blocks(req, total)
+        self._refresh(req)
+        return hit
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
+        req = self._reqs[seq]
+        total = seq.num_computed_tokens + num_new_tokens
+        if total <= req.quiet_until:
+            return True
+        return self._grow(req, total)
+
+    def append_decode_in_order(self, seqs: list[Sequence]) -> int:
+        """One decode token each, stopping at the first request that cannot grow: returns its index. The
+        common case (the token lands in the last block) is one compare."""
+        reqs, grow = self._reqs, self._grow
+        for i, seq in enumerate(seqs):
+            req = reqs[seq]
+            computed = seq.num_computed_tokens
+            if computed >= req.quiet_until and not grow(req, computed + 1):  # computed + 1 > quiet_until
+                return i
+        return len(seqs)
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
+        req = self._reqs.pop(seq)
+        self._set_cap(req, 0)
+        self.pool.free_blocks(reversed(req.table))
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
+        `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
+        req = self._reqs[seq]
+        self._cache_full_blocks(req, num_tokens)
+        self._refresh(req)
+
+    def can_ever_fit(self, seq: Sequence) -> bool:
+        """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.
+
+        Alone means nothing else runs, so the watermark does not apply (vLLM applies it only while a request
+        is running); the null block is never usable. Blocks only grow, so the peak is the final length's.
+        """
+        bs, prompt, final = self.block_size, seq.num_prompt_tokens, seq.num_final_tokens
+        if final > self.max_model_len:
+            return False
+        usable = self.pool.num_usable_blocks
+        return -(-prompt // bs) <= usable and -(-final // bs) <= usable
+
+    def max_decode_run(self, num_seqs: int) -> int:
+        """Each of `num_seqs` requests grows by at most ceil((k - 1) / block_size) blocks in a run of k steps."""
+        return self.pool.num_free_blocks // num_seqs * self.block_size + 1
+
+    def block_table(self, seq: Sequence) -> list[int | None]:
+        """Block ids of `seq`'s block table."""
+        return list(map(_BLOCK_ID, self._reqs[seq].table))  # every decode step of a replay with tensors reads this
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Slots of positions [start, end)."""
+        bs = self.block_size
+        table = self._reqs[seq].table
+        assert 0 <= start <= end <= len(table) * bs, (start, end)
+        if start == end:
+            return np.empty(0, dtype=np.int64)
+        first, last = start // bs, (end - 1) // bs
+        if first == last:  # a decode run inside one block: the common case
+            base = table[first].block_id * bs - first * bs
+            return np.arange(base + start, base + end, dtype=np.int64)
+        ids = np.fromiter((b.block_id for b in table[first : last + 1]), dtype=np.int64, count=last - first + 1)
+        pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
+        return ids[pos // bs - first] * bs + pos % bs
+
+    def decode_slot_mapping(self, seqs: list[Sequence], starts: np.ndarray, k: int) -> np.ndarray:
+        """Slots of positions [starts[n], starts[n] + k) of each of `seqs`, as (k, N): a decode run's
+        `slot_mapping` for the whole batch at once. A run of at most one block's tokens touches at most two
+        blocks per request, so two block ids per request and array arithmetic replace N calls."""
+        bs = self.block_size
+        if k > bs or not len(seqs):
+            return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, starts.tolist())], axis=1)
+        reqs = self._reqs
+        tables = [reqs[s].table for s in seqs]
+        first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
+        b0 = np.fromiter((t[b].block_id for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
+        pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
+        block_ids = np.broadcast_to(b0, (k, len(seqs)))  # (k, N): runs inside one block, most of them
+        cross = np.flatnonzero(last != first)  # runs that step into their next block
+        if len(cross):
+            try:
+                b1 = np.array([tables[i][b].block_id for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
+            except IndexError:
+                raise AssertionError("decode run past the allocated blocks") from None
+            block_ids = block_ids.copy()
+            block_ids[:, cross] = np.where(pos[:, cross] // bs == first[cross], b0[cross], b1)
+        return block_ids * bs + pos % bs
+
+    def breakdown(self, waiting_head: Sequence | None = None) -> MemoryBreakdown:
+        """From the running totals: token states up to each request's computed length, reservation up to its
+        final length, internal fragmentation past it; a block shared by several requests counted once."""
+        computed = 0
+        for req in self._reqs.values():
+            c = max(req.seq.num_computed_tokens, req.hit)
+            computed += req.used if c > req.used else c
+        bpt, bpb = self.bytes_per_token, self.bytes_per_block
+        saved = self.pool.num_shared_refs * bpb  # shared blocks were counted once per holder
+        # The null block and the budget's remainder smaller than one block are never used.
+        unusable = self.budget_bytes - self.pool.num_usable_blocks * bpb
+        return MemoryBreakdown(
+            budget_bytes=self.budget_bytes,
+            token_states_bytes=computed * bpt - saved,
+            reservation_bytes=(self._sum_used - computed) * bpt,
+            internal_fragmentation_bytes=(self._sum_cap - self._sum_used) * bpt + unusable,
+            external_fragmentation_bytes=0,
+            free_bytes=self.pool.num_free_blocks * bpb,
+            shared_saved_bytes=saved,
+        )
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _refresh(self, req: PagedRequest) -> None:
+        """`quiet_until`: the most computed + new tokens an append serves with one compare (the next block to
+        open or to hash comes one token later)."""
+        event = req.cap + 1
+        if req.hashes is not None:
+            event = min(event, (req.num_hashed + 1) * self.block_size)
+        req.quiet_until = event - 1
+
+    def _set_cap(self, req: PagedRequest, cap: int) -> None:
+        used = min(cap, req.final)
+        self._sum_cap += cap - req.cap
+        self._sum_used += used - req.used
+        req.cap, req.used = cap, used
+
+    def _grow(self, req: PagedRequest, total: int) -> bool:
+        """An append past `quiet_until`: new blocks up to `total` tokens, then the blocks it filled cached.
+
+        A decode token comes here twice per block: when it fills the last block (hash and cache it) and when
+        it opens the next one (one block from the pool). Both single-block cases are inlined.
+        """
+        bs, cap = self.block_size, req.cap
+        if total > cap:
+            pool = self.pool
+            if total - cap <= bs:
+                if not pool.free_queue.num_free_blocks:
+                    return False
+                req.table.append(pool.get_new_block())
+                cap += bs
+            else:
+                num_new = (total - cap + bs - 1) // bs
+                if pool.free_queue.num_free_blocks < num_new:
+                    return False
+                req.table += pool.get_new_blocks(num_new)
+                cap += num_new * bs
+            final = req.final
+            used = cap if cap < final else final
+            self._sum_cap += cap - req.cap
+            self._sum_used += used - req.used
+            req.cap, req.used = cap, used
+        hashes = req.hashes
+        if hashes is None:
+            req.quiet_until = cap
+            return True
+        j = req.num_hashed
+        filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
+        known = req.seq.num_known_tokens
+        if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
+            filled = known // bs
+        if filled == j + 1:  # one block filled: _cache_full_blocks, inlined
+            h = hashes[j]
+            block = req.table[j]
+            if block.block_hash is None:  # BlockPool.cache_full_block, inlined
+                block.block_hash = h
+                if self.pool.cached_block_hash_to_block.setdefault(h, block) is not block:
+                    self.pool.add_duplicate(block)
+            req.num_hashed = j = filled
+        elif filled > j:
+            self._cache_full_blocks(req, total)
+            j = req.num_hashed
+        event = (j + 1) * bs  # the next block to hash fills here
+        req.quiet_until = cap if cap < event else event - 1
+        return True
+
+    def _find_longest_cache_hit(self, token_blocks: list[bytes], max_blocks: int) -> tuple[list[int], list[Block]]:
+        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included), and
+        the hit blocks. Hashes stop at the first miss: a request refused at admission (and retried each step)
+        pays little."""
+        get = self.pool.cached_block_hash_to_block.get
+        hashes: list[int] = []
+        hits: list[Block] = []
+        parent = ROOT_HASH
+        for block_bytes in token_blocks[:max_blocks]:
+            parent = hash((parent, block_bytes))
+            hashes.append(parent)
+            block = get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hashes, hits
+
+    def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
+        """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
+        its hash (`BlockPool.cache_full_blocks`)."""
+        hashes = req.hashes
+        if hashes is None:
+            return
+        j = req.num_hashed
+        known = req.seq.num_known_tokens
+        end = min(total, req.final, req.final if known is None else known) // self.block_size
+        if j >= end:
+            return
+        pool = self.pool
+        cached = pool.cached_block_hash_to_block
+        for block, h in zip(req.table[j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
+            if block.block_hash is None:
+                block.block_hash = h
+                if cached.setdefault(h, block) is not block:
+                    pool.add_duplicate(block)
+        req.num_hashed = end
