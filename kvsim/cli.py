@@ -123,28 +123,23 @@ from typing import Annotated, Optional  # noqa: E402  (kept next to the commands
 def size(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Catalogue name (qwen3-0.6b) or HF id (Qwen/Qwen3-0.6B).")] = None,
     config: Annotated[Optional[str], typer.Option("--config", help="Path to a Hugging Face config.json (read offline).")] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache dtype (vLLM: --kv-cache-dtype): auto (the model's), bf16, fp16, fp32, fp8 (fp8_e4m3, fp8_e5m2), int8.")] = "auto",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", "--kv-cache-dtype", help="KV cache dtype: auto (the model's), bf16, fp16, fp32, fp8 (fp8_e4m3, fp8_e5m2), int8.")] = "auto",
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
-    context: Annotated[Optional[int], typer.Option("--context", help="Tokens per sequence (vLLM: --max-model-len; default: the model's).")] = None,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks (vLLM: -tp, --tensor-parallel-size); figures are per rank.")] = 1,
+    context: Annotated[Optional[int], typer.Option("--context", "--max-model-len", help="Tokens per sequence (default: the model's max length).")] = None,
+    tp: Annotated[int, typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks; figures are per rank.")] = 1,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU from the catalogue (h100-80gb, h200, a100-80gb, l40s, rtx-4090, b200, mi300x, ...; 26 cards: docs/size.md).")] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help="Device memory instead of --gpu, as CUDA reports it, e.g. 79.19GiB.")] = None,
-    utilization: Annotated[float, typer.Option("--utilization", help="vLLM's --gpu-memory-utilization (0.33's default 0.92).")] = 0.92,
+    utilization: Annotated[float, typer.Option("--utilization", "--gpu-memory-utilization", help="vLLM's gpu_memory_utilization (0.33's default 0.92).")] = 0.92,
     weight_dtype: Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype: bf16/fp16/fp32 (vLLM's --dtype) or fp8/int8 (runtime --quantization); default: the checkpoint's.")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="vLLM's chunked-prefill budget (default: vllm serve's for the GPU: 8192 on 70+ GiB, 16384 on 160+ GiB, 2048 on A100 and smaller).")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="vLLM's max_num_seqs: the sampler rows of the profile run (default: vllm serve's, 1024 or 256).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: no graph memory estimate.")] = False,
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="vLLM's kv_cache_memory_bytes, e.g. 20GiB: the KV budget itself, utilization ignored.")] = None,
-    prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", hidden=True)] = None,
-    kv_cache_dtype: Annotated[Optional[str], typer.Option("--kv-cache-dtype", hidden=True)] = None,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", hidden=True)] = None,
-    tensor_parallel_size: Annotated[Optional[int], typer.Option("-tp", "--tensor-parallel-size", hidden=True)] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option("--gpu-memory-utilization", hidden=True)] = None,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Hybrid models: vllm serve's prefix caching, as --mamba-cache-mode align (on) or none (off).", show_default=False)] = None,
     kernel_block_size: Annotated[int, typer.Option("--kernel-block-size", help="Hybrid (mamba) models: the attention backend's kernel block that vLLM's raised block_size is a multiple of.")] = 16,
     mamba_cache_mode: Annotated[str, typer.Option("--mamba-cache-mode", help="Hybrid models: vLLM's mamba_cache_mode, none (prefix caching off) or align (prefix caching on, vllm serve's default; vLLM: --enable-prefix-caching).")] = "none",
     mamba_checkpoint_alignment: Annotated[int, typer.Option("--mamba-checkpoint-alignment", help="Hybrid models in align mode: the state layers' prefill checkpoint alignment (64: gated delta net with FlashInfer's prefill, Hopper); 0: none.")] = 0,
-    no_async_scheduling: Annotated[bool, typer.Option("--no-async-scheduling", help="Turn off vLLM's async scheduling (on in vllm serve: two batches in flight enter the sliding-window bound; --async-scheduling).")] = False,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", hidden=True)] = False,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on in vllm serve): two batches in flight enter the sliding-window bound.")] = True,
     params: Annotated[Optional[float], typer.Option("--params", help="Total parameter count, e.g. 8.03e9 (needed with --config for weights).")] = None,
     layout: Annotated[bool, typer.Option("--layout", help="Print the KV pool tensor's shape, strides and bytes.")] = False,
     num_blocks: Annotated[Optional[int], typer.Option("--num-blocks", help="Blocks in the pool for --layout / --address.")] = None,
@@ -159,13 +154,8 @@ def size(
     accounting and how many tokens and requests fit (exit 2 where vLLM would not start)."""
     from kvsim.size.view import show_size
 
-    if prefix_caching is not None:  # vllm serve's flag names, accepted beside kvsim's (hidden from --help)
+    if prefix_caching is not None:
         mamba_cache_mode = "align" if prefix_caching else "none"
-    async_scheduling = async_scheduling or not no_async_scheduling  # on unless --no-async-scheduling alone
-    kv_dtype = kv_cache_dtype if kv_cache_dtype is not None else kv_dtype
-    context = max_model_len if max_model_len is not None else context
-    tp = tensor_parallel_size if tensor_parallel_size is not None else tp
-    utilization = gpu_memory_utilization if gpu_memory_utilization is not None else utilization
     show_size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
         utilization=utilization, weight_dtype=weight_dtype, max_num_batched_tokens=max_num_batched_tokens,

@@ -37,7 +37,7 @@ def write(tmp_path, model="qwen3-32b", deployment=None, **extra):
 def test_the_budget_and_pool_are_one_ranks_as_kvsim_size_tp_has_them(tmp_path, tp):
     model, gpu = resolve_model("qwen3-32b"), get_gpu("h100-80gb")
     result = run_replay(load_workload(write(tmp_path, deployment={"tp": tp})), ReplayOptions(tensors=False), workers=1)
-    size = size_report(model, tp=tp, memory_bytes=gpu.memory_bytes, gpu_name=gpu.name, utilization=0.9)
+    size = size_report(model, tp=tp, memory_bytes=gpu.reported_memory_bytes, gpu_name=gpu.name, utilization=0.9)
     assert result.budget_bytes == size.capacity.kv_budget_bytes
     assert result.tp == tp and result.runs[0].budget_bytes == size.capacity.kv_budget_bytes
     # 8 KV heads split over tp ranks: 64 layers x K and V x 8/tp heads x 128 x 2 bytes per token and rank.
