@@ -77,6 +77,10 @@ def test_the_issues_cases():
     oss = load_hf_config(CONFIGS + "gpt-oss-120b.json")
     m = startup_memory(oss, total_memory_bytes=h100.reported_memory_bytes, settings=StartupSettings(gpu_memory_utilization=0.9))
     assert abs(m.weights / GiB - 65.97) < 0.3 and m.available < 2 * GiB  # one 131,072-token request needs 5.07 GiB
+    # the catalogue's entry (`-m gpt-oss-120b`) carries the checkpoint's quantization_config and counts the same
+    by_name = startup_memory(resolve_model("openai/gpt-oss-120b"), total_memory_bytes=h100.reported_memory_bytes,
+                             settings=StartupSettings(gpu_memory_utilization=0.9))
+    assert by_name.weights == m.weights and by_name.available == m.available
 
 
 def test_the_one_budget_function_refuses_a_start_with_nothing_left():
