@@ -26,6 +26,7 @@ _ARRIVAL, _PROMPT, _OUTPUT, _PREFIX = range(4)
 _GROUP_IDS, _REQUEST_IDS, _TRACE_BLOCK_IDS = 1, 2, 3
 _GOLDEN, _C1, _C2, _MASK64 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 2**64 - 1
 _U64 = {k: np.uint64(v) for k, v in {"golden": _GOLDEN, "c1": _C1, "c2": _C2, 27: 27, 30: 30, 31: 31, 33: 33}.items()}
+_BLOCK_POSITIONS_GOLDEN = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64) * _U64["golden"]  # (512,) wraps mod 2^64
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,7 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
     ids = np.empty(n, dtype=np.int64)  # (n,)
     if request.hash_ids is not None:
         k = request.num_prompt_tokens
-        for j, h in enumerate(request.hash_ids):
-            lo = j * MOONCAKE_BLOCK_TOKENS
-            hi = min(lo + MOONCAKE_BLOCK_TOKENS, k)
-            ids[lo:hi] = _hash_ids(_salt(seed, _TRACE_BLOCK_IDS, h), 0, hi - lo)
+        ids[:k] = _trace_block_ids(seed, request.hash_ids, k)
     elif k:
         ids[:k] = _hash_ids(_salt(seed, _GROUP_IDS, request.prefix_group), 0, k)
     if request.prompt_of is not None:  # a parallel-sampling child: the first sample's prompt, its own output
@@ -205,6 +203,32 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
         k = p
     ids[k:] = _hash_ids(_salt(seed, _REQUEST_IDS, request.request_id), k, n)
     return ids
+
+
+def _trace_block_ids(seed: int, hash_ids, num_tokens: int) -> np.ndarray:
+    """A Mooncake prompt's ids in one pass, (num_tokens,) int64: position p is id p % 512 of the stream of
+    hash_ids[p // 512], salted as `_salt(seed, _TRACE_BLOCK_IDS, id)` (every step of `_salt` and
+    `_hash_ids` on arrays; the same bits as calling them block by block)."""
+    num_blocks = -(-num_tokens // MOONCAKE_BLOCK_TOKENS)
+    salt = _splitmix64_array(np.full(num_blocks, seed & _MASK64, dtype=np.uint64) ^ np.uint64(_splitmix64(_TRACE_BLOCK_IDS)))
+    keys = np.asarray(hash_ids[:num_blocks], dtype=np.int64).astype(np.uint64)  # (num_blocks,) trace ids, >= 0
+    salt = _splitmix64_array(salt ^ _splitmix64_array(keys))  # (num_blocks,) one salt per 512-token block
+    x = salt[:, None] + _BLOCK_POSITIONS_GOLDEN  # (num_blocks, 512): salt + position * golden, as _hash_ids
+    _splitmix64_array(x)
+    x >>= _U64[33]
+    return x.reshape(-1)[:num_tokens].view(np.int64)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` on a uint64 array, in place (wrapping mod 2^64 as the Python version masks)."""
+    tmp = np.empty_like(x)
+    for shift, mul in ((30, "c1"), (27, "c2")):
+        np.right_shift(x, _U64[shift], out=tmp)
+        x ^= tmp
+        x *= _U64[mul]
+    np.right_shift(x, _U64[31], out=tmp)
+    x ^= tmp
+    return x
 
 
 def _salt(seed: int, stream: int, key: int) -> int:
