@@ -241,11 +241,12 @@ def _num_gpu_blocks(w) -> int:
     """The replay's pool for `w`'s one paged allocator, in vLLM's count (block 0, the null block, included)."""
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
-    from kvsim.size.sizing import kv_budget_bytes, kv_cache_spec, weight_bytes
+    from kvsim.size.sizing import kv_cache_spec
+    from kvsim.size.startup import vllm_kv_cache_memory
 
     model, gpu = resolve_model(w.model), get_gpu(w.hardware)
-    budget = w.kv_budget_bytes or kv_budget_bytes(gpu.memory_bytes, utilization=w.gpu_memory_utilization,
-                                                  weight_bytes=weight_bytes(model))
+    budget = w.kv_budget_bytes or vllm_kv_cache_memory(model, gpu.reported_memory_bytes,
+                                                       utilization=w.gpu_memory_utilization, device_name=gpu.name)
     spec = kv_cache_spec(model, kv_dtype=w.kv_dtype, block_size=w.allocators[0].block_size)
     return budget // spec.block_bytes
 
@@ -298,7 +299,7 @@ def _trace(num_requests: int, seed: int):
 
 
 def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
-    from kvsim.engine.paged import PagedAllocator
+    from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
     from kvsim.size.kv_cache_spec import KVCacheSpec
 
     spec = KVCacheSpec.uniform(num_layers=32, num_kv_heads=8, head_dim=128, block_size=block_size)
@@ -316,7 +317,7 @@ def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
             assert alloc.allocate(seq, seq.num_prompt_tokens) is not None
             seq.num_computed_tokens = seq.num_prompt_tokens
             running.append(seq)
-        assert not alloc.append_decode(running)
+        assert alloc.append_decode_in_order(running) == len(running)  # the call the replay makes
         spent += cpu() - t0
         still, done = [], []
         for seq in running:
