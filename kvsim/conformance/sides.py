@@ -23,13 +23,13 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
     schedules: list[bytes] = []  # each computing row's schedule, recorded as it is scheduled, until observed
 
     def scheduled(out, sched):
-        # the allocator's per-request tables (uniform: one lane; mixed: vLLM's groups), read at their tail only
-        reqs = sched.allocator._reqs
+        # the allocator's block tables (uniform: one group; mixed: vLLM's groups), read at their tail only
+        allocator = sched.allocator
         admitted = {id(seq) for seq in out.admitted}
         entries = []
         for seq, num in [(seq, num) for seq, _, num in out.prefills] + [(seq, 1) for seq in out.decodes]:
             k = tail_blocks(num, block_size, id(seq) in admitted)
-            tables = [[0 if b is None else b.block_id for b in (t if k is None else t[-k:])] for t in reqs[seq].tables]
+            tables = [t if k is None else t[-k:] for t in allocator.block_tables(seq)]
             entries.append((seq.index, num, tables))
         schedules.append(encode_schedule(entries))
 

@@ -149,6 +149,11 @@ class KVAllocator(ABC):
         left a sliding window. The tensor runner's paged reads take it."""
         raise NotImplementedError(f"{type(self).__name__} keeps no block tables")
 
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """Paged: every KV cache group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the
+        null block). The conformance harness compares them with vLLM's, step by step."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no block tables")
+
     def slab(self, seq: Sequence) -> tuple[int, int]:
         """Flat (`paged` False): (start_slot, num_slots) of `seq`'s slab. The tensor runner's flat reads take it."""
         raise NotImplementedError(f"{type(self).__name__} keeps no slabs")

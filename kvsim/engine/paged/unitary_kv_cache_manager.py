@@ -200,6 +200,10 @@ class PagedAllocator(KVAllocator):
         """Block ids of `seq`'s block table."""
         return list(map(_BLOCK_ID, self._reqs[seq].table))  # every decode step of a replay with tensors reads this
 
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """The one group's block ids (a uniform model has one KV cache group)."""
+        return [self.block_table(seq)]
+
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Slots of positions [start, end)."""
         bs = self.block_size
