@@ -19,7 +19,8 @@ class KVCacheGroupSpec:
     - `sliding`: sliding-window layers: only the last `window` tokens are needed; a paged engine frees blocks
       that fall wholly outside the window.
     - `chunked`: chunked local attention layers (Llama 4): only the current `window`-token chunk is attended
-      to. vLLM 0.33 allocates these as full attention by default; the paged allocator does the same.
+      to. vLLM 0.33's hybrid manager keeps them chunked (`VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`
+      defaults to 1), freeing the blocks before the current chunk; the paged allocator does the same.
     - `state`: linear-attention / mamba layers: one constant-size state per request (`state_bytes`).
     """
 

@@ -110,8 +110,8 @@ def bytes_per_sequence(spec: KVCacheSpec, num_tokens: int, *, capped: bool = Tru
     """KV + state of one sequence of `num_tokens` tokens, before block rounding.
 
     capped: sliding layers keep at most their window, chunked layers at most one chunk (an engine that frees
-    blocks they no longer attend to); uncapped: every per-token layer keeps every token (what engines without
-    window freeing allocate, and vLLM 0.33 for chunked layers by default). State layers count once either way.
+    blocks they no longer attend to, as vLLM 0.33 does for both); uncapped: every per-token layer keeps every
+    token (what engines without window freeing allocate). State layers count once either way.
     """
     total = spec.state_bytes_per_sequence
     for g in spec.groups:
