@@ -181,11 +181,32 @@ def replay(
     max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "1GiB",
     tp: Annotated[Optional[int], typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks (overrides the workload's deployment.tp): the KV pool and budget are one rank's, the clock prices the step with its all-reduces.", show_default=False)] = None,
     ep: Annotated[Optional[int], typer.Option("--ep", help="MoE experts over this many ranks: 1 or tp (vLLM's --enable-expert-parallel; overrides deployment.ep; kernels-db clock only).", show_default=False)] = None,
+    replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines of tp GPUs each behind a router, on one clock (overrides deployment.replicas; accounting only).", show_default=False)] = None,
+    router: Annotated[Optional[str], typer.Option("--router", help="Router policy: random, round-robin, least-loaded, prefix-approx or prefix-precise (overrides router.policy).", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
 
     from kvsim.replay.view import run_replay_cli
+
+    if replicas is not None or router is not None:
+        from kvsim.workload.spec import load_workload
+
+        loaded = load_workload(workload, trace=trace, seed=seed, limit=limit)
+        if (replicas or loaded.deployment.replicas) > 1 or router is not None:
+            from kvsim.deployment.view import run_fleet_cli
+
+            run_fleet_cli(loaded, replicas=replicas, router=router, out=out_option(out), timing=timing, tp=tp,
+                          quiet=quiet, json_out=json_out, command=" ".join(["kvsim", *sys.argv[1:]]))
+            return
+    elif _workload_replicas(workload) > 1:
+        from kvsim.deployment.view import run_fleet_cli
+        from kvsim.workload.spec import load_workload
+
+        run_fleet_cli(load_workload(workload, trace=trace, seed=seed, limit=limit), replicas=None, router=None,
+                      out=out_option(out), timing=timing, tp=tp, quiet=quiet, json_out=json_out,
+                      command=" ".join(["kvsim", *sys.argv[1:]]))
+        return
 
     run_replay_cli(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
@@ -193,6 +214,17 @@ def replay(
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
         tp=tp, ep=ep,
     )
+
+
+def _workload_replicas(path: str) -> int:
+    """The workload's deployment.replicas, read cheaply (1 when absent or unreadable: the replay reports that)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(open(path))
+        return int(raw.get("deployment", {}).get("replicas", 1) or 1)
+    except Exception:  # noqa: BLE001  (the replay's own reader names what is wrong)
+        return 1
 
 
 @bench_app.command("kernels")
