@@ -216,6 +216,30 @@ def replay(
     )
 
 
+@app.command()
+@user_errors
+def plan(
+    target: Annotated[str, typer.Argument(metavar="WORKLOAD_OR_TRACE", help="A workload YAML, or a trace file (Mooncake JSONL, Vidur/Azure/BurstGPT CSV).")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (a trace needs it; overrides a workload's).", show_default=False)] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU kinds to search, comma-separated, e.g. h100,h200.")] = "h100",
+    tp: Annotated[str, typer.Option("--tp", help="Tensor-parallel sizes to search, comma-separated.")] = "1,2,4,8",
+    replicas: Annotated[str, typer.Option("--replicas", help="Replica counts to search, comma-separated.")] = "1,2,3,4,6,8",
+    slo: Annotated[str, typer.Option("--slo", help="Targets: ttft_p50, ttft_p99, tpot_p50, tpot_p99, e.g. ttft_p99=2s,tpot_p99=50ms.")] = "ttft_p99=2s,tpot_p99=50ms",
+    router: Annotated[Optional[str], typer.Option("--router", help="Router policy (default: the workload's, else round-robin).", show_default=False)] = None,
+    timing: Annotated[str, typer.Option("--timing", help="Step clock: kernels-db (required to cover every model/GPU/tp searched) or roofline (a bound, not a latency: only if you mean it).")] = "kernels-db",
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Local worker processes (default: one per CPU).", show_default=False)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Run the deployments as Ray tasks at this address (auto: a running cluster or a local one).", show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Directory for plan.json and plan.png (default: reports/plan/<name>/).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print plan.json on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict.")] = False,
+) -> None:
+    """The fewest GPUs for a workload or trace under latency targets: replicas x tp x GPU, each a fleet replay."""
+    from kvsim.deployment.plan_view import show_plan
+
+    show_plan(target, model=model, gpus=gpu, tps=tp, replicas=replicas, slo=slo, router=router, timing=timing,
+              workers=workers, ray=ray, out=out_option(out), json_out=json_out, quiet=quiet)
+
+
 def _workload_replicas(path: str) -> int:
     """The workload's deployment.replicas, read cheaply (1 when absent or unreadable: the replay reports that)."""
     import yaml
