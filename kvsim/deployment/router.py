@@ -41,6 +41,12 @@ class ReplicaView:
         return len(s.waiting) + len(s.running) + len(s.swapped) + len(self.pending)
 
     @property
+    def num_waiting(self) -> int:
+        """Waiting (+ swapped, + routed but not yet taken in) requests: llm-d's queue scorer's WaitingQueueSize."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.swapped) + len(self.pending)
+
+    @property
     def num_used_blocks(self) -> int:
         free = getattr(self.allocator, "num_free_blocks", None)
         return self.num_usable_blocks - free if free is not None else 0
@@ -125,7 +131,7 @@ class PrefixPolicy(Policy):
             costs = [s.overlap_score_weight * (prompt_blocks - o) + r.active_blocks for o, r in zip(overlap, self.replicas)]
             k = self._best(costs, lowest=True)
         else:  # llm-d: prefix-cache scorer (matched blocks / blocks), kv-cache-utilization (1 - usage), queue (min-max)
-            queues = [r.num_requests for r in self.replicas]
+            queues = [r.num_waiting for r in self.replicas]
             lo, hi = min(queues), max(queues)
             total = max(len(hashes), 1)
             scores = [s.prefix_weight * o / total + s.kv_usage_weight * (1 - r.kv_usage)
