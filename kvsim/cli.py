@@ -189,6 +189,8 @@ def replay(
 
     from kvsim.replay.view import run_replay_cli
 
+    if replicas is not None and replicas < 1:
+        raise KvsimError(f"must be >= 1, got {replicas}", field="--replicas")
     if replicas is not None or router is not None:
         from kvsim.workload.spec import load_workload
 

@@ -160,3 +160,13 @@ def test_cli_replays_a_fleet_and_refuses_an_unknown_router(tmp_path):
     assert bad.exit_code == 2
     assert bad.output.strip().splitlines() == ["kvsim: error: --router: unknown router policy 'nearest'; choose from "
                                                "random, round-robin, least-loaded, prefix-approx, prefix-precise"]
+
+
+def test_cli_refuses_zero_replicas_and_one_replica_is_the_plain_replay(tmp_path):
+    path = write(tmp_path, count=20)
+    runner = CliRunner()
+    bad = runner.invoke(app, ["replay", str(path), "--no-tensors", "--replicas", "0", "--out", str(tmp_path / "o")])
+    assert bad.exit_code == 2 and bad.output.strip() == "kvsim: error: --replicas: must be >= 1, got 0"
+    one = runner.invoke(app, ["replay", str(path), "--no-tensors", "--replicas", "1", "--out", str(tmp_path / "one"), "-q"])
+    assert one.exit_code == 0, one.output
+    assert "replica" not in pd.read_csv(tmp_path / "one" / "summary.csv").columns
