@@ -24,7 +24,7 @@ STAGES = [
     ("kvsim.workload",),
     ("kvsim.replay",),
     ("kvsim.plots",),
-    ("kvsim.bench", "kvsim.profile", "kvsim.sweep", "kvsim.conformance", "kvsim.cache_curve"),
+    ("kvsim.bench", "kvsim.profile", "kvsim.sweep", "kvsim.conformance", "kvsim.cache_curve", "kvsim.deployment"),
     ("kvsim.cli", "kvsim.__main__"),
 ]
 

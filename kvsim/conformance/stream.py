@@ -15,11 +15,13 @@ STREAMS_DIR = Path(__file__).with_name("streams")
 @dataclass(frozen=True)
 class Stream:
     """`workload` (a YAML under streams/, or any path) replayed as its `scheduler:` says, with async scheduling
-    forced on by `async_scheduling` (both sides: kvsim's replay and vLLM's `AsyncScheduler`)."""
+    forced on by `async_scheduling` (both sides: kvsim's replay and vLLM's `AsyncScheduler`). A fleet's workload
+    (deployment.replicas > 1) is one stream per `replica`: the requests its router sent that replica."""
 
     name: str
     workload: Path
     async_scheduling: bool = False
+    replica: int | None = None
 
 
 @dataclass
@@ -89,4 +91,13 @@ def resolve(stream: Stream) -> ResolvedStream:
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
     )
-    return ResolvedStream(stream, workload, config, ctx, generate_requests(workload), setup)
+    if workload.deployment.replicas > 1:  # a fleet: the requests its router sent this replica
+        from kvsim.deployment.streams import replica_streams
+
+        if stream.replica is None or not 0 <= stream.replica < workload.deployment.replicas:
+            raise KvsimError(f"a fleet of {workload.deployment.replicas} replicas is checked one replica at a time "
+                             f"(0..{workload.deployment.replicas - 1}), got {stream.replica}", source=source, field="deployment.replicas")
+        requests = replica_streams(workload)[1][stream.replica]
+    else:
+        requests = generate_requests(workload)
+    return ResolvedStream(stream, workload, config, ctx, requests, setup)

@@ -25,6 +25,8 @@ def _streams() -> tuple[Stream, ...]:
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
+    # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides.
+    streams += [Stream(f"fleet-prefix-pressure/r{k}", STREAMS_DIR / "fleet-prefix-pressure.yaml", replica=k) for k in range(4)]
     return tuple(streams)
 
 

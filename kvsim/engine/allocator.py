@@ -7,6 +7,8 @@ token-slot space of `num_slots` slots that indexes the cache tensors. "Doesn't f
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
@@ -153,6 +155,17 @@ class KVAllocator(ABC):
         """Paged: every KV cache group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the
         null block). The conformance harness compares them with vLLM's, step by step."""
         raise NotImplementedError(f"{type(self).__name__} keeps no block tables")
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's `KVCacheManager.usage`: the fraction of the KV memory requests hold (a router's KV-utilization
+        scorer reads it). Paged allocators count blocks; this default counts the budget's bytes not free."""
+        b = self.breakdown()
+        return 1 - b.free_bytes / b.budget_bytes
+
+    def cached_block_hashes(self) -> Container[int]:
+        """The prefix hashes the pool caches now (a precise prefix router reads them, as llm-d's scorer reads
+        vLLM's KV events); empty without prefix caching."""
+        return ()
 
     def slab(self, seq: Sequence) -> tuple[int, int]:
         """Flat (`paged` False): (start_slot, num_slots) of `seq`'s slab. The tensor runner's flat reads take it."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Callable
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Generator
 
 import numpy as np
 
@@ -23,8 +25,39 @@ PROGRESS_EVERY = 512  # rows between progress callbacks
 StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
 
+@dataclass
+class Arrivals:
+    """The requests one engine is given, as indices into the request list, in arrival order.
+
+    One engine's replay hands it every request up front (`closed`). A fleet's router appends each request as it
+    routes it and closes the queue after the last: until then the loop yields before each row (see
+    `engine_rows`); `next_unrouted_s` is when the next request not yet routed arrives anywhere (no decode run
+    covers it), and the loop shows its `scheduler` here for the router to read.
+    """
+
+    queue: deque = field(default_factory=deque)
+    closed: bool = True
+    next_unrouted_s: float = math.inf
+    scheduler: Scheduler | None = None
+
+
 def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, *, progress: ProgressFn | None = None, observer: StepObserver | None = None, on_schedule: Callable[[SchedulerOutput, Scheduler], None] | None = None) -> AllocatorRun:
-    """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it.
+    """Run one allocator config over `requests` (RequestSpec list, sorted by arrival) and record it."""
+    rows = engine_rows(config, requests, ctx, options, Arrivals(deque(range(len(requests)))), progress=progress, observer=observer, on_schedule=on_schedule)
+    try:
+        while True:
+            next(rows)  # a closed queue never yields
+    except StopIteration as stop:
+        return stop.value
+
+
+def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, options: ReplayOptions, arrivals_in: Arrivals, *, progress: ProgressFn | None = None, observer: StepObserver | None = None, on_schedule: Callable[[SchedulerOutput, Scheduler], None] | None = None) -> Generator[float, None, AllocatorRun]:
+    """Run one allocator config over the requests of `arrivals_in` (indices into `requests`, a RequestSpec list
+    sorted by arrival) and record it; per-request arrays cover all of `requests` (NaN where not given here).
+
+    While `arrivals_in` is open, yields before each row the time it will be scheduled at (`math.inf` while idle
+    with nothing routed here): resume it once every request arriving up to then is routed. Closed, it runs to
+    the end without yielding and returns the `AllocatorRun`.
 
     A fresh allocator over the same KV budget, a `Scheduler`, optionally real cache tensors (`KVCache`: every
     step writes, reads are sampled every `read_every` decode steps), and a loop that jumps the clock over idle
@@ -86,6 +119,8 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
         allow_runs=options.timing != "measured" and observer is None,
         make_token_ids=token_ids if needs_ids else None,
     )
+    arrivals_in.scheduler = sched
+    queue = arrivals_in.queue
     n = len(requests)
     admitted = np.full(n, np.nan)
     first_token = np.full(n, np.nan)
@@ -100,7 +135,7 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     measured = options.timing == "measured"
     scale = len(ctx.model.attention_layers) / options.num_layers  # measured layers -> the whole model
     arrivals = [r.arrival_time for r in requests]
-    now, step, i, done, num_rows = 0.0, 0, 0, 0, 0
+    now, step, done, num_rows = 0.0, 0, 0, 0
     pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
     in_flight_start = in_flight_end = 0.0  # async scheduling: when the row whose output is in flight ran
     nan = math.nan
@@ -117,23 +152,28 @@ def replay_allocator(config: AllocatorConfig, requests: list, ctx: ReplayContext
     while True:
         # Async: the scheduler runs while the row in flight executes, having seen the rows before it only.
         sched_now = in_flight_start if sched.has_in_flight else now
-        while i < n and arrivals[i] <= sched_now:
+        if not arrivals_in.closed:  # a fleet: wait until the router has handed out every arrival up to sched_now
+            yield sched_now if sched.has_work else (arrivals[queue[0]] if queue else math.inf)
+        while queue and arrivals[queue[0]] <= sched_now:
+            i = queue.popleft()
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             reason = sched.add_request(seq)
             if reason is not None:
                 rejected[i] = reason
                 done += 1
-            i += 1
         if not sched.has_work:
-            if i >= n:
-                break
-            now = arrivals[i]  # the clock jumps over the idle gap
+            if not queue:
+                if arrivals_in.closed:
+                    break
+                continue  # a fleet's idle engine: the next pass waits for the router
+            now = arrivals[queue[0]]  # the clock jumps over the idle gap
             continue
         if cache is not None:
             cache.timer.new_step()
             first_timer_step = cache.timer.num_steps - 1
-        out, rejects = sched.schedule(arrivals[i] - now if i < n else math.inf)
+        next_arrival = min(arrivals[queue[0]] if queue else math.inf, arrivals_in.next_unrouted_s)
+        out, rejects = sched.schedule(next_arrival - now)
         for seq, reason in rejects:
             rejected[seq.index] = reason
             done += 1

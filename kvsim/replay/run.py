@@ -27,6 +27,24 @@ def run_replay(
     tensors or measured timing, whose kernel times must not share the machine: 1); the result's simulated
     figures are the same either way.
     """
+    result, ctx, requests, options = resolve_replay(workload, options)
+    configs = list(workload.allocators)
+    device = result.device
+    if workers is None:
+        alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
+        workers = 1 if alone else min(len(configs), os.cpu_count() or 1)
+    if workers > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        from kvsim.replay.workers import replay_in_processes
+
+        result.runs = replay_in_processes(configs, requests, ctx, options, progress, workers)
+    else:
+        result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
+    return result
+
+
+def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[ReplayResult, ReplayContext, list, ReplayOptions]:
+    """What a replay of `workload` runs on, checked before anything runs: the result to fill (no runs yet), the
+    context (model, one rank's budget, clocks), the request stream, and the options as resolved (device)."""
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
     from kvsim.workload.requests import generate_requests
@@ -135,17 +153,7 @@ def run_replay(
         tp=tp,
         ep=ep,
     )
-    configs = list(workload.allocators)
-    if workers is None:
-        alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
-        workers = 1 if alone else min(len(configs), os.cpu_count() or 1)
-    if workers > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        from kvsim.replay.workers import replay_in_processes
-
-        result.runs = replay_in_processes(configs, requests, ctx, options, progress, workers)
-    else:
-        result.runs = [replay_allocator(config, requests, ctx, options, progress=progress) for config in configs]
-    return result
+    return result, ctx, requests, options
 
 
 def _deployment(workload, options: ReplayOptions) -> tuple[int, int, str, str]:

@@ -103,8 +103,8 @@ def _plain(row: dict) -> dict:
     return out
 
 
-def run_task_in(task: Task, cwd: str) -> dict:
-    """`run_task` from `cwd` (a Ray worker starts elsewhere; the workload's relative paths are relative to it)."""
+def run_task_in(task: Task, cwd: str, run=run_task) -> dict:
+    """`run(task)` from `cwd` (a Ray worker starts elsewhere; the workload's relative paths are relative to it)."""
     if os.getcwd() != cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    return run_task(task)
+    return run(task)

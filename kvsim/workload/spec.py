@@ -28,7 +28,7 @@ MAX_REQUESTS = 10_000_000
 MAX_KV_BUDGET_BYTES = 2**53
 MAX_PARALLEL_SAMPLES = 1024  # samples per prompt (vLLM has no bound of its own; this keeps a typo from exploding a stream)
 
-__all__ = ["Deployment", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
+__all__ = ["Deployment", "ROUTER_POLICIES", "Router", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,36 @@ class Deployment:
 
     tp: int = 1
     ep: int = 1
+    replicas: int = 1  # engines of tp GPUs each behind the workload's `router` (kvsim.deployment)
+
+
+ROUTER_POLICIES = ("random", "round-robin", "least-loaded", "prefix-approx", "prefix-precise")
+ROUTER_LOADS = ("requests", "kv_usage")
+ROUTER_SCORERS = ("dynamo", "llm-d")
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a fleet's router picks a replica for each arrival (docs/deployment.md).
+
+    `policy`: `random` (seeded by `seed`: a plain Kubernetes service), `round-robin`, `least-loaded` (by `load`:
+    waiting + running requests, or KV usage), `prefix-approx` (the router's own LRU of block hashes per replica,
+    `approx_blocks` of them; default each replica's num_gpu_blocks) and `prefix-precise` (the replicas' true
+    cache contents). Prefix policies weigh overlap against load by `scorer`: `dynamo` (KvRouter's cost
+    `overlap_score_weight` x new prefill blocks + active blocks, lowest wins) or `llm-d` (the weighted sum of the
+    prefix-cache, kv-cache-utilization and queue scorers, highest wins; `prefix_weight`, `kv_usage_weight`,
+    `queue_weight`).
+    """
+
+    policy: str = "round-robin"
+    seed: int = 0
+    load: str = "requests"
+    scorer: str = "dynamo"
+    overlap_score_weight: float = 1.0
+    prefix_weight: float = 2.0
+    kv_usage_weight: float = 1.0
+    queue_weight: float = 1.0
+    approx_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +116,7 @@ class Workload:
     sha256: str  # of the YAML file's bytes
     description: str = ""
     deployment: Deployment = Deployment()
+    router: Router = Router()
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
@@ -93,7 +124,7 @@ class Workload:
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
-                   "max_model_len", "requests", "allocators", "scheduler", "deployment")  # fmt: skip
+                   "max_model_len", "requests", "allocators", "scheduler", "deployment", "router")  # fmt: skip
 
 
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None,
@@ -174,6 +205,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         sha256=sha256,
         description=f.str("description", ""),
         deployment=_deployment(f.sub("deployment", None)),
+        router=_router(f.sub("router", None)),
     )
     f.done()
     if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
@@ -221,15 +253,35 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
 
 
 def _deployment(f: Fields | None) -> Deployment:
-    """`deployment: {tp, ep}`; whether tp suits the model's heads is checked where the model is resolved."""
+    """`deployment: {tp, ep, replicas}`; whether tp suits the model's heads is checked where the model is resolved."""
     if f is None:
         return Deployment()
-    deployment = Deployment(tp=f.int("tp", 1, min=1), ep=f.int("ep", 1, min=1))
+    deployment = Deployment(tp=f.int("tp", 1, min=1), ep=f.int("ep", 1, min=1), replicas=f.int("replicas", 1, min=1, max=4096))
     if deployment.ep not in (1, deployment.tp):
         raise f.error("ep", f"must be 1 or tp ({deployment.tp}): vLLM's expert parallelism spans every tensor-parallel "
                             f"rank of the one data-parallel rank kvsim replays, got {deployment.ep}")
     f.done()
     return deployment
+
+
+def _router(f: Fields | None) -> Router:
+    """`router: {policy, seed, load, scorer, weights...}`: a name or weight nobody knows is an error."""
+    if f is None:
+        return Router()
+    d = Router()
+    router = Router(
+        policy=f.choice("policy", ROUTER_POLICIES, d.policy),
+        seed=f.int("seed", d.seed, min=0),
+        load=f.choice("load", ROUTER_LOADS, d.load),
+        scorer=f.choice("scorer", ROUTER_SCORERS, d.scorer),
+        overlap_score_weight=f.float("overlap_score_weight", d.overlap_score_weight, min=0),
+        prefix_weight=f.float("prefix_weight", d.prefix_weight, min=0),
+        kv_usage_weight=f.float("kv_usage_weight", d.kv_usage_weight, min=0),
+        queue_weight=f.float("queue_weight", d.queue_weight, min=0),
+        approx_blocks=f.int("approx_blocks", None, min=1),
+    )
+    f.done()
+    return router
 
 
 def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | None) -> SyntheticRequests | TraceRequests:

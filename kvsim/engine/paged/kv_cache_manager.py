@@ -3,6 +3,8 @@ padded equal pages, one block table per group, blocks outside a window replaced 
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import math
 
 import numpy as np
@@ -105,6 +107,13 @@ class HybridPagedAllocator(KVAllocator):
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's `BlockPool.get_usage`: 1 - free blocks / usable blocks (the null block is never usable)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
+
+    def cached_block_hashes(self) -> Container[int]:
+        return self.pool.cached_block_hash_to_block
 
     def allocate(
         self,

@@ -7,6 +7,8 @@ path, with every step of a decode token inlined: a replay spends most of its tim
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import operator
 
 import numpy as np
@@ -93,6 +95,13 @@ class PagedAllocator(KVAllocator):
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's `BlockPool.get_usage`: 1 - free blocks / usable blocks (the null block is never usable)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
+
+    def cached_block_hashes(self) -> Container[int]:
+        return self.pool.cached_block_hash_to_block
 
     def allocate(
         self,

@@ -1,0 +1,262 @@
+"""`kvsim plan`: the fewest GPUs for a trace under latency targets. Every (GPU, tp, replicas) point is a fleet
+replay, run through the sweep's runners (local processes or Ray); a point meets the SLO when every request
+finishes and each p99 target holds. The cheapest plan per GPU kind is the one with the fewest GPUs (then the
+lowest p99 TTFT); the plan beside it says why the next smaller deployment fails."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvsim.errors import KvsimError
+
+SLO_KEYS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+DEFAULT_REPLICAS = (1, 2, 3, 4, 6, 8)
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|us|µs)?\s*$")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets in seconds, by summary metric (`ttft_p99_s`: 2.0)."""
+
+    targets: tuple[tuple[str, float], ...]
+
+    def misses(self, row: dict) -> list[str]:
+        """The targets `row` misses, in words ("ttft_p99 3.1 s > 2 s"); unfinished requests miss everything."""
+        if row.get("error"):
+            return [row["error"]]
+        out = []
+        if row.get("unfinished", 0):
+            out.append(f"{row['unfinished']} request(s) never finish")
+        for metric, bound in self.targets:
+            value = row.get(metric)
+            if value is None or (isinstance(value, float) and math.isnan(value)) or value > bound:
+                out.append(f"{metric[:-2]} {_dur(value)} > {_dur(bound)}")
+        return out
+
+    def excess(self, row: dict) -> float:
+        """How far `row` is from meeting the SLO: the largest value / bound (inf for an error)."""
+        if row.get("error") or row.get("unfinished", 0):
+            return math.inf
+        return max((row.get(m) or math.inf) / b for m, b in self.targets)
+
+
+def parse_slo(text: str) -> Slo:
+    """`ttft_p99=2s,tpot_p99=50ms` -> Slo; unknown keys and bad durations are errors naming --slo."""
+    targets = []
+    for part in (p for p in text.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in SLO_KEYS:
+            raise KvsimError(f"unknown target {key!r}; give {', '.join(k + '=...' for k in SLO_KEYS)}", field="--slo")
+        m = _DURATION.match(value)
+        if not m:
+            raise KvsimError(f"{key}: {value.strip()!r} is not a duration (e.g. 2s, 50ms)", field="--slo")
+        scale = {"ms": 1e-3, "us": 1e-6, "µs": 1e-6}.get(m.group(2) or "s", 1.0)
+        seconds = float(m.group(1)) * scale
+        if seconds <= 0:
+            raise KvsimError(f"{key} must be > 0", field="--slo")
+        targets.append((f"{key}_s", seconds))
+    if not targets:
+        raise KvsimError("give at least one target, e.g. ttft_p99=2s,tpot_p99=50ms", field="--slo")
+    return Slo(tuple(targets))
+
+
+def parse_ints(text: str, field_name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise KvsimError(f"expected whole numbers separated by commas, got {text!r}", field=field_name) from None
+    if not values or min(values) < 1:
+        raise KvsimError(f"expected whole numbers >= 1, got {text!r}", field=field_name)
+    return sorted(set(values))
+
+
+@dataclass(frozen=True)
+class PlanTask:
+    """One deployment to replay: what the sweep's runners hand a worker (`point`, `allocator_index`,
+    `axis_values`, `allocator`, `search` are what they read)."""
+
+    point: int
+    gpu: str
+    tp: int
+    replicas: int
+    workload: dict
+    workload_path: str
+    timing: str
+    allocator: str = ""
+    allocator_index: int = 0
+    search: None = None
+
+    @property
+    def axis_values(self) -> tuple:
+        return (("gpu", self.gpu), ("tp", self.tp), ("replicas", self.replicas))
+
+
+def run_plan_task(task: PlanTask) -> dict:
+    """The deployment's row: its p50/p99 latencies and throughput, or the error that stopped it."""
+    import copy
+
+    from kvsim.deployment.fleet import replay_fleet
+    from kvsim.deployment.reports import fleet_records
+    from kvsim.replay.options import ReplayOptions
+    from kvsim.workload.spec import workload_from_mapping
+
+    row = {"point": task.point, "gpu": task.gpu, "tp": task.tp, "replicas": task.replicas, "gpus": task.tp * task.replicas}
+    mapping = copy.deepcopy(task.workload)
+    mapping["hardware"] = task.gpu
+    mapping["deployment"] = {**mapping.get("deployment", {}), "tp": task.tp, "replicas": task.replicas}
+    try:
+        workload = workload_from_mapping(mapping, task.workload_path, sha256="plan")
+        fleet = replay_fleet(workload, ReplayOptions(tensors=False, timing=task.timing))
+        dep = next(r for r in fleet_records(fleet) if r["replica"] == "all")
+        row.update({k: dep[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_per_s",
+                                          "num_requests", "finished", "rejected", "load_imbalance", "fleet_hit_rate")})
+        row["unfinished"] = int(dep["num_requests"] - dep["finished"])
+        row["clock"] = fleet.result.clock
+        row["error"] = None
+    except KvsimError as exc:
+        row["error"] = str(exc)
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+
+
+@dataclass
+class Plan:
+    """Every row, the SLO, and per GPU kind the cheapest deployment meeting it and the next smaller one."""
+
+    slo: Slo
+    rows: list[dict]
+    skipped: list[str] = field(default_factory=list)  # (gpu, tp) pairs that cannot hold the model, in words
+
+    def meets(self, row: dict) -> bool:
+        return not self.slo.misses(row)
+
+    def cheapest(self, gpu: str) -> dict | None:
+        ok = [r for r in self.rows if r["gpu"] == gpu and self.meets(r)]
+        return min(ok, key=lambda r: (r["gpus"], r["ttft_p99_s"], r["tp"])) if ok else None
+
+    def next_smaller(self, gpu: str) -> dict | None:
+        """The largest deployment of `gpu` with fewer GPUs than its cheapest (the one just below it)."""
+        best = self.cheapest(gpu)
+        if best is None:
+            return None
+        smaller = [r for r in self.rows if r["gpu"] == gpu and r["gpus"] < best["gpus"]]
+        return max(smaller, key=lambda r: (r["gpus"], -self.slo.excess(r))) if smaller else None
+
+    def closest(self) -> dict:
+        return min(self.rows, key=lambda r: (self.slo.excess(r), r["gpus"]))
+
+    def plans_json(self) -> list[dict]:
+        keys = ("gpu", "tp", "replicas", "gpus", "ttft_p99_s", "tpot_p99_s", "ttft_p50_s", "tpot_p50_s",
+                "throughput_tokens_per_s", "fleet_hit_rate", "error")
+        return [{**{k: r.get(k) for k in keys[:4]}, "meets_slo": self.meets(r), **{k: r.get(k) for k in keys[4:]}}
+                for r in sorted(self.rows, key=lambda r: (r["gpu"], r["gpus"], r["tp"]))]
+
+
+def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int], replicas: list[int], timing: str,
+               router: str | None) -> tuple[list[PlanTask], list[str], str]:
+    """The deployments to replay, the (GPU, tp) pairs skipped because the model does not fit, and the
+    workload's path. Bad input (a tp that divides no head count, nothing that fits) is one line."""
+    import yaml
+
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+    from kvsim.size.sizing import kv_cache_spec, weight_bytes
+    from kvsim.workload.spec import ROUTER_POLICIES
+
+    path = Path(target)
+    if not path.exists():
+        raise KvsimError(f"no such file: {target}", field="WORKLOAD_OR_TRACE")
+    if path.suffix in (".yaml", ".yml"):
+        mapping = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(mapping, dict):
+            raise KvsimError("expected a workload mapping", source=target)
+        if model is not None:
+            mapping["model"] = model
+        if "model" not in mapping:
+            raise KvsimError("give --model (the workload names none)", field="--model")
+        allocators = mapping.get("allocators") or [{"kind": "paged", "block_size": 16, "prefix_caching": True}]
+        mapping["allocators"] = allocators[:1]  # one engine configuration per deployment: the first
+        workload_path = str(path)
+    else:  # a trace: a vLLM-like engine over it
+        if model is None:
+            raise KvsimError("a trace needs --model", field="--model")
+        spec = resolve_model(model)
+        mapping = {"name": path.stem, "model": model, "gpu_memory_utilization": 0.9, "max_model_len": spec.max_model_len,
+                   "requests": {"trace": {"path": str(path.resolve())}},
+                   "allocators": [{"kind": "paged", "block_size": 16, "prefix_caching": True}]}
+        workload_path = str(path.with_suffix(".plan.yaml"))
+    if router is not None:
+        if router not in ROUTER_POLICIES:
+            raise KvsimError(f"unknown router policy {router!r}; choose from {', '.join(ROUTER_POLICIES)}", field="--router")
+        mapping["router"] = {**(mapping.get("router") or {}), "policy": router}
+    spec = resolve_model(mapping["model"])
+    utilization = float(mapping.get("gpu_memory_utilization") or 0.9)
+    for tp in tps:  # vLLM's rule against the heads: the same for every GPU
+        try:
+            kv_cache_spec(spec, tp=tp)
+        except KvsimError as exc:
+            raise KvsimError(str(exc).removeprefix("--tp: "), field="--tp") from None
+    tasks, skipped = [], []
+    for gpu_name in gpus:
+        gpu = get_gpu(gpu_name)
+        for tp in tps:
+            weights = weight_bytes(spec, tp=tp)
+            if "kv_budget" not in mapping and gpu.memory_bytes * utilization <= weights:
+                skipped.append(f"{gpu_name} tp {tp} ({spec.name}'s weights are {weights / 2**30:.1f} GiB a rank)")
+                continue
+            for n in replicas:
+                tasks.append(PlanTask(len(tasks), gpu_name, tp, n, mapping, workload_path, timing))
+    if not tasks:
+        raise KvsimError(f"{spec.name} fits no searched GPU at any searched tp: {'; '.join(skipped)}", field="--tp")
+    return tasks, skipped, workload_path
+
+
+def check_clock(tasks: list[PlanTask], timing: str) -> None:
+    """The kernels-db clock must cover every searched (model, GPU, tp): a plan on the roofline is refused
+    unless asked for (--timing roofline), since the roofline bounds a step's time rather than predicting it."""
+    if timing == "roofline":
+        return
+    from kvsim.clock.kernels_db import kernel_clock
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+
+    seen = set()
+    for task in tasks:
+        if (task.gpu, task.tp) in seen:
+            continue
+        seen.add((task.gpu, task.tp))
+        model = resolve_model(task.workload["model"])
+        try:
+            kernel_clock(model, get_gpu(task.gpu), kv_dtype=task.workload.get("kv_dtype", "bf16"), tp=task.tp)
+        except KvsimError as exc:
+            raise KvsimError(f"the kernels-db clock does not cover {model.name} on {task.gpu} at tp {task.tp} ({exc}); "
+                             "plan on the roofline only if you mean it (--timing roofline: a bound, not a latency)",
+                             field="--gpu") from None
+
+
+def run_plan(tasks: list[PlanTask], slo: Slo, *, workers: int | None, ray: str | None, skipped=(), on_row=None) -> Plan:
+    """Replay every deployment through the sweep's runners; the `Plan` of their rows."""
+    from kvsim.sweep.runners import run_local, run_ray
+
+    rows_iter = run_ray(tasks, ray, run=run_plan_task) if ray else run_local(tasks, workers, run=run_plan_task)
+    rows = []
+    try:
+        for task, row in rows_iter:
+            row.setdefault("gpus", task.tp * task.replicas)  # a row from a worker that died has only its head
+            row.setdefault("gpu", task.gpu)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    finally:
+        getattr(rows_iter, "close", lambda: None)()
+    rows.sort(key=lambda r: r["point"])
+    return Plan(slo, rows, list(skipped))
+
+
+def _dur(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"

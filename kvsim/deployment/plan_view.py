@@ -1,0 +1,122 @@
+"""`kvsim plan`'s output: the table of every deployment, the cheapest plan per GPU kind and why the next
+smaller one fails, plan.json (`plans: [{gpu, tp, replicas, gpus, meets_slo, ttft_p99_s, tpot_p99_s}]`) and
+the Pareto chart (GPUs vs p99 TTFT)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvsim.deployment.plan import Plan, _dur
+from kvsim.errors import KvsimError
+from kvsim.out_paths import output_dir
+
+
+def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: str, slo: str, router: str | None,
+              timing: str, workers: int | None, ray: str | None, out: Path | None, json_out: bool, quiet: bool) -> Plan:
+    """Run the plan and report it; exit 2 (a KvsimError) when no searched deployment meets the SLO."""
+    from kvsim.deployment.plan import check_clock, parse_ints, parse_slo, plan_tasks, run_plan
+
+    targets = parse_slo(slo)
+    gpu_names = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not gpu_names:
+        raise KvsimError("give at least one GPU", field="--gpu")
+    if workers is not None and workers < 1:
+        raise KvsimError(f"must be >= 1, got {workers}", field="--workers")
+    if timing not in ("kernels-db", "roofline"):
+        raise KvsimError(f"must be kernels-db or roofline, got {timing!r}", field="--timing")
+    tasks, skipped, _ = plan_tasks(target, model=model, gpus=gpu_names, tps=parse_ints(tps, "--tp"),
+                                   replicas=parse_ints(replicas, "--replicas"), timing=timing, router=router)
+    check_clock(tasks, timing)
+    out_dir = output_dir(out if out is not None else Path("reports") / "plan" / Path(target).stem, create=False)
+    console = Console(stderr=True)
+    if not quiet:
+        console.print(f"plan: {len(tasks)} deployments of {Path(target).name} ({timing} clock)", markup=False)
+        for line in skipped:
+            console.print(f"skipped: {line}", markup=False, style="dim")
+    plan = run_plan(tasks, targets, workers=workers, ray=ray, skipped=skipped)
+    out_dir = output_dir(out_dir)
+    (out_dir / "plan.json").write_text(json.dumps({"slo": dict(targets.targets), "plans": plan.plans_json()}, indent=2) + "\n")
+    pareto_chart(plan, out_dir / "plan.png", title=Path(target).name)
+    if json_out:
+        print(json.dumps({"slo": dict(targets.targets), "plans": plan.plans_json()}, indent=2))
+    elif not quiet:
+        Console().print(plan_table(plan))
+    lines = verdict(plan, gpu_names)
+    if all(plan.cheapest(g) is None for g in gpu_names):
+        raise KvsimError(lines[-1], field="--slo")
+    if not json_out:
+        for line in lines:
+            Console().print(line, markup=False, highlight=False)
+        console.print(f"reports: {out_dir}", markup=False)
+    return plan
+
+
+def verdict(plan: Plan, gpus: list[str]) -> list[str]:
+    """Per GPU kind: the cheapest plan and why the next smaller fails; or, when none meets, the closest."""
+    lines = []
+    for gpu in gpus:
+        best = plan.cheapest(gpu)
+        if best is None:
+            continue
+        lines.append(f"{gpu}: {best['replicas']} x tp {best['tp']} = {best['gpus']} GPUs (ttft_p99 {_dur(best['ttft_p99_s'])}, "
+                     f"tpot_p99 {_dur(best['tpot_p99_s'])})")
+        smaller = plan.next_smaller(gpu)
+        if smaller is not None:
+            lines.append(f"  the next smaller, {smaller['replicas']} x tp {smaller['tp']} = {smaller['gpus']} GPUs, fails: "
+                         f"{'; '.join(plan.slo.misses(smaller))}")
+        else:
+            lines.append("  it is the smallest searched")
+    if not lines:
+        c = plan.closest()
+        why = "; ".join(plan.slo.misses(c))
+        lines.append(f"no searched deployment meets {', '.join(f'{m[:-2]} <= {_dur(b)}' for m, b in plan.slo.targets)}; "
+                     f"closest: {c['replicas']} x {c['gpu']} tp {c['tp']} ({c['gpus']} GPUs: {why})")
+    return lines
+
+
+def plan_table(plan: Plan) -> Table:
+    table = Table(title="deployments searched")
+    for name in ("gpu", "tp", "replicas", "GPUs", "TTFT p50", "TTFT p99", "TPOT p99", "tok/s", "meets SLO"):
+        table.add_column(name, justify="left" if name == "gpu" else "right")
+    for r in sorted(plan.rows, key=lambda r: (r["gpu"], r["gpus"], r["tp"])):
+        meets = "yes" if plan.meets(r) else ("error" if r.get("error") else "no")
+        tput = r.get("throughput_tokens_per_s")
+        table.add_row(r["gpu"], str(r["tp"]), str(r["replicas"]), str(r["gpus"]), _dur(r.get("ttft_p50_s")),
+                      _dur(r.get("ttft_p99_s")), _dur(r.get("tpot_p99_s")), "-" if tput is None else f"{tput:,.0f}", meets)
+    return table
+
+
+def pareto_chart(plan: Plan, path: Path, *, title: str) -> Path:
+    """GPUs vs p99 TTFT, a marker per deployment (filled where it meets the SLO), each GPU kind's Pareto front."""
+    from kvsim.plots.style import new_figure, save, titles
+
+    fig, axes = new_figure(8, 5)
+    ax = axes[0][0]
+    for j, gpu in enumerate(sorted({r["gpu"] for r in plan.rows})):
+        rows = sorted((r for r in plan.rows if r["gpu"] == gpu and r.get("ttft_p99_s") is not None), key=lambda r: r["gpus"])
+        color = f"C{j}"
+        for r in rows:
+            ax.scatter(r["gpus"], r["ttft_p99_s"], color=color, facecolors=color if plan.meets(r) else "none", s=36, zorder=3)
+            ax.annotate(f"tp{r['tp']}", (r["gpus"], r["ttft_p99_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        front, best = [], math.inf
+        for r in rows:  # the lowest p99 TTFT reached with at most this many GPUs
+            if r["ttft_p99_s"] < best:
+                best = r["ttft_p99_s"]
+                front.append((r["gpus"], best))
+        if front:
+            xs, ys = zip(*front)
+            ax.step(xs, ys, where="post", color=color, lw=1, label=f"{gpu} (Pareto front)")
+    bound = dict(plan.slo.targets).get("ttft_p99_s")
+    if bound is not None:
+        ax.axhline(bound, color="grey", ls="--", lw=1, label=f"SLO ttft_p99 {_dur(bound)}")
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs (replicas x tp)")
+    ax.set_ylabel("p99 TTFT (s)")
+    ax.legend()
+    titles(fig, "Fewest GPUs for the SLO: each deployment's p99 TTFT (filled: meets every target)", title)
+    return save(fig, path)
