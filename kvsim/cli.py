@@ -93,6 +93,9 @@ def size(
     address: Annotated[Optional[str], typer.Option("--address", help="kv,layer,block,token,head,dim: print that element's byte offset.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     step_time: Annotated[bool, typer.Option("--step-time", help="With --gpu: a decode step's time at the maximum concurrency on the kernels-db clock (needs kvsim\\[perfdb]).")] = False,
+    cpu_offload: Annotated[Optional[str], typer.Option("--cpu-offload", help="A CPU KV tier for the whole engine, e.g. 100GiB: vLLM's CPU blocks (chunks), their size and what a request holds there.", show_default=False)] = None,
+    kv_offloading_size: Annotated[Optional[str], typer.Option("--kv-offloading-size", help="The same in GiB, as vllm serve takes it (summed over TP ranks).", show_default=False)] = None,
+    cpu_block_size: Annotated[Optional[int], typer.Option("--cpu-block-size", help="With a CPU tier: tokens per CPU block, a multiple of the GPU block (the connector's block_size; default one GPU block).", show_default=False)] = None,
 ) -> None:
     """KV bytes per token, block and sequence for a model; with --gpu/--memory, how many tokens and requests fit."""
     from kvsim.size.view import show_size
@@ -103,6 +106,7 @@ def size(
         kernel_block_size=kernel_block_size, mamba_cache_mode=mamba_cache_mode,
         mamba_checkpoint_alignment=mamba_checkpoint_alignment, async_scheduling=async_scheduling, params=params, layout=layout, num_blocks=num_blocks,
         address=address, as_json=json_out, step_time=step_time,
+        cpu_offload=cpu_offload, kv_offloading_size=kv_offloading_size, cpu_block_size=cpu_block_size,
     )
 
 
@@ -179,6 +183,8 @@ def replay(
     integrity: Annotated[bool, typer.Option("--integrity", help="Write token-unique values and check every read (slow; for testing).")] = False,
     read_every: Annotated[Optional[int], typer.Option("--read-every", help="Read + attend on every N-th decode step; every step writes. Default: 1 on CUDA; on CPU 20000, or 100 with --timing measured (the steps between timed from the last read's µs per token).", show_default=False)] = None,
     max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "1GiB",
+    tp: Annotated[Optional[int], typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks (overrides the workload's deployment.tp): the KV pool and budget are one rank's, the clock prices the step with its all-reduces.", show_default=False)] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="MoE experts over this many ranks: 1 or tp (vLLM's --enable-expert-parallel; overrides deployment.ep; kernels-db clock only).", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
@@ -189,6 +195,7 @@ def replay(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
+        tp=tp, ep=ep,
     )
 
 
@@ -247,11 +254,14 @@ def cache_curve(
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="With --model: mark this GPU's KV budget (utilization 0.9, minus weights).", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for the whole curve (cache-curve.csv) and its chart.", show_default=False)] = None,
+    cpu_capacities: Annotated[Optional[str], typer.Option("--cpu-capacities", help="Add vLLM's CPU offloading tier (LRU) at these capacities in tokens, e.g. 1e6,1e7: each tier's hit rate at every pair (docs/cpu-tier.md).", show_default=False)] = None,
+    cpu_block_size: Annotated[Optional[int], typer.Option("--cpu-block-size", help="Tokens per CPU block, a multiple of --block-size (default: one GPU block, as vLLM's).", show_default=False)] = None,
 ) -> None:
     """Prefix-cache hit rate of an LRU cache of blocks at every capacity, exact, in one pass over the requests."""
     from kvsim.cache_curve.view import show_cache_curve
 
-    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out_option(out))
+    show_cache_curve(target, block_size=block_size, capacities=capacities, model=model, gpu=gpu, as_json=json_out, out=out_option(out),
+                     cpu_capacities=cpu_capacities, cpu_block_size=cpu_block_size)
 
 
 @app.command()

@@ -15,6 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+@pytest.fixture(autouse=True)
+def no_hugging_face_hub(tmp_path_factory, monkeypatch):
+    """No test reaches the Hugging Face Hub or reads this machine's Hugging Face cache: HF_HUB_OFFLINE, and an
+    empty cache folder (tests that need a cache build one and point HF_HUB_CACHE at it)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf-hub-cache")))
+
+
 @pytest.fixture
 def cli():
     """Invoke the kvsim CLI in-process: cli(["size", "--model", "qwen3-0.6b"]) -> click Result."""

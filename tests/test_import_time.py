@@ -1,4 +1,4 @@
-"""`kvsim --help` and `kvsim size` must not import torch or pandas: they should start in well under a second."""
+"""`kvsim --help` and `kvsim size` must not import torch, pandas or huggingface_hub: they should start in well under a second."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from conftest import REPO
 
-HEAVY = ("torch", "pandas", "matplotlib")
+HEAVY = ("torch", "pandas", "matplotlib", "huggingface_hub")
 
 
 def imported_modules(args: list[str]) -> tuple[set[str], subprocess.CompletedProcess]:

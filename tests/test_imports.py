@@ -20,6 +20,7 @@ STAGES = [
     ("kvsim.clock",),
     ("kvsim.size",),
     ("kvsim.engine",),
+    ("kvsim.offload",),
     ("kvsim.workload",),
     ("kvsim.replay",),
     ("kvsim.plots",),

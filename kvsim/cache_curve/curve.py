@@ -63,7 +63,7 @@ class CacheCurve:
 
 
 def lru_prefix_curve(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray, counted: np.ndarray, *,
-                     block_size: int, prompt_tokens: int) -> CacheCurve:
+                     block_size: int, prompt_tokens: int, pieces: list | None = None) -> CacheCurve:
     """The hit blocks of an LRU cache of blocks at every capacity, over the requests in order, each alone.
 
     Request i is its full prompt blocks in prompt order, as units keys[offsets[i]:offsets[i + 1]] of
@@ -92,6 +92,9 @@ def lru_prefix_curve(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray, 
     on those runs (a Mooncake hash id is one unit at any block size, and a conversation's turns share runs of
     ids), with a Fenwick tree of run weights over use times, renumbered when it fills: memory linear in the
     distinct runs, time O(runs used x log).
+
+    `pieces`, if given, receives each request's own share as (request, lo, hi): its blocks with D = lo..hi,
+    one each, or (hi < 0) -hi blocks all at D = lo; `request_hit_blocks` turns them into hits per request.
     """
     run_keys, run_weights, run_offsets = _runs(keys, counts, offsets)
     run_keys, run_weights, run_offsets, counted = (x.tolist() for x in (run_keys, run_weights, run_offsets, counted))
@@ -113,11 +116,17 @@ def lru_prefix_curve(keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray, 
                 break
             if m >= above + n:
                 steps[m] = steps.get(m, 0) + n
+                if pieces is not None:
+                    pieces.append((i, m, -n))
             else:
                 if m > above:  # its first m - above blocks sit above m and take m
                     steps[m] = steps.get(m, 0) + (m - above)
+                    if pieces is not None:
+                        pieces.append((i, m, above - m))
                 ramps_lo.append(max(m + 1, above + 1))
                 ramps_hi.append(above + n)
+                if pieces is not None:
+                    pieces.append((i, max(m + 1, above + 1), above + n))
                 m = above + n
             start += weight
         for j in range(hi - 1, lo - 1, -1):
@@ -220,3 +229,15 @@ class _RecencyTree:
             if parent <= self.size:
                 tree[parent] += tree[slot]
         self.now = len(live)
+
+
+def request_hit_blocks(pieces: list, num_requests: int, capacity_blocks: int) -> np.ndarray:
+    """Each request's hit blocks at one capacity (blocks), (r,) int64, from `lru_prefix_curve`'s pieces."""
+    if not pieces:
+        return np.zeros(num_requests, dtype=np.int64)
+    arr = np.asarray(pieces, dtype=np.int64)  # (p, 3): request, lo, hi (or -count for a step)
+    req, lo, hi = arr[:, 0], arr[:, 1], arr[:, 2]
+    c = capacity_blocks
+    step = hi < 0
+    hits = np.where(step, np.where(lo <= c, -hi, 0), np.clip(c - lo + 1, 0, np.maximum(hi - lo + 1, 0)))
+    return np.bincount(req, weights=hits, minlength=num_requests).astype(np.int64)

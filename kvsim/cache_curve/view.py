@@ -98,7 +98,7 @@ def _workload_budget(workload) -> int:
                            weight_bytes=weights, field="gpu_memory_utilization")
 
 
-def parse_capacities(text: str | None, curve: CacheCurve) -> np.ndarray:
+def parse_capacities(text: str | None, curve: CacheCurve, field: str = "--capacities") -> np.ndarray:
     """Capacities in tokens, (k,) int64: the comma-separated list, or a 1-2-5 log grid up to where the curve
     reaches the ideal."""
     if text is None:
@@ -112,7 +112,7 @@ def parse_capacities(text: str | None, curve: CacheCurve) -> np.ndarray:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < 0 or value != int(value) or value > 2**62:
-            raise KvsimError(f"expected whole token counts >= 0 like 1e4,1e5,3e6; got {part.strip()!r}", field="--capacities")
+            raise KvsimError(f"expected whole token counts >= 0 like 1e4,1e5,3e6; got {part.strip()!r}", field=field)
         values.append(int(value))
     return np.array(values, dtype=np.int64)
 
@@ -146,7 +146,8 @@ def write_curve_csv(curve: CacheCurve, ctx: CurveContext, path: Path) -> Path:
 
 
 def show_cache_curve(target: str, *, block_size: int, capacities: str | None, model: str | None, gpu: str | None,
-                     as_json: bool, out: str | None) -> None:
+                     as_json: bool, out: str | None, cpu_capacities: str | None = None,
+                     cpu_block_size: int | None = None) -> None:
     """The command: the curve at the capacities as a table (or JSON); with --out, the whole curve as CSV and a chart."""
     if block_size < 1:
         raise KvsimError(f"must be >= 1, got {block_size}", field="--block-size")
@@ -157,6 +158,15 @@ def show_cache_curve(target: str, *, block_size: int, capacities: str | None, mo
     curve = cache_curve_of(requests, block_size=block_size)
     caps = parse_capacities(capacities, curve)
     rows = curve_rows(curve, caps, ctx)
+    tiers = cpu_caps = None
+    if cpu_capacities is not None:  # the second tier: vLLM's CPU offloading (kvsim.cache_curve.view_tiers)
+        from kvsim.cache_curve.view_tiers import tier_requests, tier_rows
+
+        cpu_caps = parse_capacities(cpu_capacities, curve, field="--cpu-capacities")
+        tier_reqs = tier_requests(requests, block_size=block_size, cpu_block_size=cpu_block_size)
+        tiers = tier_rows(tier_reqs, caps, cpu_caps)
+    elif cpu_block_size is not None:
+        raise KvsimError("a CPU block size needs CPU capacities: give --cpu-capacities too", field="--cpu-block-size")
     if out is not None:
         from kvsim.plots.cache_curve import cache_curve_chart
         from kvsim.plots.style import save
@@ -164,9 +174,18 @@ def show_cache_curve(target: str, *, block_size: int, capacities: str | None, mo
         out_dir = Path(out)
         written = [write_curve_csv(curve, ctx, out_dir / "cache-curve.csv"),
                    save(cache_curve_chart(curve, ctx), out_dir / "cache-curve.png")]
+        if tiers is not None:
+            from kvsim.cache_curve.view_tiers import write_tiers_csv
+            from kvsim.plots.cache_curve import two_tier_chart
+
+            written += [write_tiers_csv(tiers, ctx.bytes_per_token, out_dir / "cache-curve-tiers.csv"),
+                        save(two_tier_chart(tiers, curve, ctx, tier_reqs.cpu_block_size), out_dir / "cache-curve-tiers.png")]
     if as_json:
-        typer.echo(json.dumps({"ideal_hit_rate": curve.ideal_hit_rate, "block_size": block_size,
-                               "num_requests": curve.num_requests, "prompt_tokens": curve.prompt_tokens, "curve": rows}))
+        doc = {"ideal_hit_rate": curve.ideal_hit_rate, "block_size": block_size,
+               "num_requests": curve.num_requests, "prompt_tokens": curve.prompt_tokens, "curve": rows}
+        if tiers is not None:
+            doc.update({"cpu_block_size": tier_reqs.cpu_block_size, "cpu_policy": "lru", "tiers": tiers})
+        typer.echo(json.dumps(doc))
         return
     typer.echo(f"{ctx.name}: {curve.num_requests:,} requests, {curve.prompt_tokens:,} prompt tokens, block size {block_size}"
                + (f", {ctx.model} KV {ctx.bytes_per_token:,} B/token" if ctx.model else ""))
@@ -180,6 +199,10 @@ def show_cache_curve(target: str, *, block_size: int, capacities: str | None, mo
         rate = float(curve.hit_rate(np.array([ctx.budget_tokens]))[0])
         typer.echo(f"KV budget of {ctx.model} on {ctx.gpu} ({ctx.budget_of}): {ctx.budget_tokens:,} tokens "
                    f"({ctx.budget_bytes / 2**30:.1f} GiB): hit rate {rate:.1%}")
+    if tiers is not None:
+        from kvsim.cache_curve.view_tiers import print_tiers
+
+        print_tiers(typer.echo, tiers, cpu_caps, ctx.bytes_per_token, tier_reqs.cpu_block_size)
     if out is not None:
         for p in written:
             typer.echo(str(p))

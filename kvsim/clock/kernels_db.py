@@ -99,6 +99,7 @@ class KernelClock:
     model_path: str
     tp: int = 1
     kv_quant: str | None = None  # the SDK's KV-cache quant mode (fp8, int8), None for 16-bit
+    ep: int = 1  # expert-parallel ranks of a MoE model's experts: 1 (experts split by tp) or tp
     host_bandwidth_bytes_per_s: float = HOST_BANDWIDTH_BYTES_PER_S
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -107,20 +108,26 @@ class KernelClock:
         from aiconfigurator_core.sdk.engine import EngineHandle
         from aiconfigurator_core.sdk.models import get_model
 
+        # A MoE's experts span the tp ranks (vLLM's attention width = expert width, one data-parallel rank):
+        # split tensor-wise by default, over ep ranks with --enable-expert-parallel (then ep = tp).
+        moe_tp, moe_ep = self.tp // self.ep, self.ep
         with _quiet():
             self._handle = EngineHandle.compile(self.model_path, self.system, BACKEND,
                                                 backend_version=self.vllm_version, tp_size=self.tp,
-                                                kvcache_quant_mode=self.kv_quant)
+                                                moe_tp_size=moe_tp, moe_ep_size=moe_ep, kvcache_quant_mode=self.kv_quant)
             # The op lists the engine compiled, as compile_engine builds them (their lengths index the engine's).
-            ops = get_model(self.model_path, build_model_config(self.tp, 1, 1, 1, 1, kvcache_quant_mode=self.kv_quant), BACKEND)
+            ops = get_model(self.model_path, build_model_config(self.tp, 1, 1, moe_tp, moe_ep, kvcache_quant_mode=self.kv_quant),
+                            BACKEND)
+            self.num_experts = getattr(ops, "_num_experts", None)  # None: a dense model
             self._num_ops = (len(ops.context_ops), len(ops.generation_ops))
             self._ctx = self._split(is_context=True)
             self._gen = self._split(is_context=False)
 
     @property
     def label(self) -> str:
-        """What the header and meta.json name: the database, its system and vLLM version."""
-        return f"kernels-db (aiconfigurator-core {_aic_version()}, {self.system}, vLLM {self.vllm_version})"
+        """What the header and meta.json name: the database, its system and vLLM version (and tp/ep above 1)."""
+        par = (f", tp {self.tp}" if self.tp > 1 else "") + (f", ep {self.ep}" if self.ep > 1 else "")
+        return f"kernels-db (aiconfigurator-core {_aic_version()}, {self.system}, vLLM {self.vllm_version}{par})"
 
     # --- op lists ------------------------------------------------------------------------------------
 
@@ -226,9 +233,10 @@ def _mean_ctx(ctx_sum: int, num_seqs: int, step: float) -> int:
     return int(round(ctx_sum / num_seqs + step)) + 1
 
 
-def kernel_clock(model, gpu, *, tp: int = 1, kv_dtype: str = "bf16") -> KernelClock:
-    """The kernels-db clock for a catalogue `ModelSpec` on a `GPUSpec`, or a one-line KvsimError naming what is
-    missing (the extra, the GPU, the model, the KV dtype)."""
+def kernel_clock(model, gpu, *, tp: int = 1, kv_dtype: str = "bf16", ep: int = 1) -> KernelClock:
+    """The kernels-db clock for a catalogue `ModelSpec` on a `GPUSpec` at `tp` tensor-parallel ranks (a MoE's
+    experts over `ep` of them: 1 or tp), or a one-line KvsimError naming what is missing (the extra, the GPU,
+    the model, the KV dtype, experts to split)."""
     if not available():
         raise KvsimError("the kernels-db clock needs aiconfigurator-core: pip install 'kvsim[perfdb]'", field="--timing")
     system = SYSTEMS.get(gpu.key)
@@ -241,8 +249,14 @@ def kernel_clock(model, gpu, *, tp: int = 1, kv_dtype: str = "bf16") -> KernelCl
     if kv_dtype not in KV_QUANT:
         raise KvsimError(f"the database times no attention kernel with a {kv_dtype} KV cache "
                          f"(it has: {', '.join(KV_QUANT)})", field="kv_dtype")
+    if ep not in (1, tp):
+        raise KvsimError(f"ep {ep} with tp {tp}: vLLM's expert parallelism spans every tp rank of the one "
+                         "data-parallel rank kvsim replays (ep 1, or ep = tp)", field="ep")
     path = model_path(model.hf_id, model.name)
-    return _cached_clock(system, closest_version(versions), path, tp, KV_QUANT[kv_dtype])
+    clock = _cached_clock(system, closest_version(versions), path, tp, KV_QUANT[kv_dtype], ep)
+    if ep > 1 and not clock.num_experts:
+        raise KvsimError(f"ep {ep}: {model.name} has no experts to split (expert parallelism is for MoE models)", field="ep")
+    return clock
 
 
 def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int = 1, kv_dtype: str = "bf16") -> str:
@@ -257,9 +271,9 @@ def decode_step_line(model, gpu, *, num_seqs: int, context_tokens: int, tp: int 
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_clock(system: str, version: str, path: str, tp: int, kv_quant: str | None) -> KernelClock:
+def _cached_clock(system: str, version: str, path: str, tp: int, kv_quant: str | None, ep: int = 1) -> KernelClock:
     try:
-        return KernelClock(system, version, path, tp, kv_quant)
+        return KernelClock(system, version, path, tp, kv_quant, ep=ep)
     except KvsimError:
         raise
     except Exception as exc:  # the SDK's own errors: a model family or op it cannot time

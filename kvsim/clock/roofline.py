@@ -6,7 +6,8 @@ memory time:
     compute_s = (2 * num_params * num_tokens + attn_flops_per_ctx * attended_ctx) / peak_flops
     memory_s  = (weight_bytes + kv_bytes_per_token * (kv_read_tokens + num_tokens)
                  + swap_bytes * hbm_bw / host_bw) / hbm_bw
-    step_s    = max(compute_s, memory_s)
+    comm_s    = num_allreduces * (2 * (tp - 1) / tp) * num_tokens * hidden_size * 2 / link_bw
+    step_s    = max(compute_s, memory_s) + comm_s
 
 - `num_tokens`: prompt tokens of prefill chunks plus one per decoding request (each is computed once and its
   K/V written once).
@@ -18,6 +19,13 @@ memory time:
 - `swap_bytes` (preemption by swapping) cross the host link at `host_bandwidth_bytes_per_s`.
 Decode is therefore bandwidth-bound (weights + live KV at HBM bandwidth) and large prefills FLOP-bound.
 Peak figures are used as they are (no efficiency factor): the clock is an optimistic, comparable bound.
+
+At `tp` tensor-parallel ranks the figures are one rank's: weights, parameters and attention heads divided by tp
+(KV bytes per token as `kvsim size --tp` counts them: split or replicated heads), plus the all-reduces vLLM's
+row-parallel layers run on the critical path (`comm_s`): two per decoder layer (after attention's o_proj and the
+MLP's or MoE's down projection) and one for the vocab-parallel embedding, each of the step's tokens' 16-bit
+hidden states, as a ring moves them (2(tp-1)/tp of the bytes through each GPU's link, one direction's peak from
+kvsim/models/data/interconnect.yaml; no latency term, so small decode all-reduces come out optimistic).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 
 # PCIe Gen5 x16 in one direction, what H100/H200 SXM boards attach with: swap traffic crosses it.
 HOST_BANDWIDTH_BYTES_PER_S = 64e9
+ACTIVATION_BYTES = 2  # the hidden states tensor parallelism all-reduces: 16-bit activations
 
 
 @dataclass(frozen=True)
@@ -40,18 +49,31 @@ class Roofline:
     hbm_bandwidth_bytes_per_s: float
     peak_flops: float
     host_bandwidth_bytes_per_s: float = HOST_BANDWIDTH_BYTES_PER_S
+    comm_s_per_token: float = 0.0  # tp > 1: the step's all-reduces, seconds per token of the step
+    tp: int = 1
 
     def __post_init__(self) -> None:
         assert self.hbm_bandwidth_bytes_per_s > 0 and self.peak_flops > 0
         assert self.weight_bytes >= 0 and self.num_params >= 0 and self.kv_bytes_per_token >= 0
+        assert self.comm_s_per_token >= 0 and self.tp >= 1
 
     @classmethod
-    def for_model(cls, model, gpu, *, weight_bytes: float, kv_bytes_per_token: float) -> "Roofline":
-        """From a catalogue `ModelSpec`, a `GPUSpec` and the sizes `kvsim.size.sizing` computed for them."""
+    def for_model(cls, model, gpu, *, weight_bytes: float, kv_bytes_per_token: float, tp: int = 1) -> "Roofline":
+        """From a catalogue `ModelSpec`, a `GPUSpec` and the sizes `kvsim.size.sizing` computed for them, at `tp`
+        ranks: `weight_bytes` and `kv_bytes_per_token` are one rank's (`weight_bytes(model, tp=tp)`,
+        `kv_cache_spec(model, tp=tp)`)."""
         attention_layers = len(model.attention_layers)
-        attn = 4.0 * attention_layers * model.num_attention_heads * max(model.head_dim, 0)
+        heads_per_rank = model.num_attention_heads / tp  # kv_cache_spec has checked that tp divides them
+        attn = 4.0 * attention_layers * heads_per_rank * max(model.head_dim, 0)
         # Without a parameter count, the weights' bytes at 2 bytes per parameter are the best guess.
-        num_params = model.num_params if model.num_params else weight_bytes / 2
+        num_params = model.num_params / tp if model.num_params else weight_bytes / 2
+        comm = 0.0
+        if tp > 1:
+            from kvsim.models.interconnect import get_interconnect
+
+            num_allreduces = 2 * model.num_layers + 1
+            ring = 2.0 * (tp - 1) / tp
+            comm = num_allreduces * ring * model.hidden_size * ACTIVATION_BYTES / get_interconnect(gpu).bandwidth_bytes_per_s
         return cls(
             weight_bytes=float(weight_bytes),
             num_params=float(num_params),
@@ -59,6 +81,8 @@ class Roofline:
             attn_flops_per_ctx=attn,
             hbm_bandwidth_bytes_per_s=float(gpu.hbm_bandwidth_bytes_per_s),
             peak_flops=float(gpu.bf16_flops_per_s),
+            comm_s_per_token=comm,
+            tp=tp,
         )
 
     def step_time(self, num_tokens: int, attended_ctx: int, kv_read_tokens: int, swap_bytes: int = 0) -> float:
@@ -67,7 +91,7 @@ class Roofline:
         memory = (
             self.weight_bytes + self.kv_bytes_per_token * (kv_read_tokens + num_tokens)
         ) / self.hbm_bandwidth_bytes_per_s + swap_bytes / self.host_bandwidth_bytes_per_s
-        return compute if compute > memory else memory
+        return (compute if compute > memory else memory) + self.comm_s_per_token * num_tokens
 
     def decode_run(self, num_seqs: int, ctx_sum: int, num_steps: int) -> float:
         """Seconds of `num_steps` decode-only steps of the same `num_seqs` requests, in closed form.
@@ -93,7 +117,7 @@ class Roofline:
         total = _linear_sum(a_m, b_m, 0, num_steps)
         if hi > lo:
             total += _linear_sum(a_c - a_m, b_c - b_m, lo, hi)
-        return total
+        return total + num_steps * self.comm_s_per_token * n
 
     def decode_steps_before(self, num_seqs: int, ctx_sum: int, max_steps: int, time_left: float) -> tuple[int, float]:
         """How many decode steps (at least 1, at most `max_steps`) start before `time_left` s, and their total time.

@@ -1,19 +1,25 @@
-"""The model catalogue shipped as package data (kvsim/models/data/models.yaml), and name resolution.
+"""The model catalogue shipped as package data (kvsim/models/data/models.yaml), and the order a model name resolves in.
 
-`resolve_model` accepts a short name (`qwen3-0.6b`), a Hugging Face id (`Qwen/Qwen3-0.6B`) or one of its
-instruct / chat / base variants (`Qwen/Qwen3-0.6B-Base`), in any case, or a path to a config.json. Catalogue entries go through the same config reader as files do.
+`resolve_model` accepts a path (a config.json, or a checkpoint folder holding one), a Hugging Face id
+(`Qwen/Qwen3-14B-AWQ`), or a catalogue short name (`qwen3-0.6b`) in any case. A Hugging Face id is looked up, in
+order, in the local Hugging Face cache, the catalogue, then on the Hub: a model on this machine is read as it is
+there, a catalogue model never needs the network, and only an id neither knows reaches the Hub (unless
+HF_HUB_OFFLINE). Catalogue entries go through the same config reader as files do.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import re
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
 from kvsim.errors import KvsimError
-from kvsim.models.hf_config import load_hf_config, model_spec_from_config
+from kvsim.models.hf_cache import checkpoint_spec, find_cached, hub_cache_dir, local_checkpoint
+from kvsim.models.hf_config import model_spec_from_config
+from kvsim.models.hub import fetch_from_hub, hub_offline
 from kvsim.models.spec import ModelSpec
 
 CATALOGUE_FILE = "kvsim/models/data/models.yaml"
@@ -73,29 +79,78 @@ def _by_repository_id() -> dict[str, str]:
     return ids
 
 
+def _with_catalogue_params(spec: ModelSpec, key: str | None) -> ModelSpec:
+    """A cached checkpoint the catalogue also knows (by id or alias: the same architecture) keeps its own config,
+    and takes the catalogue's sourced parameter count where its config.json could not be counted."""
+    if key is None or spec.num_params is not None:
+        return spec
+    known = _build(key)
+    return replace(spec, num_params=known.num_params, params_source=f"{CATALOGUE_FILE} [{key}]: {known.params_source}")
+
+
+# Names that are files, whether or not they exist: a config, or a weights file named by mistake (refused by name).
+_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+
+# A Hugging Face repository id: ORG/NAME of letters, digits, '-', '_', '.'.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _catalogue_key(name: str) -> str | None:
+    """Short name for `name` (short name, HF id or alias, any case), or None."""
+    key = name.strip().lower()
+    if key in _entries():
+        return key
+    return _by_repository_id().get(key)
+
+
+def _close_matches(name: str) -> str:
+    candidates = list(_entries()) + list(_by_repository_id())
+    close = difflib.get_close_matches(name.strip().lower(), candidates, n=4, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
 def _lookup(name: str) -> str:
     """Short name for `name` (short name, HF id or alias, any case); KvsimError with close matches if unknown."""
-    key = name.strip().lower()
-    entries = _entries()
-    if key in entries:
-        return key
-    by_hf = _by_repository_id()
-    if key in by_hf:
-        return by_hf[key]
-    candidates = list(entries) + list(by_hf)
-    close = difflib.get_close_matches(key, [c.lower() for c in candidates], n=4, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise KvsimError(
-        f"unknown model {name!r}{hint} (`kvsim models` lists the catalogue; a path to any config.json works too)",
-        field="--model",
-    )
+    key = _catalogue_key(name)
+    if key is None:
+        raise KvsimError(
+            f"unknown model {name!r}{_close_matches(name)} (`kvsim models` lists the catalogue; a Hugging Face id "
+            "ORG/NAME or a path to a config.json works too)",
+            field="--model",
+        )
+    return key
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
-    """A ModelSpec from a catalogue short name, a Hugging Face id, or a path to a config.json."""
-    path = Path(name_or_path)
-    if name_or_path.endswith(".json") or path.is_file():
-        return load_hf_config(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return load_hf_config(path / "config.json")
-    return _build(_lookup(name_or_path))
+    """A ModelSpec from a path, a Hugging Face id or a catalogue short name, in this order:
+
+    1. a local path: a config.json (any file name) or a folder holding one (its safetensors index, if any,
+       gives `checkpoint_bytes`);
+    2. ORG/NAME in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME; where vLLM users have their models);
+    3. the catalogue (short names, ids and aliases): offline, sourced, with a parameter count;
+    4. ORG/NAME on the Hugging Face Hub (config.json and model.safetensors.index.json only), unless HF_HUB_OFFLINE.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file() or path.suffix.lower() in _FILE_SUFFIXES or (path.is_dir() and (path / "config.json").is_file()):
+        return checkpoint_spec(local_checkpoint(path))
+    repo_id = name_or_path.strip().strip("/")
+    key = _catalogue_key(name_or_path)
+    if _REPO_ID.match(repo_id):
+        cached = find_cached(repo_id)
+        if cached is not None:
+            return _with_catalogue_params(checkpoint_spec(cached), key)
+    if key is not None:
+        return _build(key)
+    if not _REPO_ID.match(repo_id):
+        if path.is_dir():
+            raise KvsimError("a folder without a config.json", source=str(path), field="--model")
+        _lookup(name_or_path)  # raises, naming close matches
+    if hub_offline():
+        raise KvsimError(
+            f"unknown model {repo_id!r}: not a local path, not in the Hugging Face cache ({hub_cache_dir()}), "
+            "not in kvsim's catalogue, and HF_HUB_OFFLINE=1 keeps kvsim off the Hub. Unset HF_HUB_OFFLINE, or fetch "
+            f"its config once (`hf download {repo_id} config.json model.safetensors.index.json`), or pass a path to "
+            f"its config.json; `kvsim models` lists the catalogue{_close_matches(repo_id)}",
+            field="--model",
+        )
+    return checkpoint_spec(fetch_from_hub(repo_id))

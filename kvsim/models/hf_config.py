@@ -22,6 +22,9 @@ from kvsim.models.spec import ModelSpec
 
 __all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
 
+# Files a checkpoint ships beside its config.json: named as a model, they are a mistake worth naming.
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+
 
 def config_name(path: Path, data: dict) -> str:
     """A model's name from its config file: the file's own name (`qwen25-7b.json` -> qwen25-7b), or for a
@@ -41,10 +44,14 @@ def config_name(path: Path, data: dict) -> str:
 def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
     """Read a Hugging Face config.json at `path` into a ModelSpec (parameter count estimated from it)."""
     source = str(path)
+    if Path(path).suffix.lower() in _WEIGHT_FILES:
+        raise KvsimError("a weights file, not a config: give the checkpoint's folder or its config.json", source=source)
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise KvsimError(f"cannot read config: {exc.strerror or exc}", source=source) from None
+    except UnicodeDecodeError:
+        raise KvsimError("not a config.json: binary content, not JSON text", source=source) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -38,6 +38,7 @@ class ReplayOptions:
     the device's default (CUDA_READ_EVERY, CPU_READ_EVERY, CPU_MEASURED_READ_EVERY); measured timing gives a
     step without a read the last read's time per context token.
     `max_host_bytes`: the largest CPU cache pool a replay allocates; a bigger one is refused before any runs.
+    `tp`, `ep` (--tp, --ep): override the workload's `deployment`; None keeps it.
     """
 
     device: str = "auto"
@@ -47,6 +48,8 @@ class ReplayOptions:
     integrity: bool = False
     read_every: int | None = None
     max_host_bytes: int = CPU_POOL_CAP_BYTES
+    tp: int | None = None
+    ep: int | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):  # a typo is caught even with --no-tensors
@@ -63,6 +66,9 @@ class ReplayOptions:
             raise KvsimError(f"must be >= 1, got {self.read_every}", field="--read-every")
         if self.max_host_bytes < 1:
             raise KvsimError(f"must be > 0, got {self.max_host_bytes}", field="--max-host-memory")
+        for flag, value in (("--tp", self.tp), ("--ep", self.ep)):
+            if value is not None and value < 1:
+                raise KvsimError(f"must be >= 1, got {value}", field=flag)
 
     def ignored_without_tensors(self) -> list[str]:
         """The flags set here that `--no-tensors` makes meaningless (they shape only the cache tensors)."""
@@ -85,18 +91,40 @@ class ReplayContext:
     scheduler_config: object  # kvsim.workload.SchedulerConfig
     seed: int
     clock: object | None = None  # kvsim.clock.kernels_db.KernelClock for --timing kernels-db; None: the roofline
+    tp: int = 1  # tensor-parallel ranks: the pool, its budget and the cache spec are one rank's
 
     def spec(self, block_size: int) -> KVCacheSpec:
-        """The model's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
+        """One rank's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
         sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)."""
         from kvsim.size.sizing import kv_cache_spec
         from kvsim.size.vllm import VllmSettings
         from kvsim.size.vllm_pool import with_pool
 
-        spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size)
+        spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size, tp=self.tp)
         sc = self.scheduler_config
         settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=getattr(sc, "async_scheduling", False))
+        if self.tp > 1 and not spec.is_uniform:
+            return _with_pool_per_rank(self.model, spec, self.budget_bytes, self.max_model_len, settings, self.tp)
         return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings)
+
+
+def _with_pool_per_rank(model, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings, tp: int) -> KVCacheSpec:
+    """`kvsim.size.vllm_pool.with_pool` for one of `tp` ranks: the same calls with the layers' per-rank pages
+    (`with_pool` sizes the layers at tp 1), and the same fall-back to kvsim's lanes where vLLM's arithmetic
+    does not apply."""
+    from dataclasses import replace
+
+    from kvsim.size.vllm import vllm_startup
+    from kvsim.size.vllm_layers import vllm_layers
+    from kvsim.size.vllm_pool import pool_spec
+
+    try:
+        startup = vllm_startup(vllm_layers(model, spec, tp), budget_bytes, max_model_len, spec.block_size, settings)
+    except KvsimError:
+        return spec
+    if startup is None or startup.num_blocks < 2:
+        return spec
+    return replace(spec, pool=pool_spec(startup))
 
 
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)

@@ -74,6 +74,8 @@ class ReplayResult:
     runs: list[AllocatorRun] = field(default_factory=list)
     note: str | None = None  # what the replay decided for the user (e.g. accounting only without CUDA)
     clock: str = "roofline"  # the step clock in words (kernels-db names the database and its vLLM version)
+    tp: int = 1  # tensor-parallel ranks: budget_bytes and every byte figure are one rank's
+    ep: int = 1  # ranks a MoE's experts are spread over (1: split by tp)
 
 
 def step_columns(rows: array, num_rows: int) -> dict[str, np.ndarray]:

@@ -118,6 +118,7 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
             "allocator": run.label,
             "model": result.model_name,
             "workload": workload.name,
+            "tp": result.tp,  # budget_bytes and the % of it are one rank's
             "budget_bytes": budget,
             "num_requests": len(result.arrival_s),
             "finished": int(finished.sum()),
@@ -189,7 +190,9 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
         "workload_sha256": workload.sha256,
         "model": result.model_name,
         "hardware": result.hardware_name,
-        "budget_bytes": result.budget_bytes,
+        "tp": result.tp,
+        "ep": result.ep,
+        "budget_bytes": result.budget_bytes,  # one tensor-parallel rank's
         "num_requests": len(result.arrival_s),
         "allocators": [run.label for run in result.runs],
         "command": command if command is not None else " ".join(sys.argv),

@@ -39,7 +39,15 @@ def run_replay(
             raise KvsimError(f"{model.source}: the parameter count of {model.name} is unknown, and the replay's clock "
                              "needs its weight bytes (a workload has no --params): use a catalogue model, or for a "
                              "plain decoder give the config.json vocab_size and intermediate_size to count them from")
-        weights = weight_bytes(model)
+    tp, ep, tp_field, ep_field = _deployment(workload, options)
+    try:  # vLLM's rules for tp against the model's heads (split or replicated KV heads, MLA replicated)
+        bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype, tp=tp).bytes_per_token  # one rank's
+    except KvsimError as exc:
+        if exc.field != "--tp":
+            raise
+        message = str(exc).removeprefix("--tp: ").replace(f"--tp {tp} ", f"tp {tp} ")
+        raise KvsimError(message, source=None if tp_field == "--tp" else source, field=tp_field) from None
+    weights = weight_bytes(model, tp=tp)  # one rank's, as `kvsim size --tp` counts them
     if workload.max_model_len > model.max_model_len and model.attention_layers:
         # vLLM refuses it too (ModelConfig: "User-specified max_model_len ... is greater than the derived
         # max_model_len"): positions past the model's length are garbage, and the replay would size them anyway.
@@ -55,12 +63,12 @@ def run_replay(
         if usable <= weights:
             raise KvsimError(
                 f"{gpu.name}: {gpu.memory_bytes:,} B x {utilization:g} = {usable:,} B leaves no room for KV cache "
-                f"after {model.name}'s weights ({weights:,} B); raise it, or give kv_budget instead",
+                f"after {model.name}'s weights ({weights:,} B{f' per rank at tp {tp}' if tp > 1 else ''}); raise it, "
+                f"raise tp, or give kv_budget instead",
                 source=source,
                 field="gpu_memory_utilization",
             )
         budget = kv_budget_bytes(gpu.memory_bytes, utilization=utilization, weight_bytes=weights)
-    bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype).bytes_per_token
     for config in workload.allocators:  # a budget below one usable block would build an allocator with no slots
         unit_bytes = bytes_per_token * (config.block_size if config.kind == "paged" else 1)
         needed = 2 * unit_bytes if config.kind == "paged" else unit_bytes  # paged: block 0 is the null block
@@ -71,8 +79,9 @@ def run_replay(
                 source=source,
                 field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )
-    roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token)
-    clock, clock_note = _kernel_clock(model, gpu, options.timing, source, workload.kv_dtype)
+    with _workload_field(source, "hardware"):  # at tp > 1 the GPU's link to its peers
+        roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=bytes_per_token, tp=tp)
+    clock, clock_note = _kernel_clock(model, gpu, options.timing, source, workload.kv_dtype, tp, ep, ep_field)
     requests = generate_requests(workload)
     if not requests:
         raise KvsimError("the workload has no requests", source=source, field="requests")
@@ -105,7 +114,7 @@ def run_replay(
             note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
-    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock)
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
         pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
@@ -130,6 +139,8 @@ def run_replay(
         num_prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
         max_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
         clock=clock.label if clock is not None else ("roofline (kernels-db does not apply)" if clock_note else "roofline"),
+        tp=tp,
+        ep=ep,
     )
     configs = list(workload.allocators)
     if workers is None:
@@ -144,16 +155,33 @@ def run_replay(
     return result
 
 
-def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str):
+def _deployment(workload, options: ReplayOptions) -> tuple[int, int, str, str]:
+    """(tp, ep, and the field each came from): --tp/--ep override the workload's `deployment`."""
+    tp = options.tp if options.tp is not None else workload.deployment.tp
+    ep = options.ep if options.ep is not None else workload.deployment.ep
+    return tp, ep, "--tp" if options.tp is not None else "deployment.tp", "--ep" if options.ep is not None else "deployment.ep"
+
+
+def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str, tp: int = 1, ep: int = 1, ep_field: str = "deployment.ep"):
     """(the kernels-db clock or None, a note for the header): `kernels-db` fails with a one-line error naming
-    what the database lacks; `auto` falls back to the roofline and says why."""
+    what the database lacks; `auto` falls back to the roofline and says why. Expert parallelism (ep > 1) is
+    the database's alone: the roofline has no model of it, so there it is an error."""
+    ep_source = None if ep_field.startswith("--") else source  # --ep came from the command line, not the file
     if timing not in ("kernels-db", "auto"):
+        if ep > 1:
+            raise KvsimError(f"ep {ep} needs the kernels-db clock (--timing kernels-db): the roofline does not model "
+                             "expert parallelism", source=ep_source, field=ep_field)
         return None, None
     from kvsim.clock.kernels_db import kernel_clock
 
     try:
-        return kernel_clock(model, gpu, kv_dtype=kv_dtype), None
+        return kernel_clock(model, gpu, kv_dtype=kv_dtype, tp=tp, ep=ep), None
     except KvsimError as exc:
+        if exc.field == "ep":
+            raise KvsimError(str(exc).removeprefix("ep: "), source=ep_source, field=ep_field) from None
+        if timing == "auto" and ep > 1:
+            raise KvsimError(f"ep {ep} needs the kernels-db clock, which does not apply ({exc})", source=ep_source,
+                             field=ep_field) from None
         if timing == "auto":
             return None, f"roofline clock: the kernels-db clock does not apply ({exc})"
         if exc.field in ("model", "hardware", "kv_dtype"):

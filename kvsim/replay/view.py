@@ -175,6 +175,8 @@ def run_replay_cli(
     read_every: int | None = None,
     command: str | None = None,
     max_host_memory: str = "1GiB",
+    tp: int | None = None,
+    ep: int | None = None,
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 
@@ -188,7 +190,7 @@ def run_replay_cli(
     workload = load_workload(workload_path, trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
     max_host_bytes = parse_bytes(max_host_memory, field="--max-host-memory")
     options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity,
-                            read_every=read_every, max_host_bytes=max_host_bytes)  # fmt: skip
+                            read_every=read_every, max_host_bytes=max_host_bytes, tp=tp, ep=ep)  # fmt: skip
     ignored = options.ignored_without_tensors()
     if ignored:
         Console(stderr=True).print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
@@ -213,7 +215,8 @@ def run_replay_cli(
     if not quiet:
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
-            f"KV budget {format_bytes(result.budget_bytes)} (time-averaged % of it), scheduler: {SCHEDULER_FOLLOWS}, clock: {result.clock}"
+            f"{f'tp {result.tp}' + (f', ep {result.ep}' if result.ep > 1 else '') + ', ' if result.tp > 1 else ''}"
+            f"KV budget {format_bytes(result.budget_bytes)}{' per rank' if result.tp > 1 else ''} (time-averaged % of it), scheduler: {SCHEDULER_FOLLOWS}, clock: {result.clock}"
         )
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):

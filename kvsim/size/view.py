@@ -49,6 +49,9 @@ def show_size(
     address: str | None = None,
     as_json: bool = False,
     step_time: bool = False,
+    cpu_offload: str | None = None,
+    kv_offloading_size: str | None = None,
+    cpu_block_size: int | None = None,
 ) -> None:
     """Resolve the model and device, compute the size report, print it as tables or one JSON object."""
     from dataclasses import replace
@@ -96,6 +99,7 @@ def show_size(
             mamba_checkpoint_alignment=mamba_checkpoint_alignment,
         ),
     )
+    cpu = _cpu_tier(report, cpu_offload, kv_offloading_size, cpu_block_size)
     pool = offset = None
     if layout or address:
         from kvsim.size.layout import parse_address, pool_layout
@@ -112,6 +116,8 @@ def show_size(
             out.update({"pool_shape": list(pool.shape), "pool_strides": list(pool.strides), "pool_bytes": pool.total_bytes})
         if offset is not None:
             out.update({"address": address, "address_byte_offset": offset})
+        if cpu is not None:
+            out.update(cpu.as_json())
         print(json.dumps(out, indent=2))
         return
     console = Console()
@@ -120,6 +126,27 @@ def show_size(
         console.print(_step_time_line(spec, device if gpu else None, report, tp), highlight=False, soft_wrap=True)
     if pool is not None:
         _print_layout(console, pool, address, offset)
+    if cpu is not None:
+        from kvsim.size.view_cpu_offload import print_cpu_tier
+
+        print_cpu_tier(console, cpu)
+
+
+def _cpu_tier(report, cpu_offload: str | None, kv_offloading_size: str | None, cpu_block_size: int | None):
+    """The CPU tier of --cpu-offload / --kv-offloading-size (kvsim.size.cpu_offload), or None without one."""
+    from kvsim.size.cpu_offload import model_cpu_offload, parse_offloading_size
+    from kvsim.units import parse_bytes
+
+    if cpu_offload is not None and kv_offloading_size is not None:
+        raise KvsimError("give --cpu-offload or --kv-offloading-size, not both", field="--kv-offloading-size")
+    if cpu_offload is None and kv_offloading_size is None:
+        if cpu_block_size is not None:
+            raise KvsimError("a CPU block size needs a CPU tier: give --cpu-offload too", field="--cpu-block-size")
+        return None
+    if cpu_offload is not None:
+        return model_cpu_offload(report, parse_bytes(cpu_offload, field="--cpu-offload"), cpu_block_size=cpu_block_size)
+    size = parse_offloading_size(kv_offloading_size, field="--kv-offloading-size")
+    return model_cpu_offload(report, size, cpu_block_size=cpu_block_size, field="--kv-offloading-size")
 
 
 def _step_time_line(spec, gpu, report, tp: int) -> str:

@@ -25,7 +25,7 @@ from kvsim.workload.yaml_fields import Fields
 MAX_REQUESTS = 10_000_000
 MAX_PARALLEL_SAMPLES = 1024  # samples per prompt (vLLM has no bound of its own; this keeps a typo from exploding a stream)
 
-__all__ = ["SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
+__all__ = ["Deployment", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ class SchedulerConfig:
     swap_space_bytes: int = 4 * 2**30
     scheduler_reserve_full_isl: bool = True
     async_scheduling: bool = False
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How the engine sits on GPUs (vLLM's ParallelConfig): `tp` tensor-parallel ranks (the KV pool and
+    budget are one rank's), a MoE's experts over `ep` of them (1: split by tensor parallelism, vLLM's
+    default; `tp`: `--enable-expert-parallel` with one data-parallel rank)."""
+
+    tp: int = 1
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class Workload:
     path: Path
     sha256: str  # of the YAML file's bytes
     description: str = ""
+    deployment: Deployment = Deployment()
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
@@ -79,7 +90,7 @@ class Workload:
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
-                   "max_model_len", "requests", "allocators", "scheduler")  # fmt: skip
+                   "max_model_len", "requests", "allocators", "scheduler", "deployment")  # fmt: skip
 
 
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
@@ -122,7 +133,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise KvsimError(f"must be a whole number >= 1, got {limit!r}", field="--limit")
     model = f.str("model")
-    if model.endswith(".json"):  # a config.json path, relative to the YAML file
+    if model.endswith(".json") or (base_dir / model).exists():  # a path (config, checkpoint), relative to the YAML
         model = str((base_dir / model).resolve())
     kv_dtype = f.str("kv_dtype", "bf16").lower()
     dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
@@ -152,6 +163,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         path=path,
         sha256=sha256,
         description=f.str("description", ""),
+        deployment=_deployment(f.sub("deployment", None)),
     )
     f.done()
     if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
@@ -179,6 +191,18 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")
     f.done()
     return config
+
+
+def _deployment(f: Fields | None) -> Deployment:
+    """`deployment: {tp, ep}`; whether tp suits the model's heads is checked where the model is resolved."""
+    if f is None:
+        return Deployment()
+    deployment = Deployment(tp=f.int("tp", 1, min=1), ep=f.int("ep", 1, min=1))
+    if deployment.ep not in (1, deployment.tp):
+        raise f.error("ep", f"must be 1 or tp ({deployment.tp}): vLLM's expert parallelism spans every tensor-parallel "
+                            f"rank of the one data-parallel rank kvsim replays, got {deployment.ep}")
+    f.done()
+    return deployment
 
 
 def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | None) -> SyntheticRequests | TraceRequests:

@@ -69,3 +69,34 @@ def test_for_model_takes_the_catalogue_figures():
     assert r.num_params == model.num_params
     # One request decoding at 1000 tokens of context: weights + 1001 positions read + 1 written, at 3.35 TB/s.
     assert r.step_time(1, 1001, 1001) == pytest.approx((1_192_099_840 + 114_688 * 1002) / 3.35e12)
+
+
+def test_at_tp_a_rank_does_its_share_and_all_reduces_over_the_link():
+    """Llama-3.1-70B at tp 4 on H100: a quarter of the parameters and heads per rank, and 2 x 80 + 1 all-reduces
+    of each token's 8192 16-bit hidden states, 2 x 3/4 of them through each GPU's 450 GB/s NVLink direction."""
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+
+    model, gpu = resolve_model("llama-3.1-70b"), get_gpu("h100-80gb")
+    r = Roofline.for_model(model, gpu, weight_bytes=35e9, kv_bytes_per_token=80 * 2 * 2 * 128 * 2, tp=4)
+    assert r.num_params == pytest.approx(model.num_params / 4)
+    assert r.attn_flops_per_ctx == 4 * 80 * 16 * 128  # 64 query heads / 4 ranks
+    comm = 161 * 1.5 * 8192 * 2 / 450e9
+    assert r.comm_s_per_token == pytest.approx(comm)
+    one = Roofline.for_model(model, gpu, weight_bytes=35e9, kv_bytes_per_token=80 * 2 * 2 * 128 * 2)
+    assert one.comm_s_per_token == 0.0
+    # A step is the tp-1 formula on the rank's figures plus the all-reduce of its tokens.
+    assert r.step_time(512, 512 * 513 // 2, 0) == pytest.approx(
+        (2 * model.num_params / 4 * 512 + r.attn_flops_per_ctx * 512 * 513 // 2) / gpu.bf16_flops_per_s + comm * 512)
+
+
+@pytest.mark.parametrize("num_seqs,ctx_sum,steps", [(1, 10, 1), (8, 8000, 37), (200, 10**6, 300)])
+def test_at_tp_a_decode_run_is_still_the_sum_of_its_steps(num_seqs, ctx_sum, steps):
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hardware import get_gpu
+
+    r = Roofline.for_model(resolve_model("qwen3-32b"), get_gpu("l40s"), weight_bytes=8.2e9, kv_bytes_per_token=32_768, tp=8)
+    by_step = sum(
+        r.step_time(num_seqs, ctx_sum + num_seqs * (j + 1), ctx_sum + num_seqs * (j + 1)) for j in range(steps)
+    )
+    assert r.decode_run(num_seqs, ctx_sum, steps) == pytest.approx(by_step, rel=1e-9)

@@ -218,3 +218,45 @@ def test_a_gpu_name_that_fits_two_cards_is_an_error_listing_them(cli):
     assert get_gpu("A100_40GB").key == "a100-40gb" and get_gpu("h100").key == "h100-80gb"  # one card: fine
     result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "a100"])
     assert result.exit_code == 2 and result.stderr.strip() == "kvsim: error: --gpu: ambiguous GPU 'a100': say which of a100-40gb, a100-80gb"
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_no_catalogue_model_loses_its_vllm_groups(name):
+    """Every catalogue model vLLM serves reaches vLLM's arithmetic: groups form, and a mixed model gets the replay's
+    pool from them (`python3 -m kvsim.conformance.size_check` then compares each field with vLLM's own)."""
+    from kvsim.size.vllm import vllm_startup
+    from kvsim.size.vllm_layers import vllm_layers
+    from kvsim.size.vllm_pool import with_pool
+    from kvsim.size.vllm_settings import VllmSettings
+
+    model = resolve_model(name)
+    if model.vllm_unserved:
+        pytest.skip(model.vllm_unserved)
+    spec = kv_cache_spec(model)
+    budget = 2**44  # 16 TiB: room for every model at its full context
+    startup = vllm_startup(vllm_layers(model, spec), budget, model.max_model_len, spec.block_size)
+    assert startup is not None and startup.groups and startup.num_blocks > 0
+    assert sum(g.num_layers for g in startup.groups) >= len([layer for layer in model.layers if layer.kind.value != "none"])
+    if not spec.is_uniform:
+        assert with_pool(model, spec, budget, model.max_model_len, VllmSettings()).pool is not None
+
+
+def test_the_grown_catalogue_names_a_source_for_every_entry():
+    entries = [catalogue_entry(name) for name in model_names()]
+    assert len(entries) >= 141
+    assert all(e["config_source"].strip() and e["params_source"].strip() for e in entries)
+
+
+def test_kvsim_models_fits_80_columns_without_cutting_a_cell():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "kvsim", "models"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= len(model_names()) + 3
+    assert "…" not in proc.stdout and max(len(line) for line in lines) <= 80

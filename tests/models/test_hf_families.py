@@ -646,3 +646,73 @@ def test_dsa_mlp_and_indexer_rope_keys_are_not_layout(load):
     # these describe the MLP and the indexer's rope, not the cache
     cfg = {**DEEPSEEK_V32, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 58, "indexer_rope_interleave": True, "qk_head_dim": 192}
     assert kv_cache_spec(load(cfg)).bytes_per_token == 61 * (576 * 2 + 132)
+
+
+# --- Issue 21: keys that change nothing are not errors; class defaults are read -------------------------------------
+
+
+def test_falcon_h1_without_mamba_d_ssm_reads_the_config_class_default(load):
+    # FalconH1Config's default mamba_d_ssm is 1024 when config.json leaves the key out: 16 heads x 64 = 1024 agree
+    cfg = {k: v for k, v in FALCON_H1.items() if k != "mamba_d_ssm"}
+    spec = kv_cache_spec(load({**cfg, "mamba_n_heads": 16}))
+    assert spec.state_bytes_per_sequence == 36 * (3 * (1024 + 2 * 128) + 16 * 64 * 128) * 2
+
+
+def test_falcon_h1_null_mamba_d_ssm_is_expand_times_hidden(load):
+    # vLLM's falcon_h1.py: d_ssm = mamba_expand x hidden_size when mamba_d_ssm is None: 2 x 1024 = 32 heads x 64
+    spec = kv_cache_spec(load({**FALCON_H1, "mamba_d_ssm": None, "mamba_n_heads": 32}))
+    assert spec.state_bytes_per_sequence == 36 * (3 * (2048 + 2 * 128) + 32 * 64 * 128) * 2
+
+
+def test_falcon_h1_heads_that_contradict_the_ssm_width_are_refused(load):
+    cfg = {k: v for k, v in FALCON_H1.items() if k != "mamba_d_ssm"}  # default 1024, but 24 heads x 64 = 1536
+    with pytest.raises(KvsimError, match=r"24 x 64 = 1536 contradicts the SSM width 1024") as err:
+        load(cfg)
+    assert err.value.field == "mamba_d_ssm"
+
+
+def test_llama4_without_no_rope_layers_uses_the_transformers_default(load):
+    cfg = {"model_type": "llama4_text", "num_hidden_layers": 8, "hidden_size": 5120, "num_attention_heads": 40,
+           "num_key_value_heads": 8, "head_dim": 128, "attention_chunk_size": 8192, "max_position_embeddings": 10485760}
+    model = load(cfg)  # Llama4TextConfig: (i + 1) % 4 != 0 has RoPE (chunked); layers 3 and 7 are NoPE (full)
+    assert [layer.label for layer in model.layers] == ["chunked(8192)"] * 3 + ["full"] + ["chunked(8192)"] * 3 + ["full"]
+    model = load({**cfg, "no_rope_layer_interval": 2})
+    assert [layer.label for layer in model.layers] == ["chunked(8192)", "full"] * 4
+
+
+def test_gemma2_sliding_window_size_is_never_read(load):
+    cfg = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 2304, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192, "sliding_window": 4096}
+    assert load({**cfg, "sliding_window_size": 4096}).layers == load(cfg).layers
+    # vLLM's gemma2.py sizes the window from sliding_window alone, whatever sliding_window_size says
+    assert load({**cfg, "sliding_window_size": 2048}).layers[0].window == 4096
+
+
+def test_qwen_max_window_layers_with_sliding_windows_off_changes_nothing(load):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "max_position_embeddings": 32768, "sliding_window": 32768,
+           "use_sliding_window": False}
+    assert load({**cfg, "max_window_layers": 2}).layer_counts == {"full": 4}
+    assert load({**cfg, "max_window_layers": 2, "use_sliding_window": True}).layer_counts == {"full": 2, "sliding(32768)": 2}
+
+
+def test_a_key_vllm_reads_and_kvsim_does_not_is_still_refused(load):
+    # MiMo-V2's attention_chunk_size is inert, but on a Llama config it would be a chunked layout kvsim never read
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8,
+           "max_position_embeddings": 4096, "attention_chunk_size": 1024}
+    with pytest.raises(KvsimError, match="attention_chunk_size"):
+        load(cfg)
+
+
+def test_mamba_keys_beside_a_layer_list_of_attention_only_change_nothing(load):
+    # The dense Granite 4.0 models ship as granitemoehybrid with every layer_types entry "attention" and the mamba
+    # keys of the family still set: vLLM's granitemoehybrid.py builds a mamba mixer only on "mamba" layers.
+    cfg = {"model_type": "granitemoehybrid", "num_hidden_layers": 40, "hidden_size": 2560, "num_attention_heads": 40,
+           "num_key_value_heads": 8, "layer_types": ["attention"] * 40, "mamba_n_heads": 128, "mamba_d_head": 64,
+           "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
+           "max_position_embeddings": 131072}  # fmt: skip
+    spec = kv_cache_spec(load(cfg))
+    assert (spec.bytes_per_token, spec.state_bytes_per_sequence) == (40 * 8 * 64 * 4, 0)  # 2560 / 40 = 64
+    # without a layer list the same keys still mean an unknown hybrid layout: refused (test_hf_config.py)
+    with pytest.raises(KvsimError, match="mamba"):
+        load({k: v for k, v in cfg.items() if k != "layer_types"})

@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO
 from kvsim.engine.factory import AllocatorConfig
 from kvsim.errors import KvsimError
-from kvsim.workload.spec import SchedulerConfig, SyntheticRequests, TraceRequests, load_workload
+from kvsim.workload.spec import Deployment, SchedulerConfig, SyntheticRequests, TraceRequests, load_workload
 
 WORKLOADS = sorted((REPO / "workloads").glob("*.yaml"))
 
@@ -224,6 +224,10 @@ def test_trace_forms(tmp_path):
         ("requests", {"trace": "missing.csv"}, "requests.trace: trace file not found"),
         ("requests", {"trace": "missing.csv", "time_scale": 0}, "requests.time_scale: must be > 0"),
         ("typo_field", 1, "unknown field(s) typo_field"),
+        ("deployment", {"tp": 0}, "deployment.tp: must be >= 1"),
+        ("deployment", {"tp": 1.5}, "deployment.tp: must be a whole number"),
+        ("deployment", {"tp": 4, "ep": 2}, "deployment.ep: must be 1 or tp (4)"),
+        ("deployment", {"tp": 2, "pp": 2}, "deployment: unknown field(s) pp"),
     ],
 )
 def test_each_error_names_file_and_field(tmp_path, field, value, message):
@@ -354,3 +358,9 @@ def test_an_empty_workload_says_it_is_empty(tmp_path, text):
     path.write_text(text)
     with pytest.raises(KvsimError, match=r"empty\.yaml: the workload file is empty"):
         load_workload(path)
+
+
+def test_deployment_defaults_to_one_gpu_and_reads_tp_and_ep(tmp_path):
+    assert load_workload(write(tmp_path, BASE)).deployment == Deployment(tp=1, ep=1)
+    assert load_workload(write(tmp_path, with_change("deployment", {"tp": 4}))).deployment == Deployment(tp=4, ep=1)
+    assert load_workload(write(tmp_path, with_change("deployment", {"tp": 8, "ep": 8}))).deployment == Deployment(8, 8)

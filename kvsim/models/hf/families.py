@@ -26,7 +26,8 @@ _FAMILY_OF = {
     "deepseek_v32": "dsa", "glm_moe_dsa": "dsa",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
     "nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1", "zamba2": "zamba2",
-    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "rwkv": "rwkv",
+    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2",
+    "rwkv": "rwkv", "rwkv5": "rwkv", "rwkv6": "rwkv", "rwkv7": "rwkv",
 }  # fmt: skip
 
 # Families vLLM 0.33 does not serve at all: refused, whatever their keys say.
@@ -34,12 +35,20 @@ _REFUSED = {
     "minimax": "MiniMax-Text-01 / MiniMax-M1 (lightning attention): vLLM removed MiniMaxText01ForCausalLM in 0.23.0",
     "minimax_text_01": "MiniMax-Text-01 (lightning attention): vLLM removed MiniMaxText01ForCausalLM in 0.23.0",
     "minimax_m1": "MiniMax-M1 (lightning attention): vLLM removed MiniMaxM1ForCausalLM in 0.23.0",
+    "kimi_linear": "Kimi Linear / Kimi K3: the KDA layers' conv and recurrent state (vllm/models/kimi_k3, "
+                   "kda_state_shape) are not modelled by kvsim yet",
 }
 
 ATTENTION_FREE = frozenset({"mamba", "mamba2", "rwkv"})
 
 # Families kvsim sizes by their own layout although vLLM 0.33 does not serve them: no vLLM figures for them.
 VLLM_UNSERVED = {"rwkv": "no RWKV architecture in its model registry"}
+
+
+# The keys of a state layer's shape (kvsim.models.hf.state.state_layer), inert where no layer is a state layer.
+_STATE_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+               "mamba_d_conv", "mamba_expand", "mamba_d_ssm")  # fmt: skip
 
 
 def family_of(cfg: Config) -> str:
@@ -71,6 +80,10 @@ def generic(
     kinds = layer_kinds(cfg, num_layers, extra)
     attention = attention_layer(cfg, hidden_size, num_heads, indexer=indexer)
     state = state_layer(cfg, hidden_size, ssm) if LayerKind.LINEAR_STATE in kinds else None
+    if state is None and cfg.get("layer_types", default=None) is not None:
+        # An explicit layer list without a state layer (the dense Granite 4.0 models: granitemoehybrid, every layer
+        # "attention"): vLLM builds a mixer only where the list says so, so the mixer's keys change nothing.
+        cfg.consult(*_STATE_KEYS)
     if LayerKind.SLIDING in kinds:
         window = cfg.get_int("sliding_window")
     layers = []
@@ -116,15 +129,26 @@ def _deci(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> lis
     return layers
 
 
+# transformers' Llama4TextConfig: without no_rope_layers, every no_rope_layer_interval-th layer is NoPE.
+_LLAMA4_NO_ROPE_INTERVAL = 4
+
+
 def _llama4(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """Llama 4 (vLLM llama4.py): layers with RoPE (no_rope_layers[i] != 0) use chunked local attention over
-    attention_chunk_size tokens; NoPE layers attend globally. Newer exports say `layer_types: chunked_attention`."""
+    attention_chunk_size tokens; NoPE layers attend globally. Newer exports say `layer_types: chunked_attention`.
+
+    Shipped configs (Scout, Maverick) leave no_rope_layers out: transformers' Llama4TextConfig then builds it as
+    `(i + 1) % no_rope_layer_interval != 0` (interval 4 by default), and vLLM reads that list."""
     chunk = cfg.get_int("attention_chunk_size", default=None)
     if chunk is None:  # no chunking: every layer is plain attention
+        cfg.consult("no_rope_layers", "no_rope_layer_interval")
         return generic(cfg, hidden_size, num_heads, num_layers)
     if cfg.get("layer_types", default=None) is not None:
         return generic(cfg, hidden_size, num_heads, num_layers, extra={"chunked_attention": LayerKind.CHUNKED}, window=chunk)
-    rope = cfg.get("no_rope_layers")
+    rope = cfg.get("no_rope_layers", default=None)
+    if not rope:  # None or []: the config class's default list
+        interval = cfg.get_int("no_rope_layer_interval", default=_LLAMA4_NO_ROPE_INTERVAL)
+        rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if not isinstance(rope, list) or len(rope) != num_layers:
         raise KvsimError(f"expected a list of {num_layers} 0/1 flags", source=cfg.source, field="no_rope_layers")
     attention = attention_layer(cfg, hidden_size, num_heads)

@@ -45,13 +45,35 @@ def _nemotron_h(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) 
     return [mamba if c == "M" else attention if c == "*" else none for c in pattern]
 
 
+# transformers' FalconH1Config class default for a config.json without the key (an explicit null means
+# mamba_expand x hidden_size instead).
+_FALCON_H1_D_SSM = 1024
+
+
 def _falcon_h1(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """Falcon-H1 (vLLM falcon_h1.py): every layer runs attention and a mamba-2 mixer side by side, so each
-    keeps KV and a state; intermediate is mamba_d_ssm, else mamba_expand x hidden_size."""
+    keeps KV and a state. The mixer's width d_ssm is vLLM's: mamba_d_ssm, or mamba_expand x hidden_size when it
+    is null; a config.json without the key gets FalconH1Config's default 1024. The heads must span that width
+    (mamba_n_heads x mamba_d_head == d_ssm, as FalconH1Config validates): otherwise the config is refused."""
     attention = attention_layer(cfg, hidden_size, num_heads)
-    intermediate, heads = mamba_intermediate(cfg, hidden_size), cfg.get_int("mamba_n_heads")
+    if "mamba_d_ssm" in cfg.data:
+        intermediate = mamba_intermediate(cfg, hidden_size)
+    else:
+        cfg.consult("mamba_expand")
+        intermediate = _FALCON_H1_D_SSM
+    heads = cfg.get_int("mamba_n_heads")
     # transformers' FalconH1Config: mamba_d_head "auto" is the mixer width over its heads
     head_dim = intermediate // heads if cfg.get("mamba_d_head") == "auto" else cfg.get_int("mamba_d_head")
+    if heads * head_dim != intermediate:
+        given = "mamba_d_ssm" if cfg.data.get("mamba_d_ssm") else (
+            "mamba_expand x hidden_size (mamba_d_ssm null)" if "mamba_d_ssm" in cfg.data else "FalconH1Config's default mamba_d_ssm")
+        raise KvsimError(
+            f"mamba_n_heads x mamba_d_head = {heads} x {head_dim} = {heads * head_dim} contradicts the SSM width "
+            f"{intermediate} ({given}); transformers' FalconH1Config rejects such a config and vLLM's mixer would not "
+            "load it, so no size would be right",
+            source=cfg.source,
+            field="mamba_d_ssm",
+        )
     mamba = mamba2(
         intermediate=intermediate,
         n_groups=cfg.get_int("mamba_n_groups", default=1),
@@ -114,7 +136,18 @@ def _mamba2(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> l
 
 def _rwkv(cfg: Config, hidden_size: int, num_heads: int, num_layers: int) -> list[LayerSpec]:
     """RWKV-4 (transformers RwkvModel; vLLM 0.33 does not serve RWKV): five hidden_size vectors a layer, the
-    attention's numerator, denominator and max in float32, the two shifted inputs in the model's dtype."""
+    attention's numerator, denominator and max in float32, the two shifted inputs in the model's dtype.
+
+    RWKV-5/6/7 (`rwkv5`, `rwkv6`, `rwkv7`) keep a matrix state per head instead (head_size x head_size): read by
+    this reader, and refused by name rather than sized as RWKV-4."""
+    model_type = str(cfg.get("model_type", default="rwkv")).lower()
+    if model_type != "rwkv":
+        raise KvsimError(
+            f"not modelled: {model_type} keeps a head_size x head_size matrix state per head, which kvsim does not "
+            "size (only RWKV-4, model_type 'rwkv'); vLLM 0.33 serves no RWKV model",
+            source=cfg.source,
+            field="model_type",
+        )
     return [state(2 * hidden_size, 3 * hidden_size, "fp32")] * num_layers
 
 

@@ -17,7 +17,7 @@ from kvsim.models.hf.fields import Config, class_defaults
 LAYOUT_KEY = re.compile(
     r"layer_types|layer_type|_pattern|block_config|block_type|layer_ids|layer_indices|attn_layer|attn_type|"
     r"head_dim|key_value_heads|kv_heads|heads_in_group|kv_lora|kv_shared|shared_kv|window|attention_chunk|"
-    r"chunked|^index_|^indexer_|mamba|ssm|linear_|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
+    r"chunked|^index_|^indexer_|mamba|ssm|^linear_|linear_attn|swa_|state_size|conv_kernel|d_state|no_rope_layers|attention_interval|"
     r"lightning|kv_channels|multi_query|^use_cla|cla_share|cross_attention_layers|per_layer_config"
 )
 
@@ -45,11 +45,22 @@ _NEUTRAL = frozenset({
     "index_share_for_mtp_iteration",
 })  # fmt: skip
 
+# Keys that look like layout but that vLLM 0.33's model file for this model_type never reads: inert whatever
+# their value, so never an error. gemma2.py sizes its window from sliding_window (real Gemma 2 configs repeat it
+# as sliding_window_size); mimo_v2.py reads sliding_window_size, never attention_chunk_size; minimax_m2.py builds
+# full attention on every layer and never reads attn_type_list.
+VLLM_IGNORED: dict[str, frozenset[str]] = {
+    "gemma2": frozenset({"sliding_window_size"}),
+    "mimo_v2_flash": frozenset({"attention_chunk_size"}),
+    "mimo_v2": frozenset({"attention_chunk_size"}),
+    "minimax_m2": frozenset({"attn_type_list"}),
+}
+
 # Family (as kvsim.models.hf.families names it) -> the layout keys its reader reads beyond the generic ones.
 FAMILY_KEYS: dict[str, frozenset[str]] = {
     "generic": frozenset(),
     "deci": frozenset({"block_configs"}),
-    "llama4": frozenset({"attention_chunk_size", "no_rope_layers"}),
+    "llama4": frozenset({"attention_chunk_size", "no_rope_layers", "no_rope_layer_interval"}),
     "gemma4": frozenset({"global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "num_kv_shared_layers"}),
     "gemma3n": frozenset({"num_kv_shared_layers"}),
     "mimo_v2": frozenset({"hybrid_layer_pattern", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "sliding_window_size"}),
@@ -73,10 +84,12 @@ def _is_set(value: object) -> bool:
 def _layout_keys_set(cfg: Config) -> list[str]:
     """The config's own (not class-default) keys that look like layout and are set, in name order."""
     defaults = class_defaults(cfg.data)
+    ignored = VLLM_IGNORED.get(_model_type(cfg).lower(), frozenset())
     return sorted(
         key
         for key, value in cfg.data.items()
-        if LAYOUT_KEY.search(key) and key not in _NEUTRAL and _is_set(value) and not (key in defaults and value == defaults[key])
+        if LAYOUT_KEY.search(key) and key not in _NEUTRAL | ignored and _is_set(value)
+        and not (key in defaults and value == defaults[key])
     )
 
 

@@ -56,6 +56,9 @@ def layer_kinds(cfg: Config, num_layers: int, extra: dict[str, LayerKind] | None
         return [LayerKind.FULL if i % period == offset else LayerKind.LINEAR_STATE for i in range(num_layers)]
     window = cfg.get("sliding_window", default=None)
     if window is None or cfg.get("use_sliding_window", default=True) is False:  # Qwen: False unless set
+        # Qwen2/2.5/3 ship max_window_layers beside use_sliding_window false: it then changes nothing
+        # (transformers' Qwen2Config drops the window, so vLLM's qwen2.py sees full attention on every layer).
+        cfg.consult("max_window_layers")
         return [LayerKind.FULL] * num_layers
     model_type = str(cfg.get("model_type", default="")).lower()
     pattern = cfg.get_int("sliding_window_pattern", default=None) or _FAMILY_PATTERN.get(model_type)

@@ -1,0 +1,45 @@
+"""The GPU-to-GPU link of each catalogue GPU (kvsim/models/data/interconnect.yaml): one direction's bandwidth,
+sourced, for the roofline's tensor-parallel all-reduce."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+from kvsim.errors import KvsimError
+
+INTERCONNECT_FILE = "kvsim/models/data/interconnect.yaml"
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A GPU's link to its peers: `bandwidth_bytes_per_s` in one direction (NCCL's bus bandwidth peak)."""
+
+    link: str
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+@functools.lru_cache(maxsize=1)
+def interconnects() -> dict[str, Interconnect]:
+    """Every entry of the file, by GPU key (hardware.yaml's keys)."""
+    import yaml
+
+    text = resources.files("kvsim.models").joinpath("data/interconnect.yaml").read_text()
+    raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    table = {}
+    for key, entry in raw.items():
+        bandwidth = float(entry["bandwidth_bytes_per_s"])
+        assert bandwidth > 0, (INTERCONNECT_FILE, key)
+        table[key] = Interconnect(entry["link"], bandwidth, entry["source"])
+    return table
+
+
+def get_interconnect(gpu) -> Interconnect:
+    """The link of a catalogue `GPUSpec`, or a KvsimError naming the GPU (tensor parallelism needs one)."""
+    found = interconnects().get(gpu.key)
+    if found is None:
+        raise KvsimError(f"{gpu.name}: no GPU-to-GPU link bandwidth in {INTERCONNECT_FILE}, which the roofline's "
+                         "all-reduce at tp > 1 needs", field="hardware")
+    return found
