@@ -114,7 +114,10 @@ def run_replay(
             note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
-    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp)
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp,
+                        offload=workload.offload, gpu=gpu, source=source)
+    if workload.offload is not None:
+        _check_offload(workload, ctx, options)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
         pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
@@ -187,6 +190,25 @@ def _kernel_clock(model, gpu, timing: str, source: str, kv_dtype: str, tp: int =
         if exc.field in ("model", "hardware", "kv_dtype"):
             raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
         raise
+
+
+def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None:
+    """The CPU tier, refused before anything runs: beyond --max-host-memory with cache tensors (its host pool
+    would be allocated), or on a model or allocator it cannot serve (one line naming the file and `offload`)."""
+    from kvsim.engine.factory import make_allocator
+    from kvsim.replay.loop import connector_settings
+    from kvsim.replay.sched.offloading_connector import connector_for_replay
+
+    cpu_bytes = workload.offload.cpu_bytes
+    if options.tensors and cpu_bytes > options.max_host_bytes:
+        raise KvsimError(f"the CPU tier's {cpu_bytes:,} B exceed the host memory a replay may take "
+                         f"({options.max_host_bytes:,} B): raise --max-host-memory or replay with --no-tensors",
+                         field="--max-host-memory")
+    for config in workload.allocators:
+        spec = ctx.spec(config.block_size)
+        allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
+        connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx), ctx.tp,
+                             ctx.gpu, ctx.source)
 
 
 def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:

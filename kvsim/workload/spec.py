@@ -25,7 +25,7 @@ from kvsim.workload.yaml_fields import Fields
 MAX_REQUESTS = 10_000_000
 MAX_PARALLEL_SAMPLES = 1024  # samples per prompt (vLLM has no bound of its own; this keeps a typo from exploding a stream)
 
-__all__ = ["Deployment", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
+__all__ = ["Deployment", "OffloadConfig", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,20 @@ class Deployment:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """The CPU KV tier (vLLM's `--kv-offloading-size` and `kv_connector_extra_config`): `cpu_bytes` of host memory
+    for the whole engine, the manager's eviction `policy` (lru or arc), the connector's `block_size` (tokens per
+    CPU chunk, a multiple of the GPU block; None: one GPU block), and `store_threshold` (>= 2: store a chunk only
+    once it was offered that many times, over `max_tracker_size` tracked keys)."""
+
+    cpu_bytes: int
+    policy: str = "lru"
+    block_size: int | None = None
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+
+
+@dataclass(frozen=True)
 class Workload:
     """One replay: a model and KV budget, a request stream, and the allocators that compete for it.
 
@@ -83,6 +97,7 @@ class Workload:
     sha256: str  # of the YAML file's bytes
     description: str = ""
     deployment: Deployment = Deployment()
+    offload: OffloadConfig | None = None  # the CPU KV tier under every (paged) allocator; None: no tier
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
@@ -90,7 +105,7 @@ class Workload:
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
-                   "max_model_len", "requests", "allocators", "scheduler", "deployment")  # fmt: skip
+                   "max_model_len", "requests", "allocators", "scheduler", "deployment", "offload")  # fmt: skip
 
 
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None) -> Workload:
@@ -164,6 +179,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         sha256=sha256,
         description=f.str("description", ""),
         deployment=_deployment(f.sub("deployment", None)),
+        offload=_offload(f.sub("offload", None), allocators, source),
     )
     f.done()
     if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
@@ -190,6 +206,25 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
     if config.watermark >= 1:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")
     f.done()
+    return config
+
+
+def _offload(f: Fields | None, allocators: tuple[AllocatorConfig, ...], source: str) -> OffloadConfig | None:
+    """`offload:`, refused where the tier cannot sit: under a flat allocator (vLLM's connector moves blocks)."""
+    if f is None:
+        return None
+    config = OffloadConfig(
+        cpu_bytes=f.bytes("cpu_bytes"),
+        policy=f.choice("policy", ("lru", "arc"), "lru"),
+        block_size=f.int("block_size", None, min=1),
+        store_threshold=f.int("store_threshold", 0, min=0),
+        max_tracker_size=f.int("max_tracker_size", 64_000, min=1),
+    )
+    f.done()
+    flat = [a.label for a in allocators if a.kind != "paged"]
+    if flat:
+        raise KvsimError(f"the CPU tier moves KV blocks and needs paged allocators; {', '.join(flat)} is flat",
+                         source=source, field="offload")
     return config
 
 
