@@ -185,6 +185,7 @@ def replay(
     max_host_memory: Annotated[str, typer.Option("--max-host-memory", help="Largest CPU cache pool to allocate (per allocator); a bigger one is refused before the replay runs.")] = "1GiB",
     tp: Annotated[Optional[int], typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks (overrides the workload's deployment.tp): the KV pool and budget are one rank's, the clock prices the step with its all-reduces.", show_default=False)] = None,
     ep: Annotated[Optional[int], typer.Option("--ep", help="MoE experts over this many ranks: 1 or tp (vLLM's --enable-expert-parallel; overrides deployment.ep; kernels-db clock only).", show_default=False)] = None,
+    cpu_offload: Annotated[Optional[str], typer.Option("--cpu-offload", help="CPU KV tier of this size under every allocator (e.g. 64GiB; 0: none), overriding the workload's offload.cpu_bytes (its policy kept, else lru).", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
@@ -195,7 +196,7 @@ def replay(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
-        tp=tp, ep=ep,
+        tp=tp, ep=ep, cpu_offload=cpu_offload,
     )
 
 

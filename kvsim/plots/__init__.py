@@ -25,7 +25,7 @@ def _stderr(message: str) -> None:
 
 
 def _replay_charts():
-    from kvsim.plots import latency, timeline, waste
+    from kvsim.plots import latency, prefill_sources, timeline, waste
 
     return (
         ("waste-curves", waste.waste_curves),
@@ -33,6 +33,7 @@ def _replay_charts():
         ("block-sizes", waste.block_sizes),
         ("timeline", timeline.timeline),
         ("latency", latency.latency),
+        ("prefill-sources", prefill_sources.prefill_sources),  # with a CPU tier only (its step columns)
     )
 
 

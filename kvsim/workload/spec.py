@@ -228,6 +228,21 @@ def _offload(f: Fields | None, allocators: tuple[AllocatorConfig, ...], source: 
     return config
 
 
+def with_cpu_offload(workload: Workload, size: str) -> Workload:
+    """`kvsim replay --cpu-offload SIZE`: the workload with a CPU tier of SIZE (its policy kept, else lru); 0: none."""
+    from kvsim.units import parse_bytes
+
+    cpu_bytes = parse_bytes(size, field="--cpu-offload", allow_zero=True)
+    if cpu_bytes == 0:
+        return replace(workload, offload=None)
+    flat = [a.label for a in workload.allocators if a.kind != "paged"]
+    if flat:
+        raise KvsimError(f"the CPU tier moves KV blocks and needs paged allocators; {', '.join(flat)} is flat",
+                         field="--cpu-offload")
+    offload = workload.offload or OffloadConfig(cpu_bytes)
+    return replace(workload, offload=replace(offload, cpu_bytes=cpu_bytes))
+
+
 def _deployment(f: Fields | None) -> Deployment:
     """`deployment: {tp, ep}`; whether tp suits the model's heads is checked where the model is resolved."""
     if f is None:
