@@ -55,6 +55,8 @@ def plot_report(report: Report, fmt: str = "png", *, note: Note = _stderr) -> li
     fmt = check_format(fmt)
     if report.is_replay:
         charts = _replay_charts()
+        if report.steps is None or "cpu_hit_tokens" not in report.steps.columns:  # no CPU tier: no chart, no note
+            charts = tuple(chart for chart in charts if chart[0] != "prefill-sources")
     elif report.bench:
         charts = _bench_charts(report)
     else:

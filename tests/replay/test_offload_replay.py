@@ -174,3 +174,19 @@ def test_a_cli_offload_error_is_one_line_and_exit_2(cli, tmp_path):
     result = cli(["replay", str(path), "--no-tensors", "-q", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2
     assert "offload.policy" in result.output and "Traceback" not in result.output
+
+
+def test_the_prefill_sources_chart_is_drawn_with_a_tier(tmp_path):
+    from kvsim.plots import plot_report
+    from kvsim.plots.report import load_report
+    from kvsim.replay.reports import write_reports
+
+    result = run_replay(load_workload(write(tmp_path, same_prompt_twice(10_000))), ReplayOptions(tensors=False), workers=1)
+    out = tmp_path / "report"
+    write_reports(result, out)
+    paths = plot_report(load_report(out), "png", note=lambda _: None)
+    assert "prefill-sources.png" in [p.name for p in paths]
+    import pandas as pd
+
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert steps["cpu_hit_tokens"].sum() == 512 and steps["gpu_hit_tokens"].sum() == 0
