@@ -54,7 +54,7 @@ def test_admission_counts_revived_hits_but_not_the_hit_blocks_before_the_window(
     alloc = HybridPagedAllocator(SPEC, 17 * 64, max_model_len=64, enable_prefix_caching=True, watermark=0.36)
     run_and_free(alloc, seq(0, ids))  # alone: no watermark
     coordinator = alloc.coordinator
-    hit_blocks, hit = alloc.prefix.find_longest_cache_hit(block_hashes(ids, 20, 4), 19)
+    hit_blocks, hit = alloc.coordinator.find_longest_cache_hit(block_hashes(ids, 20, 4), 19)
     assert hit == 16 and [len(b) for b in hit_blocks] == [4, 4, 4]
     # per sliding group: 5 blocks - max(2 skipped, 4 hit) = 1 new + 2 revived; full: 1 new + 4 revived
     assert coordinator.get_num_blocks_to_allocate(coordinator.new_tables(), 20, False, hit_blocks, hit) == 11

@@ -1,5 +1,7 @@
 """The KV cache groups of a mixed model over one pool, as vLLM 0.33.0's `HybridKVCacheCoordinator` (prefix
-caching on or off): one manager and one block table per group, one shared free-block count."""
+caching on or off): one manager and one block table per group, one shared free-block count, and prefix caching
+across the groups (cache keys per group, a right-to-left hit search for sliding-window groups, and the fixed
+point that reconciles the groups)."""
 
 from __future__ import annotations
 
@@ -7,17 +9,31 @@ from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import PoolSpec
 from kvsim.engine.paged.single_type_kv_cache_manager import SingleTypeManager, make_manager
 
+# the kinds whose groups share prefixes here; vLLM's `FullAttentionSpec` family first (MLA is one)
+FULL_KINDS = ("full", "mla")
+CACHEABLE_KINDS = FULL_KINDS + ("sliding",)
+
 
 class HybridCoordinator:
     """One manager per group, asked in group order (`KVCacheCoordinator`).
 
     A request's blocks are `tables[g]` for group g; the coordinator never pools them per group: every
     group takes its blocks from, and returns them to, the same `BlockPool`.
+
+    With prefix caching a block is cached under (block hash, group id), vLLM's `BlockHashWithGroupId`: the same
+    prefix has one block per group, and a hit needs every group of a kind to hold it. Groups of one kind and
+    window are looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
     def __init__(self, pool_spec: PoolSpec, pool: BlockPool):
         self.pool = pool
         self.managers: list[SingleTypeManager] = [make_manager(g, pool) for g in pool_spec.groups]
+        self.groups = groups = pool_spec.groups
+        kinds: dict[tuple, list[int]] = {}
+        for g, group in enumerate(groups):
+            kinds.setdefault((group.kind in FULL_KINDS, group.kind, group.window, group.block_size), []).append(g)
+        # full attention first (a stable sort, as vLLM's), then the other kinds in group order
+        self.spec_groups = sorted(kinds.items(), key=lambda kv: not kv[0][0])
 
     def new_tables(self) -> list[list[Block]]:
         return [[] for _ in self.managers]
@@ -56,3 +72,101 @@ class HybridCoordinator:
         """Every group's blocks back to the pool, group by group, each tail first (`KVCacheCoordinator.free`)."""
         for manager, table in zip(self.managers, tables):
             manager.free(table)
+
+    # --- prefix caching across the groups ---------------------------------------------------------------
+
+    def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[Block]], int]:
+        """Each group's hit blocks and the hit length in tokens (`HybridKVCacheCoordinator.find_longest_cache_hit`).
+
+        A fixed point: each kind accepts the candidate length or shortens it, until no kind shortens it.
+        Full attention is downward closed, so it is looked up once and later only trimmed; with one full
+        kind and one other kind, one pass suffices (vLLM stops there). Full groups are then truncated to the
+        result. A sliding group's hit keeps null blocks before its run of cached blocks.
+        """
+        hit_blocks: list[list[Block] | None] = [None] * len(self.groups)
+        hit_by_group = [0] * len(self.groups)
+        simple = len(self.spec_groups) == 2 and self.spec_groups[0][0][0]
+        hit_length = max_length
+        while True:
+            curr = hit_length
+            for (is_full, kind, window, bs), ids in self.spec_groups:
+                if is_full and hit_blocks[ids[0]] is not None:
+                    curr = min(curr, hit_by_group[ids[0]])
+                    continue
+                if is_full:
+                    blocks, curr = self._full_hit(hashes, curr, ids, bs)
+                else:
+                    blocks, curr = self._sliding_hit(hashes, curr, ids, bs, window)
+                for g, b in zip(ids, blocks):
+                    hit_blocks[g], hit_by_group[g] = b, curr
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        for (is_full, _, _, bs), ids in self.spec_groups:
+            if is_full:
+                for g in ids:
+                    del hit_blocks[g][-(-hit_length // bs):]
+        return [b if b is not None else [] for b in hit_blocks], hit_length
+
+    def _get(self, block_hash: int, ids: list[int]) -> list[Block] | None:
+        """The cached block of each group in `ids` for `block_hash`, or None if any group misses."""
+        get = self.pool.get_cached_block
+        out = []
+        for g in ids:
+            block = get((block_hash, g))
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    def _full_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[Block]], int]:
+        """Leading cached blocks, left to right until the first miss (`FullAttentionManager`)."""
+        blocks: list[list[Block]] = [[] for _ in ids]
+        for h in hashes[: max_length // bs]:
+            cached = self._get(h, ids)
+            if cached is None:
+                break
+            for out, b in zip(blocks, cached):
+                out.append(b)
+        return blocks, len(blocks[0]) * bs
+
+    def _sliding_hit(
+        self, hashes: list[int], max_length: int, ids: list[int], bs: int, window: int
+    ) -> tuple[list[list[Block]], int]:
+        """From the right, the first run of `cdiv(window - 1, bs)` cached blocks; the blocks before it are null
+        blocks (`SlidingWindowManager.find_longest_cache_hit`). Without such a run, the leading cached blocks
+        from the start of the prompt, if that is where the run touches."""
+        need = -(-(window - 1) // bs)
+        n = max_length // bs
+        null = self.pool.null_block
+        blocks: list[list[Block]] = [[null] * n for _ in ids]
+        run = 0
+        for i in range(n - 1, -1, -1):
+            cached = self._get(hashes[i], ids)
+            if cached is None:
+                run = 0
+                continue
+            for out, b in zip(blocks, cached):
+                out[i] = b
+            run += 1
+            if run >= need:
+                for out in blocks:
+                    del out[i + run :]
+                return blocks, (i + run) * bs
+        for out in blocks:
+            del out[run:]
+        return blocks, run * bs
+
+    def cache_blocks(self, tables: list[list[Block]], hashes: list[int], start: int, end: int) -> None:
+        """Cache blocks [start, end) of every group under (hash, group id), skipping null blocks and hit blocks
+        (`cache_full_blocks`); a block that repeats a cached prefix joins its key. A sliding group's blocks
+        are cached before they leave the window."""
+        pool, null = self.pool, self.pool.null_block
+        for g, table in enumerate(tables):
+            if self.groups[g].kind not in CACHEABLE_KINDS:
+                continue
+            for block, h in zip(table[start:end], hashes[start:end]):
+                if block is not null and block.block_hash is None:
+                    pool.cache_full_block(block, (h, g))

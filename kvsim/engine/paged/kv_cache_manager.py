@@ -11,9 +11,8 @@ from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import num_gpu_blocks
-from kvsim.engine.paged.kv_cache_coordinator import HybridCoordinator
+from kvsim.engine.paged.kv_cache_coordinator import CACHEABLE_KINDS, HybridCoordinator
 from kvsim.engine.paged.kv_cache_utils import block_hashes
-from kvsim.engine.paged.prefix_cache import CACHEABLE_KINDS, HybridPrefixCache
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
@@ -48,7 +47,7 @@ class HybridPagedAllocator(KVAllocator):
     (computed less `num_in_flight_tokens`: with async scheduling a step in flight still reads them); then each group grows
     to `cdiv(num_tokens, its block_size)` blocks. Slots and `block_table` follow the first layer kind of the model that keeps tokens.
     Prefix caching (full-attention and sliding-window groups) caches each group's full blocks under (hash, group id)
-    and admits a hit the groups agree on (`prefix_cache`).
+    and admits a hit the groups agree on (the coordinator's `find_longest_cache_hit`).
     """
 
     paged = True
@@ -89,7 +88,6 @@ class HybridPagedAllocator(KVAllocator):
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.coordinator = HybridCoordinator(pool_spec, self.pool)
-        self.prefix = HybridPrefixCache(self.groups, self.pool) if enable_prefix_caching else None
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
@@ -126,10 +124,10 @@ class HybridPagedAllocator(KVAllocator):
         coordinator, free = self.coordinator, self.pool.num_free_blocks
         tables = coordinator.new_tables()
         hashes, hit_blocks, hit, query = None, None, 0, 0
-        if self.prefix is not None and seq.token_ids is not None:
+        if self.enable_prefix_caching and seq.token_ids is not None:
             hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks, hit = self.prefix.find_longest_cache_hit(hashes, query - 1)
+            hit_blocks, hit = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         if full_sequence_must_fit:
             full = min(num_tokens, self.max_model_len)
@@ -317,7 +315,7 @@ class HybridPagedAllocator(KVAllocator):
         end = min(total, seq.num_final_tokens, seq.num_final_tokens if known is None else known) // self.block_size
         end = min(end, len(req.hashes))
         if end > req.num_cached:
-            self.prefix.cache_blocks(req.tables, req.hashes, req.num_cached, end)
+            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end)
             req.num_cached = end
 
     def _refresh(self, req: HybridRequest, computed: int) -> None:
