@@ -190,3 +190,22 @@ def test_the_prefill_sources_chart_is_drawn_with_a_tier(tmp_path):
 
     steps = pd.read_parquet(out / "steps.parquet")
     assert steps["cpu_hit_tokens"].sum() == 512 and steps["gpu_hit_tokens"].sum() == 0
+
+
+def test_a_tier_that_never_hits_changes_nothing_on_the_gpu(tmp_path):
+    # Distinct prompts (one hash id each) and no preemption: every lookup misses and every store goes to the host
+    # link beside compute, so admissions, steps and latencies are the replay's without a tier.
+    rows = []
+    for i in range(30):
+        length = 300 + 37 * i
+        rows.append({"timestamp": 40 * i, "input_length": length, "output_length": 20 + i,
+                     "hash_ids": [100 * i + k for k in range(-(-length // 512))]})
+    path = write(tmp_path, rows, allocator="{kind: paged, block_size: 16, prefix_caching: true}")
+    (with_tier,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    path.write_text(path.read_text().replace("offload: {cpu_bytes: 1GiB, policy: lru}", ""))
+    (without,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert with_tier.offload["cpu_hit_tokens"] == 0 and with_tier.offload["cpu_stored_bytes"] > 0
+    assert without.offload is None
+    for name in ("admitted_s", "first_token_s", "finished_s"):
+        np.testing.assert_allclose(getattr(with_tier, name), getattr(without, name), rtol=1e-9, err_msg=name)
+    assert with_tier.steps["num_prefill_tokens"].sum() == without.steps["num_prefill_tokens"].sum()
