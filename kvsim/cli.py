@@ -254,6 +254,7 @@ def replay(
     prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching", help="Prefix caching on (or off) for every paged allocator.", show_default=False)] = None,
     replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines of tp GPUs each behind a router, on one clock (overrides deployment.replicas; accounting only).", show_default=False)] = None,
     router: Annotated[Optional[str], typer.Option("--router", help="Router policy: random, round-robin, least-loaded, prefix-approx or prefix-precise (overrides router.policy).", show_default=False)] = None,
+    cpu_offload: Annotated[Optional[str], typer.Option("--cpu-offload", help="CPU KV tier of this size under every allocator (e.g. 64GiB; 0: none), overriding the workload's offload.cpu_bytes (its policy kept, else lru).", show_default=False)] = None,
 ) -> None:
     """Replay a workload through every allocator it names, on a simulated clock; write reports/<name>/."""
     from pathlib import Path
@@ -283,7 +284,7 @@ def replay(
         Path(workload), out=out_option(out), device=device, tensors=not no_tensors, seed=seed, limit=limit,
         quiet=quiet, json_out=json_out, timing=timing, trace=Path(trace) if trace else None, csv=csv, layers=layers,
         integrity=integrity, read_every=read_every, command=" ".join(["kvsim", *sys.argv[1:]]), max_host_memory=max_host_memory,
-        tp=tp, ep=ep,
+        tp=tp, ep=ep, cpu_offload=cpu_offload,
         overrides=overrides,
     )
 

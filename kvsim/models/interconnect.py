@@ -19,6 +19,9 @@ class Interconnect:
     link: str
     bandwidth_bytes_per_s: float
     source: str
+    host_link: str | None = None  # the GPU's link to host memory (a CPU KV tier's loads and stores), if known
+    host_bandwidth_bytes_per_s: float | None = None  # one direction
+    host_source: str | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,7 +35,9 @@ def interconnects() -> dict[str, Interconnect]:
     for key, entry in raw.items():
         bandwidth = float(entry["bandwidth_bytes_per_s"])
         assert bandwidth > 0, (INTERCONNECT_FILE, key)
-        table[key] = Interconnect(entry["link"], bandwidth, entry["source"])
+        host = entry.get("host_bandwidth_bytes_per_s")
+        table[key] = Interconnect(entry["link"], bandwidth, entry["source"], entry.get("host_link"),
+                                  None if host is None else float(host), entry.get("host_source"))
     return table
 
 
@@ -43,3 +48,13 @@ def get_interconnect(gpu) -> Interconnect:
         raise KvsimError(f"{gpu.name}: no GPU-to-GPU link bandwidth in {INTERCONNECT_FILE}, which the roofline's "
                          "all-reduce at tp > 1 needs", field="hardware")
     return found
+
+
+def get_host_link(gpu) -> tuple[float, str]:
+    """The host link of a catalogue `GPUSpec` (one direction's bytes/s, its source), or a KvsimError naming the
+    GPU (a CPU KV tier's transfers need one)."""
+    found = interconnects().get(gpu.key)
+    if found is None or found.host_bandwidth_bytes_per_s is None:
+        raise KvsimError(f"{gpu.name}: no host link bandwidth in {INTERCONNECT_FILE}, which the CPU tier's "
+                         "transfers need", field="offload")
+    return found.host_bandwidth_bytes_per_s, found.host_source

@@ -25,7 +25,7 @@ def _stderr(message: str) -> None:
 
 
 def _replay_charts():
-    from kvsim.plots import latency, timeline, waste
+    from kvsim.plots import latency, prefill_sources, timeline, waste
 
     return (
         ("waste-curves", waste.waste_curves),
@@ -33,6 +33,7 @@ def _replay_charts():
         ("block-sizes", waste.block_sizes),
         ("timeline", timeline.timeline),
         ("latency", latency.latency),
+        ("prefill-sources", prefill_sources.prefill_sources),  # with a CPU tier only (its step columns)
     )
 
 
@@ -54,6 +55,8 @@ def plot_report(report: Report, fmt: str = "png", *, note: Note = _stderr) -> li
     fmt = check_format(fmt)
     if report.is_replay:
         charts = _replay_charts()
+        if report.steps is None or "cpu_hit_tokens" not in report.steps.columns:  # no CPU tier: no chart, no note
+            charts = tuple(chart for chart in charts if chart[0] != "prefill-sources")
     elif report.bench:
         charts = _bench_charts(report)
     else:

@@ -14,7 +14,7 @@ import numpy as np
 from kvsim.engine.factory import AllocatorConfig, make_allocator
 from kvsim.errors import KvsimError
 from kvsim.replay.options import ProgressFn, ReplayContext, ReplayOptions
-from kvsim.replay.records import AllocatorRun, fill_kernel_columns, step_columns
+from kvsim.replay.records import AllocatorRun, fill_kernel_columns, offload_record, step_columns
 from kvsim.clock.roofline import Roofline
 from kvsim.replay.runner import ModelRunner
 from kvsim.replay.sched.scheduler import Scheduler
@@ -96,7 +96,13 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     runner = None
     if cache is not None:
         runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured")
-    needs_ids = config.prefix_caching or options.integrity
+    connector = None
+    if ctx.offload is not None:  # the CPU tier: vLLM's OffloadingConnector scheduler side on this clock
+        from kvsim.replay.sched.offloading_connector import connector_for_replay
+
+        connector = connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx),
+                                         ctx.tp, ctx.gpu, ctx.source)
+    needs_ids = config.prefix_caching or options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
         ids = make_token_ids(requests[seq.index], ctx.seed)  # (num_final_tokens,)
@@ -116,8 +122,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         async_scheduling=sc.async_scheduling,
         cache=cache,
         roofline=ctx.clock or ctx.roofline,
-        allow_runs=options.timing != "measured" and observer is None,
+        allow_runs=options.timing != "measured" and observer is None and connector is None,  # connector: step by step
         make_token_ids=token_ids if needs_ids else None,
+        connector=connector,
     )
     arrivals_in.scheduler = sched
     queue = arrivals_in.queue
@@ -139,6 +146,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     pending_preemptions = pending_swap_bytes = empty_rounds = 0  # carried over rows that computed nothing
     in_flight_start = in_flight_end = 0.0  # async scheduling: when the row whose output is in flight ran
     nan = math.nan
+    offload_rows = array("d")  # connector: per row (CPU hit tokens started, bytes loaded, bytes stored, GPU hit tokens, loading)
 
     def finish(seqs, t: float) -> None:
         nonlocal done
@@ -172,6 +180,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if cache is not None:
             cache.timer.new_step()
             first_timer_step = cache.timer.num_steps - 1
+        if connector is not None:  # connector: loads it starts and their waits are timed from here
+            connector.now = sched_now
         next_arrival = min(arrivals[queue[0]] if queue else math.inf, arrivals_in.next_unrouted_s)
         out, rejects = sched.schedule(next_arrival - now)
         for seq, reason in rejects:
@@ -191,6 +201,12 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 finish(flushed, in_flight_end)
                 empty_rounds = 0
                 continue
+            if connector is not None and connector.has_jobs():  # connector: idle until a transfer (or arrival) ends
+                connector.submit(now, 0.0)
+                now = max(now, min(connector.next_finish_s(), arrivals[i] if i < n else math.inf))
+                connector.complete_until(now)
+                empty_rounds = 0
+                continue
             # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
             empty_rounds += 1
             assert empty_rounds < 3, "the scheduler made no progress"
@@ -205,6 +221,11 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         else:
             dt = _step_time(roofline, out, pending_swap_bytes) if ctx.clock is None else ctx.clock.output_time(out, pending_swap_bytes)
         pending_swap_bytes = 0
+        if connector is not None:  # connector: this row's transfers go on the host link; flushed stores delay it
+            dt += connector.submit(now, dt)
+            cpu_hit, loaded, stored, load_gpu_hit = connector.take_row()
+            gpu_hit = load_gpu_hit + sum(start for seq, start, _ in out.prefills if seq in out.admitted)
+            offload_rows.extend((cpu_hit, loaded, stored, gpu_hit, len(sched.loading)))
         kernels = (nan, nan, nan)
         if cache is not None:
             if measured:
@@ -246,6 +267,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 first_token[seq.index] = now + dt
         # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
         finished = sched.postprocess(out)
+        if connector is not None:  # connector: the worker reports the transfers finished by the step's end
+            connector.complete_until(now + dt)
         if observer is not None:
             observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
         finish(finished, in_flight_end if sc.async_scheduling else now + dt)
@@ -274,7 +297,16 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         prefix_query_tokens=allocator.prefix_query_tokens,
         prefix_hit_tokens=allocator.prefix_hit_tokens,
         num_read_samples=runner.num_read_samples if runner is not None else 0,
+        offload=None if connector is None else offload_record(connector, offload_rows, num_rows),
     )
+
+
+def connector_settings(ctx: ReplayContext):
+    """vLLM's settings the CPU tier's sizing reads (the scheduler's token budget, async scheduling)."""
+    from kvsim.size.vllm import VllmSettings
+
+    sc = ctx.scheduler_config
+    return VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=sc.async_scheduling)
 
 
 def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:

@@ -92,6 +92,9 @@ class ReplayContext:
     seed: int
     clock: object | None = None  # kvsim.clock.kernels_db.KernelClock for --timing kernels-db; None: the roofline
     tp: int = 1  # tensor-parallel ranks: the pool, its budget and the cache spec are one rank's
+    offload: object | None = None  # kvsim.workload.OffloadConfig: the CPU tier under each paged allocator
+    gpu: object | None = None  # kvsim.models.hardware.GPUSpec (the CPU tier's host link)
+    source: str = ""  # the workload file (errors about `offload` name it)
 
     def spec(self, block_size: int) -> KVCacheSpec:
         """One rank's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),

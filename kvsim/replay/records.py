@@ -37,6 +37,10 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("attention_us", "d"),
 )
 KERNEL_COLUMNS = ("write_us", "read_us", "attention_us")
+# With a CPU tier, steps.parquet adds these per row: prompt tokens whose load from the tier started, bytes loaded
+# and stored over the host link (one rank's), prompt tokens the GPU prefix cache served to requests admitted
+# with compute, and requests waiting on a load.
+OFFLOAD_COLUMNS = ("cpu_hit_tokens", "cpu_loaded_bytes", "cpu_stored_bytes", "gpu_hit_tokens", "num_loading")
 
 
 @dataclass
@@ -56,6 +60,7 @@ class AllocatorRun:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_read_samples: int = 0  # decode steps that read + attended (kernel-time summaries cover only these)
+    offload: dict | None = None  # the CPU tier's totals and per-row OFFLOAD_COLUMNS (`offload_record`); None: no tier
 
 
 @dataclass
@@ -76,6 +81,18 @@ class ReplayResult:
     clock: str = "roofline"  # the step clock in words (kernels-db names the database and its vLLM version)
     tp: int = 1  # tensor-parallel ranks: budget_bytes and every byte figure are one rank's
     ep: int = 1  # ranks a MoE's experts are spread over (1: split by tp)
+
+
+def offload_record(connector, rows: array, num_rows: int) -> dict:
+    """The CPU tier's totals (summary.csv) and its per-row OFFLOAD_COLUMNS (steps.parquet)."""
+    table = np.frombuffer(rows, dtype=np.float64).reshape(num_rows, len(OFFLOAD_COLUMNS))  # (rows, columns)
+    return {
+        "cpu_hit_tokens": connector.cpu_hit_tokens,
+        "cpu_loaded_bytes": connector.cpu_loaded_bytes,
+        "cpu_stored_bytes": connector.cpu_stored_bytes,
+        "cpu_load_wait_s": connector.load_wait_s,
+        "steps": {name: table[:, j].astype(np.int64) for j, name in enumerate(OFFLOAD_COLUMNS)},
+    }
 
 
 def step_columns(rows: array, num_rows: int) -> dict[str, np.ndarray]:

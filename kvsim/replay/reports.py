@@ -57,6 +57,9 @@ def steps_frame(result: ReplayResult, *, kernels: bool = True) -> pd.DataFrame:
     frames = []
     for run in result.runs:
         frame = pd.DataFrame({name: run.steps[name] for name in names})
+        if run.offload is not None:  # the CPU tier's per-row series
+            for name, column in run.offload["steps"].items():
+                frame[name] = column
         frame.insert(0, "allocator", run.label)
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
@@ -163,6 +166,12 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
         admitted_prompt = int(result.num_prompt_tokens[admitted].sum())
         rec["prefill_tokens_saved"] = int(run.num_cached_tokens[admitted].sum())
         rec["prefill_saved_pct"] = 100.0 * rec["prefill_tokens_saved"] / admitted_prompt if admitted_prompt else math.nan
+        if run.offload is not None:  # the CPU tier (one rank's bytes); prefill_tokens_saved above includes its hits
+            rec["cpu_hit_tokens"] = run.offload["cpu_hit_tokens"]
+            rec["cpu_prefill_saved_pct"] = 100.0 * run.offload["cpu_hit_tokens"] / admitted_prompt if admitted_prompt else math.nan
+            rec["cpu_loaded_bytes"] = run.offload["cpu_loaded_bytes"]
+            rec["cpu_stored_bytes"] = run.offload["cpu_stored_bytes"]
+            rec["cpu_load_wait_s"] = run.offload["cpu_load_wait_s"]
         if kernels:  # kernel columns are per step (a run's row: the mean of its steps), weighted by steps
             rec["num_read_samples"] = run.num_read_samples  # decode steps whose read + attention were timed
             for name in KERNEL_COLUMNS:

@@ -16,6 +16,7 @@ from kvsim.replay.loop import replay_allocator
 from kvsim.replay.options import CPU_MEASURED_READ_EVERY, CPU_READ_EVERY, CUDA_READ_EVERY, ProgressFn, ReplayContext, ReplayOptions
 from kvsim.replay.records import ReplayResult
 from kvsim.clock.roofline import Roofline
+from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 
 def run_replay(
@@ -124,7 +125,10 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
             note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
     note = "; ".join(n for n in (note, clock_note) if n) or None
-    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp)
+    ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp,
+                        offload=workload.offload, gpu=gpu, source=source)
+    if workload.offload is not None:
+        _check_offload(workload, ctx, options)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
         pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
@@ -201,14 +205,32 @@ def _check_num_blocks(workload, ctx: ReplayContext, source: str) -> None:
         if config.kind != "paged":
             continue
         spec = ctx.spec(config.block_size)
-        page = spec.block_bytes if spec.pool is None else spec.pool.bytes_per_block
-        num_blocks = ctx.budget_bytes // page
+        page, num_blocks = bytes_per_block(spec), num_gpu_blocks(spec, ctx.budget_bytes)
         if num_blocks > MAX_NUM_BLOCKS:
             raise KvsimError(
                 f"{ctx.budget_bytes:,} B is {num_blocks:,} {config.label} blocks of {page:,} B, more than the replay "
                 f"builds ({MAX_NUM_BLOCKS:,}: ~112 B of host memory each)",
                 source=source, field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )
+
+
+def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None:
+    """The CPU tier, refused before anything runs: beyond --max-host-memory with cache tensors (its host pool
+    would be allocated), or on a model or allocator it cannot serve (one line naming the file and `offload`)."""
+    from kvsim.engine.factory import make_allocator
+    from kvsim.replay.loop import connector_settings
+    from kvsim.replay.sched.offloading_connector import connector_for_replay
+
+    cpu_bytes = workload.offload.cpu_bytes
+    if options.tensors and cpu_bytes > options.max_host_bytes:
+        raise KvsimError(f"the CPU tier's {cpu_bytes:,} B exceed the host memory a replay may take "
+                         f"({options.max_host_bytes:,} B): raise --max-host-memory or replay with --no-tensors",
+                         field="--max-host-memory")
+    for config in workload.allocators:
+        spec = ctx.spec(config.block_size)
+        allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
+        connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx), ctx.tp,
+                             ctx.gpu, ctx.source)
 
 
 def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:

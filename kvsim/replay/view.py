@@ -177,6 +177,7 @@ def run_replay_cli(
     tp: int | None = None,
     ep: int | None = None,
     overrides=None,
+    cpu_offload: str | None = None,
 ) -> Path:
     """`kvsim replay`: load, replay with a progress bar, write reports, show the summary; returns the out dir.
 
@@ -189,6 +190,10 @@ def run_replay_cli(
 
     workload = load_workload_with(workload_path, overrides or WorkloadOverrides(),
                                   trace=str(trace) if trace is not None else None, seed=seed, limit=limit)
+    if cpu_offload is not None:  # --cpu-offload: the CPU tier's size over the workload's (0: no tier)
+        from kvsim.workload.spec import with_cpu_offload
+
+        workload = with_cpu_offload(workload, cpu_offload)
     max_host_bytes = parse_bytes(max_host_memory, field="--max-host-memory")
     options = ReplayOptions(device=device, tensors=tensors, timing=timing, num_layers=layers, integrity=integrity,
                             read_every=read_every, max_host_bytes=max_host_bytes, tp=tp, ep=ep)  # fmt: skip

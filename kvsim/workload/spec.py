@@ -28,7 +28,7 @@ MAX_REQUESTS = 10_000_000
 MAX_KV_BUDGET_BYTES = 2**53
 MAX_PARALLEL_SAMPLES = 1024  # samples per prompt (vLLM has no bound of its own; this keeps a typo from exploding a stream)
 
-__all__ = ["Deployment", "ROUTER_POLICIES", "Router", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
+__all__ = ["Deployment", "OffloadConfig", "ROUTER_POLICIES", "Router", "SchedulerConfig", "SharedPrefix", "SyntheticRequests", "TraceRequests", "Workload", "load_workload"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,20 @@ class Router:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """The CPU KV tier (vLLM's `--kv-offloading-size` and `kv_connector_extra_config`): `cpu_bytes` of host memory
+    for the whole engine, the manager's eviction `policy` (lru or arc), the connector's `block_size` (tokens per
+    CPU chunk, a multiple of the GPU block; None: one GPU block), and `store_threshold` (>= 2: store a chunk only
+    once it was offered that many times, over `max_tracker_size` tracked keys)."""
+
+    cpu_bytes: int
+    policy: str = "lru"
+    block_size: int | None = None
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+
+
+@dataclass(frozen=True)
 class Workload:
     """One replay: a model and KV budget, a request stream, and the allocators that compete for it.
 
@@ -117,6 +131,7 @@ class Workload:
     description: str = ""
     deployment: Deployment = Deployment()
     router: Router = Router()
+    offload: OffloadConfig | None = None  # the CPU KV tier under every (paged) allocator; None: no tier
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
@@ -124,7 +139,7 @@ class Workload:
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
-                   "max_model_len", "requests", "allocators", "scheduler", "deployment", "router")  # fmt: skip
+                   "max_model_len", "requests", "allocators", "scheduler", "deployment", "router", "offload")  # fmt: skip
 
 
 def load_workload(path: str | Path, *, trace: str | None = None, seed: int | None = None, limit: int | None = None,
@@ -206,6 +221,7 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
         description=f.str("description", ""),
         deployment=_deployment(f.sub("deployment", None)),
         router=_router(f.sub("router", None)),
+        offload=_offload(f.sub("offload", None), allocators, source),
     )
     f.done()
     if trace is not None and not isinstance(requests, TraceRequests):  # --trace replaces synthetic requests
@@ -250,6 +266,40 @@ def _scheduler(f: Fields | None) -> SchedulerConfig:
         raise f.error("watermark", f"must be < 1 (a fraction of the blocks), got {config.watermark:g}")
     f.done()
     return config
+
+
+def _offload(f: Fields | None, allocators: tuple[AllocatorConfig, ...], source: str) -> OffloadConfig | None:
+    """`offload:`, refused where the tier cannot sit: under a flat allocator (vLLM's connector moves blocks)."""
+    if f is None:
+        return None
+    config = OffloadConfig(
+        cpu_bytes=f.bytes("cpu_bytes"),
+        policy=f.choice("policy", ("lru", "arc"), "lru"),
+        block_size=f.int("block_size", None, min=1),
+        store_threshold=f.int("store_threshold", 0, min=0),
+        max_tracker_size=f.int("max_tracker_size", 64_000, min=1),
+    )
+    f.done()
+    flat = [a.label for a in allocators if a.kind != "paged"]
+    if flat:
+        raise KvsimError(f"the CPU tier moves KV blocks and needs paged allocators; {', '.join(flat)} is flat",
+                         source=source, field="offload")
+    return config
+
+
+def with_cpu_offload(workload: Workload, size: str) -> Workload:
+    """`kvsim replay --cpu-offload SIZE`: the workload with a CPU tier of SIZE (its policy kept, else lru); 0: none."""
+    from kvsim.units import parse_bytes
+
+    cpu_bytes = parse_bytes(size, field="--cpu-offload", allow_zero=True)
+    if cpu_bytes == 0:
+        return replace(workload, offload=None)
+    flat = [a.label for a in workload.allocators if a.kind != "paged"]
+    if flat:
+        raise KvsimError(f"the CPU tier moves KV blocks and needs paged allocators; {', '.join(flat)} is flat",
+                         field="--cpu-offload")
+    offload = workload.offload or OffloadConfig(cpu_bytes)
+    return replace(workload, offload=replace(offload, cpu_bytes=cpu_bytes))
 
 
 def _deployment(f: Fields | None) -> Deployment:

@@ -111,8 +111,15 @@ class PagedAllocator(KVAllocator):
         num_tokens: int | None = None,
         full_sequence_must_fit: bool = False,
         apply_watermark: bool = True,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
     ) -> int | None:
         """Admit `seq` with room for its prefix-cache hit plus `num_new_tokens`, or None (nothing changed).
+
+        A CPU tier's hit (`num_external_computed_tokens`, past the prefix-cache hit) takes blocks too; with
+        `delay_cache_blocks` (an asynchronous load) the blocks past the prefix-cache hit are cached only once the
+        load is done (`cache_blocks`), as vLLM's `allocate_slots`; `reserved_blocks` stay free for other requests.
 
         As vLLM's `KVCacheManager.allocate_slots` for a waiting request: the blocks it needs (for all
         `num_tokens` when `full_sequence_must_fit`, else for the hit plus this chunk), counting revived cached
@@ -132,13 +139,14 @@ class PagedAllocator(KVAllocator):
             query = min(num_tokens, seq.num_final_tokens)
             hashes, hit_blocks = self._find_longest_cache_hit(token_blocks, (query - 1) // bs)
         hit = len(hit_blocks) * bs
-        total = hit + min(num_new_tokens, num_tokens - hit)
+        ext = num_external_computed_tokens
+        total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
         revived = sum(1 for b in hit_blocks if b.ref_count == 0)
         checked = -(-min(num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else num_blocks
         new_blocks = max(checked, num_blocks) - len(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
-        if new_blocks + revived + watermark > self.pool.num_free_blocks:
+        if new_blocks + revived + watermark + reserved_blocks > self.pool.num_free_blocks:
             return None
 
         if hashes is not None:
@@ -153,9 +161,22 @@ class PagedAllocator(KVAllocator):
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._cache_full_blocks(req, total)
+        self._cache_full_blocks(req, hit if delay_cache_blocks else total)
         self._refresh(req)
         return hit
+
+    def num_blocks_held(self, seq: Sequence) -> int:
+        """Blocks in `seq`'s block table."""
+        return len(self._reqs[seq].table)
+
+    def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
+        scheduler hands a KV connector before it allocates)."""
+        if not self.enable_prefix_caching or seq.token_ids is None:
+            return 0
+        token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        query = min(num_tokens, seq.num_final_tokens)
+        return len(self._find_longest_cache_hit(token_blocks, (query - 1) // self.block_size)[1]) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""

@@ -51,6 +51,7 @@ class Scheduler:
         roofline=None,
         allow_runs: bool = True,
         make_token_ids=None,
+        connector=None,
     ):
         assert preemption in ("recompute", "swap"), preemption
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
@@ -75,6 +76,13 @@ class Scheduler:
         self.waiting: deque[SchedSeq] = deque()
         self.swapped: deque[SchedSeq] = deque()
         self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
+        # The CPU tier (kvsim.replay.sched.offloading_connector, vLLM's OffloadingConnector scheduler side): requests
+        # holding blocks while their load runs (vLLM's kv_holding_waiting, WAITING_FOR_REMOTE_KVS), the ids of
+        # those whose load finished and was taken, and the requests finished since the last schedule().
+        self.connector = connector
+        self.loading: deque[SchedSeq] = deque()
+        self._kv_loaded: set[int] = set()
+        self._finished_for_connector: list[SchedSeq] = []
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -99,7 +107,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None)
+        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None or self.loading)
 
     @property
     def has_in_flight(self) -> bool:
@@ -173,25 +181,43 @@ class Scheduler:
                         continue
                     break
                 self.swapped.popleft()
-            while not self.swapped and self.waiting and len(running) < self.max_num_seqs and budget > 0:
+            skipped: list[SchedSeq] = []  # connector: requests it skips this step keep their place
+            stop = False
+            if self.connector is not None and not self.swapped:  # connector: finished loads go first
+                budget, stop = self._admit_loaded(out, budget)
+            while not stop and not self.swapped and self.waiting and len(running) < self.max_num_seqs and budget > 0:
                 seq = self.waiting[0]
                 if seq.token_ids is None and self.make_token_ids is not None:
                     seq.token_ids = self.make_token_ids(seq)
                 num_tokens = seq.num_tokens
+                ext, load = 0, {}
+                if self.connector is not None:  # connector: the CPU tier's hit past the GPU hit, or skip now
+                    ext = self.connector.get_num_new_matched_tokens(seq, alloc.get_computed_tokens(seq, num_tokens))
+                    if ext is None:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    if ext:  # an asynchronous load: blocks for the hit, none for new tokens, cached once loaded,
+                        # leaving free what the prefills in flight still need (vLLM's reserved_blocks)
+                        load = {"num_external_computed_tokens": ext, "delay_cache_blocks": True,
+                                "reserved_blocks": self._inflight_prefill_reserved_blocks(out)}
                 hit = alloc.allocate(
                     seq,
-                    budget,
+                    0 if ext else budget,
                     num_tokens=num_tokens,
                     full_sequence_must_fit=self.reserve_full_isl,
                     apply_watermark=bool(running),
+                    **load,
                 )
                 if hit is None:
-                    if not running and not self.swapped:  # fits nowhere, even alone: reject, don't hang
+                    if not running and not self.swapped and not self.loading:  # fits nowhere, even alone: reject
                         self.waiting.popleft()
                         rejected.append((seq, "does not fit in the KV budget even when running alone"))
                         continue
                     break
                 self.waiting.popleft()
+                if ext:  # connector: the request waits for its load (WAITING_FOR_REMOTE_KVS), no tokens scheduled
+                    self._start_load(seq, hit + ext, ext, out)
+                    continue
                 seq.num_computed_tokens = hit
                 seq.prefill_target = num_tokens
                 if seq.num_preemptions == 0:
@@ -202,6 +228,8 @@ class Scheduler:
                 out.admitted.append(seq)
                 out.prefills.append((seq, hit, n))
                 budget -= n
+            if skipped:  # connector: skipped requests back at the head, in order
+                self.waiting.extendleft(reversed(skipped))
 
         waiting_head = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
         if (decodes and len(decodes) == len(running) and not out.prefills and not out.preempted
@@ -209,6 +237,8 @@ class Scheduler:
             self._extend_decode_run(out, time_to_next_arrival, waiting_head)
         if out.breakdown is None:
             out.breakdown = alloc.breakdown(waiting_head)
+        if self.connector is not None:  # connector: flushes, stores and finishes at the end of schedule()
+            self._build_connector_meta(out)
         return out, rejected
 
     @staticmethod
@@ -218,6 +248,66 @@ class Scheduler:
             out.decodes.append(seq)
         else:
             out.prefills.append((seq, seq.num_computed_tokens, n))
+
+    # --- the CPU tier's connector (vLLM's KV connector hooks in Scheduler.schedule) -------------------------
+
+    def _start_load(self, seq: SchedSeq, num_computed_tokens: int, num_external_tokens: int, out: SchedulerOutput) -> None:
+        """An admitted request whose CPU hit loads asynchronously: it holds its blocks and waits for the load."""
+        seq.num_computed_tokens = num_computed_tokens  # as vLLM sets it before the KV arrives
+        seq.prefill_target = seq.num_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_computed_tokens
+        self.connector.update_state_after_alloc(seq, num_external_tokens)
+        self.loading.append(seq)
+        out.admitted.append(seq)
+
+    def _admit_loaded(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Requests whose load finished, in queue order, before any waiting one (vLLM drains kv_holding_waiting
+        first; `_update_waiting_for_remote_kv` caches the loaded blocks and recomputes a full hit's last token).
+        Returns the budget left and whether admission stops (a loaded request that does not fit)."""
+        alloc, running = self.allocator, self.running
+        for seq in list(self.loading):
+            if budget <= 0 or len(running) >= self.max_num_seqs:
+                return budget, True
+            if seq.seq_id not in self._kv_loaded:
+                if not self.connector.is_load_ready(seq):
+                    continue
+                self._kv_loaded.add(seq.seq_id)
+                alloc.cache_blocks(seq, seq.num_computed_tokens)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.num_computed_tokens -= 1
+            computed = seq.num_computed_tokens
+            n = min(budget, seq.num_tokens - computed)
+            if not alloc.append_slots(seq, n):
+                return budget, True
+            self.loading.remove(seq)
+            self._kv_loaded.discard(seq.seq_id)
+            running.append(seq)
+            out.prefills.append((seq, computed, n))
+            budget -= n
+        return budget, False
+
+    def _inflight_prefill_reserved_blocks(self, out: SchedulerOutput) -> int:
+        """Blocks the requests still prefilling after this step (loads waiting included) need to hold all their
+        tokens (vLLM's `_inflight_prefill_reserved_blocks` over `_inflight_prefills`)."""
+        after = {seq.seq_id: start + n for seq, start, n in out.prefills}
+        bs, alloc = self.block_size, self.allocator
+        reserved = 0
+        for seq in (*self.running, *self.loading):
+            if after.get(seq.seq_id, seq.num_computed_tokens) < seq.num_tokens:
+                need = -(-min(seq.num_tokens, self.max_model_len) // bs)
+                reserved += max(0, need - alloc.num_blocks_held(seq))
+        return reserved
+
+    def _build_connector_meta(self, out: SchedulerOutput) -> None:
+        """The connector's end of schedule(): each scheduled request with the tokens it has computed by the end
+        of this step, in scheduling order (running order), then the requests finished since the last one."""
+        after = {seq.seq_id: start + n for seq, start, n in out.prefills}
+        for seq in out.decodes:
+            after[seq.seq_id] = seq.num_computed_tokens + out.num_steps
+        scheduled = [(seq, after[seq.seq_id]) for seq in self.running if seq.seq_id in after]
+        finished, self._finished_for_connector = self._finished_for_connector, []
+        self.connector.build_connector_meta(scheduled, finished, out.preempted)
 
     # --- decode runs ---------------------------------------------------------------------------------
 
@@ -393,6 +483,8 @@ class Scheduler:
             running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
             self.running = [seq for seq in self.running if seq.seq_id not in done]
+            if self.connector is not None:  # connector: they reach it at the next schedule()
+                self._finished_for_connector += finished
             for seq in finished:
                 if seq.seq_id in running_ids:
                     self.allocator.free(seq)

@@ -1,0 +1,211 @@
+"""The CPU tier in the replay (a workload's `offload:`): vLLM 0.33's OffloadingConnector scheduler side over
+kvsim.offload, with hand-computed loads, stores and transfer times, and the bad input it refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsim.errors import KvsimError
+from kvsim.offload.manager import LookupResult
+from kvsim.replay.options import ReplayOptions
+from kvsim.replay.run import run_replay
+from kvsim.replay.sched.offloading_connector import OffloadingConnector
+from kvsim.workload.spec import load_workload
+
+# qwen3-0.6b: 28 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 114,688 B a token; a block of 16: 1,835,008 B
+BYTES_PER_TOKEN = 28 * 8 * 128 * 2 * 2
+BLOCK_BYTES = 16 * BYTES_PER_TOKEN
+H100_HOST_LINK = 64e9  # interconnect.yaml: PCIe Gen5 x16, one direction
+
+WORKLOAD = """
+name: offload
+seed: 0
+model: qwen3-0.6b
+hardware: h100-80gb
+kv_budget: {budget}
+max_model_len: 4096
+requests:
+  trace: {{path: trace.jsonl}}
+allocators:
+  - {allocator}
+{offload}
+"""
+
+
+def write(tmp_path: Path, rows: list[dict], *, offload: str = "offload: {cpu_bytes: 1GiB, policy: lru}",
+          allocator: str = "{kind: paged, block_size: 16}", budget: str = "256MiB") -> Path:
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "offload.yaml"
+    path.write_text(WORKLOAD.format(budget=budget, allocator=allocator, offload=offload))
+    return path
+
+
+def same_prompt_twice(gap_ms: int) -> list[dict]:
+    """Two requests with one 512-token prompt (one Mooncake hash id), `gap_ms` apart."""
+    return [{"timestamp": t, "input_length": 512, "output_length": 4, "hash_ids": [7]} for t in (0, gap_ms)]
+
+
+def test_a_repeated_prompt_loads_from_the_tier_hand_computed(tmp_path):
+    # No GPU prefix cache: the second request's prompt can come only from the CPU tier. The first stores its 32
+    # prompt chunks (one 16-token block each); the second finds all 32 and loads them (512 tokens, all but the last
+    # token then computed), storing nothing new (its chunks were loaded).
+    result = run_replay(load_workload(write(tmp_path, same_prompt_twice(10_000))), ReplayOptions(tensors=False), workers=1)
+    (run,) = result.runs
+    off = run.offload
+    assert off["cpu_hit_tokens"] == 512
+    assert off["cpu_stored_bytes"] == 32 * BLOCK_BYTES
+    assert off["cpu_loaded_bytes"] == 32 * BLOCK_BYTES
+    assert off["cpu_load_wait_s"] == pytest.approx(32 * BLOCK_BYTES / H100_HOST_LINK)
+    steps = off["steps"]
+    assert steps["cpu_hit_tokens"].sum() == 512 and steps["cpu_stored_bytes"].sum() == 32 * BLOCK_BYTES
+    # the second request computes 1 prompt token: 512 + 1 prefill tokens over both
+    assert run.steps["num_prefill_tokens"].sum() == 512 + 1
+    assert run.num_cached_tokens.tolist() == [0, 512]
+    assert not np.isnan(run.finished_s).any()
+
+
+def test_without_the_tier_the_same_stream_recomputes(tmp_path):
+    result = run_replay(load_workload(write(tmp_path, same_prompt_twice(10_000), offload="")), ReplayOptions(tensors=False), workers=1)
+    (run,) = result.runs
+    assert run.offload is None
+    assert run.steps["num_prefill_tokens"].sum() == 2 * 512
+
+
+def test_a_gpu_prefix_hit_comes_first_and_the_tier_loads_the_last_chunk(tmp_path):
+    # With the GPU prefix cache holding the prompt, the GPU hit stops one block short (31 blocks: vLLM's local hit
+    # leaves the last token to compute). The connector's limit is the request's whole 512 tokens (no sliding window
+    # group), so the 32nd chunk loads from the tier: 16 tokens, one block; then the last token is recomputed.
+    path = write(tmp_path, same_prompt_twice(10_000), allocator="{kind: paged, block_size: 16, prefix_caching: true}")
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 16 and run.offload["cpu_loaded_bytes"] == BLOCK_BYTES
+    assert run.num_cached_tokens.tolist() == [0, 512]
+    assert run.steps["num_prefill_tokens"].sum() == 512 + 1
+
+
+def test_two_requests_in_one_step_store_their_shared_chunks_once(tmp_path):
+    # Both arrive at 0 and are admitted in one step: neither finds anything (stores are built at the end of the
+    # step), the first's offer takes the 32 chunks and the second's finds them in the tier already (no new keys).
+    (run,) = run_replay(load_workload(write(tmp_path, same_prompt_twice(0))), ReplayOptions(tensors=False), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 0
+    assert run.offload["cpu_stored_bytes"] == 32 * BLOCK_BYTES
+    assert run.steps["num_prefill_tokens"][0] == 2 * 512
+
+
+def connector(num_chunks: int, blocks_per_chunk: int = 1) -> OffloadingConnector:
+    return OffloadingConnector(block_size=4, blocks_per_chunk=blocks_per_chunk, num_chunks=num_chunks, bytes_per_block=100,
+                               host_bandwidth_bytes_per_s=1000.0)
+
+
+class Seq:
+    def __init__(self, seq_id: int, prompt: list[int]):
+        self.seq_id = seq_id
+        self.token_ids = np.array(prompt, dtype=np.int64)
+        self.num_prompt_tokens = len(prompt)
+        self.num_tokens = len(prompt)
+
+
+def test_stores_are_all_or_nothing_and_offered_again_until_they_fit():
+    c = connector(num_chunks=3)
+    a = Seq(0, list(range(12)))  # 3 chunks
+    b = Seq(1, list(range(100, 116)))  # 4 chunks
+    assert c.get_num_new_matched_tokens(a, 0) == 0
+    c.build_connector_meta([(a, 12)], [], [])  # stores 3 chunks: the tier is full (being written)
+    c.submit(0.0, 1.0)
+    assert c.cpu_stored_bytes == 300
+    assert c.get_num_new_matched_tokens(b, 0) == 0
+    c.build_connector_meta([(b, 16)], [], [])  # 4 new chunks cannot fit in 3: refused, nothing stored
+    assert c.cpu_stored_bytes == 300 and b.seq_id in c._req_status
+    assert c._req_status[1].next_stored_chunk_idx == 0  # offered again next step
+    # a lookup of a's prefix while its chunks are written: HIT_PENDING defers the request
+    a2 = Seq(2, list(range(12)) + [99, 98, 97, 96])
+    assert c.get_num_new_matched_tokens(a2, 0) is None
+    c.complete_until(1.0 + 0.3)  # the store took 300 B / 1000 B/s after the step's end
+    assert c.manager.lookup(c._req_status[0].offload_keys[0], c._req_status[0].req_context) is LookupResult.HIT
+    assert c.get_num_new_matched_tokens(a2, 0) == 12  # 3 chunks hit, the 4th misses
+
+
+def test_a_load_pins_its_chunks_and_another_request_on_them_waits():
+    c = connector(num_chunks=8, blocks_per_chunk=2)  # 8-token chunks
+    a = Seq(0, list(range(16)))
+    c.get_num_new_matched_tokens(a, 0)
+    c.build_connector_meta([(a, 16)], [], [])
+    c.submit(0.0, 0.0)
+    c.complete_until(10.0)
+    b, d = Seq(1, list(range(16)) + [5]), Seq(2, list(range(16)) + [6])
+    assert c.get_num_new_matched_tokens(b, 0) == 16
+    c.now = 10.0
+    c.update_state_after_alloc(b, 16)
+    assert c.get_num_new_matched_tokens(d, 0) is None  # its chunks are being loaded by b
+    assert c.submit(10.0, 0.0) == 0.0
+    assert c.cpu_loaded_bytes == 4 * 100  # 4 GPU blocks
+    c.complete_until(10.0 + 0.4)
+    assert c.is_load_ready(b)
+    assert c.get_num_new_matched_tokens(d, 0) == 16
+
+
+def test_an_offload_on_a_flat_allocator_is_one_line_naming_the_file_and_field(tmp_path):
+    path = write(tmp_path, same_prompt_twice(0), allocator="{kind: flat, reserve: max}")
+    with pytest.raises(KvsimError) as exc:
+        load_workload(path)
+    assert str(path) in str(exc.value) and "offload" in str(exc.value) and exc.value.field == "offload"
+
+
+def test_an_unsupported_model_is_refused_naming_offload(tmp_path):
+    path = write(tmp_path, same_prompt_twice(0))
+    path.write_text(path.read_text().replace("qwen3-0.6b", "gemma-3-27b"))  # sliding window + full: two groups
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert exc.value.field == "offload" and str(path) in str(exc.value)
+
+
+def test_a_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 64GiB}")
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
+    assert exc.value.field == "--max-host-memory"
+
+
+def test_a_cli_offload_error_is_one_line_and_exit_2(cli, tmp_path):
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, policy: mru}")
+    result = cli(["replay", str(path), "--no-tensors", "-q", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "offload.policy" in result.output and "Traceback" not in result.output
+
+
+def test_the_prefill_sources_chart_is_drawn_with_a_tier(tmp_path):
+    from kvsim.plots import plot_report
+    from kvsim.plots.report import load_report
+    from kvsim.replay.reports import write_reports
+
+    result = run_replay(load_workload(write(tmp_path, same_prompt_twice(10_000))), ReplayOptions(tensors=False), workers=1)
+    out = tmp_path / "report"
+    write_reports(result, out)
+    paths = plot_report(load_report(out), "png", note=lambda _: None)
+    assert "prefill-sources.png" in [p.name for p in paths]
+    import pandas as pd
+
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert steps["cpu_hit_tokens"].sum() == 512 and steps["gpu_hit_tokens"].sum() == 0
+
+
+def test_a_tier_that_never_hits_changes_nothing_on_the_gpu(tmp_path):
+    # Distinct prompts (one hash id each) and no preemption: every lookup misses and every store goes to the host
+    # link beside compute, so admissions, steps and latencies are the replay's without a tier.
+    rows = []
+    for i in range(30):
+        length = 300 + 37 * i
+        rows.append({"timestamp": 40 * i, "input_length": length, "output_length": 20 + i,
+                     "hash_ids": [100 * i + k for k in range(-(-length // 512))]})
+    path = write(tmp_path, rows, allocator="{kind: paged, block_size: 16, prefix_caching: true}")
+    (with_tier,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    path.write_text(path.read_text().replace("offload: {cpu_bytes: 1GiB, policy: lru}", ""))
+    (without,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert with_tier.offload["cpu_hit_tokens"] == 0 and with_tier.offload["cpu_stored_bytes"] > 0
+    assert without.offload is None
+    for name in ("admitted_s", "first_token_s", "finished_s"):
+        np.testing.assert_allclose(getattr(with_tier, name), getattr(without, name), rtol=1e-9, err_msg=name)
+    assert with_tier.steps["num_prefill_tokens"].sum() == without.steps["num_prefill_tokens"].sum()
