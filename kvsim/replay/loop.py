@@ -203,7 +203,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 continue
             if connector is not None and connector.has_jobs():  # connector: idle until a transfer (or arrival) ends
                 connector.submit(now, 0.0)
-                now = max(now, min(connector.next_finish_s(), arrivals[i] if i < n else math.inf))
+                now = max(now, min(connector.next_finish_s(), next_arrival))
                 connector.complete_until(now)
                 empty_rounds = 0
                 continue
