@@ -121,12 +121,17 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_computed_tokens >= seq.prefill_target and not self.async_scheduling:
-                # decoding: a run of decodes grows in one call
+            if seq.num_computed_tokens >= seq.prefill_target and (not self.async_scheduling or self._one_token(seq)):
+                # decoding: a run of decodes grows in one call (async: those the branch below gives one token)
                 j = i + 1
                 end = min(len(running), i + budget)
-                while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
-                    j += 1
+                if not self.async_scheduling:
+                    while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
+                        j += 1
+                else:
+                    while (j < end and running[j].num_computed_tokens >= running[j].prefill_target
+                           and self._one_token(running[j])):
+                        j += 1
                 batch = running[i:j]
                 grown = alloc.append_decode_in_order(batch)
                 decodes += batch[:grown] if grown < len(batch) else batch
@@ -213,6 +218,15 @@ class Scheduler:
         if out.breakdown is None:
             out.breakdown = alloc.breakdown(waiting_head)
         return out, rejected
+
+    def _one_token(self, seq: SchedSeq) -> bool:
+        """Async scheduling: the general branch of the running loop would schedule exactly one token of decoding
+        `seq` (so it may join the batched decodes): its step in flight does not sample its last token, it lacks
+        one token, and max_model_len leaves room for it."""
+        computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
+        tokens = seq.num_prompt_tokens + seq.num_output_tokens  # seq.num_tokens
+        return (tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
+                and not (placeholders and computed + 2 - placeholders >= seq.num_prompt_tokens + seq.max_tokens))
 
     @staticmethod
     def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
@@ -379,14 +393,14 @@ class Scheduler:
     def _settle_run(self, out: SchedulerOutput) -> None:
         """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
         steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
-        cache_blocks = self.allocator.cache_blocks
+        cache_blocks = self.allocator.cache_blocks if self.allocator.enable_prefix_caching else None
         inner = out.num_steps - 1
         for seq in out.decodes:
             seq.num_output_tokens += inner
             seq.num_known_tokens = seq.num_tokens
             assert seq.num_output_tokens < seq.max_tokens, seq
-            # what the steps processed so far computed; the last one is in flight
-            cache_blocks(seq, seq.num_computed_tokens - 1)
+            if cache_blocks is not None:  # what the steps processed so far computed; the last one is in flight
+                cache_blocks(seq, seq.num_computed_tokens - 1)
 
     def flush(self) -> list[SchedSeq]:
         """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
@@ -429,7 +443,8 @@ class Scheduler:
         finished: list[SchedSeq] = []
         num_prefill_samples = len(out.sampled) - len(out.decodes)
         k = 1 if self.async_scheduling else out.num_steps  # async: a run's earlier steps settled already
-        cache_blocks = self.allocator.cache_blocks if self.async_scheduling else None
+        caching = self.async_scheduling and self.allocator.enable_prefix_caching
+        cache_blocks = self.allocator.cache_blocks if caching else None  # else it caches nothing
         in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
         if cache_blocks is not None and self._in_flight is not None:
             for seq in self._in_flight.decodes:
