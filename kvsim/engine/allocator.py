@@ -76,6 +76,8 @@ class KVAllocator(ABC):
     paged: bool  # True: block tables (`block_table`); False: one slab per request (`slab`)
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, summed
     prefix_hit_tokens: int = 0  # of those, tokens found cached
+    enable_prefix_caching: bool = False  # False: `cache_blocks` caches nothing
+    decode_frees_blocks: bool = False  # True: decoding returns blocks (a sliding or chunked window's), so free memory grows
 
     @abstractmethod
     def allocate(

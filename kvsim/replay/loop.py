@@ -216,8 +216,12 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             on_schedule(out, sched)
         if runner is not None:
             runner.execute(out)
+        last_step_start = 0.0  # async: from the row's start to its last step's (that step is in flight next)
         if out.run_time_s is not None:
-            dt = out.run_time_s + pending_swap_bytes / roofline.host_bandwidth_bytes_per_s
+            swap_s = pending_swap_bytes / roofline.host_bandwidth_bytes_per_s
+            dt = out.run_time_s + swap_s
+            if out.num_steps > 1:
+                last_step_start = swap_s + out.last_step_start_s
         else:
             dt = _step_time(roofline, out, pending_swap_bytes) if ctx.clock is None else ctx.clock.output_time(out, pending_swap_bytes)
         pending_swap_bytes = 0
@@ -272,7 +276,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if observer is not None:
             observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
         finish(finished, in_flight_end if sc.async_scheduling else now + dt)
-        in_flight_start, in_flight_end = now, now + dt
+        in_flight_start, in_flight_end = now + last_step_start, now + dt
         now += dt
         num_rows += 1
         if progress is not None and num_rows % PROGRESS_EVERY == 0:

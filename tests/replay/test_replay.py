@@ -528,3 +528,35 @@ def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_fla
         "bytes (a workload has no --params): use a catalogue model, or for a plain decoder give the config.json "
         "vocab_size and intermediate_size to count them from"
     )
+
+
+@pytest.mark.parametrize("model", ["tiny", "sliding"])
+@pytest.mark.parametrize("rate", ["1.0e+7", "3.0e+3"])
+def test_async_decode_runs_give_the_step_by_step_replay(tmp_path, monkeypatch, rate, model):
+    """Async scheduling: the replay with decode runs (one step in flight) and the one stepping each decode agree on
+    every request's admission, first token and finish (to float rounding of the run times), preemptions and cached
+    tokens, and on the steps; arrivals come during runs (3,000/s: a run stops before the step that would admit one,
+    and the step after the run sees it) or all at once (a burst). A sliding-window model frees blocks while it
+    decodes: a queue head that failed to fit may fit a step later, so no run waits it out."""
+    from kvsim.replay.sched.scheduler import Scheduler
+
+    path = write_tiny(tmp_path, budget_tokens=440, count=24)
+    if model == "sliding":
+        (tmp_path / "tiny-model.json").write_text(SLIDING_MODEL)
+    text = path.read_text().replace("swap_space: 1GiB}", "swap_space: 1GiB, async_scheduling: true}")
+    path.write_text(text.replace("rate: 1.0e+7", f"rate: {rate}"))
+    workload = load_workload(path)
+    with_runs = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    monkeypatch.setattr(Scheduler, "_extend_async_decode_run", lambda *args: None)
+    stepped = run_replay(workload, ReplayOptions(tensors=False), workers=1)
+    for a, b in zip(with_runs.runs, stepped.runs):
+        runs = not (model == "sliding" and "prefix" in a.label)  # a window's prefix caching steps one by one
+        assert (a.steps["num_steps"] > 1).any() == runs and (b.steps["num_steps"] == 1).all(), a.label
+        assert a.steps["num_steps"].sum() == b.steps["num_steps"].sum(), a.label
+        for name in ("admitted_s", "first_token_s", "finished_s"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-9, err_msg=f"{a.label} {name}")
+        np.testing.assert_array_equal(a.num_preemptions, b.num_preemptions)
+        np.testing.assert_array_equal(a.num_cached_tokens, b.num_cached_tokens)
+        assert (a.prefix_hit_tokens, a.prefix_query_tokens) == (b.prefix_hit_tokens, b.prefix_query_tokens)
+    if rate == "1.0e+7" and model == "tiny":
+        assert sum(run.num_preemptions.sum() for run in stepped.runs) > 0

@@ -504,3 +504,51 @@ def test_a_block_is_cached_once_its_last_token_is_known(async_scheduling):
         sched.postprocess(out)
         cached_after.append(block0.block_hash is not None)  # a freed cached block keeps its hash
     assert cached_after == ([False, True, True] if not async_scheduling else [False, False, True])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_async_decode_runs_equal_stepping_one_by_one_under_pressure(prefix_caching):
+    """Async scheduling with one step in flight: rows with decode runs and the step-by-step replay agree on every
+    request's finish step, preemptions, computed tokens and cached prefix tokens, and on the total steps."""
+    import random
+
+    import numpy as np
+
+    def replay(seqs, allow_runs: bool):
+        config = AllocatorConfig("paged", block_size=4, prefix_caching=prefix_caching)
+        sched = make_scheduler(
+            config, budget_tokens=120, max_num_batched_tokens=24, max_num_seqs=6, roofline=roofline(),
+            allow_runs=allow_runs, max_model_len=128, async_scheduling=True,
+        )
+        seqs = [make_seq(i, p, o) for i, (p, o) in enumerate(seqs)]
+        for seq in seqs:  # every 7 to 9 requests' ids repeat with the same period: some share blocks
+            seq.token_ids = np.arange(seq.num_prompt_tokens + seq.max_tokens, dtype=np.int64) % (7 + seq.seq_id % 3)
+            assert sched.add_request(seq) is None
+        steps, finish, preempted, tokens = 0, {}, 0, 0
+        while sched.has_work:
+            out, _ = sched.schedule()
+            if not out.prefills and not out.decodes:
+                for seq in sched.flush() if sched.has_in_flight else []:
+                    finish[seq.seq_id] = steps
+                continue
+            rows.append(out.num_steps)
+            steps += out.num_steps
+            preempted += len(out.preempted)
+            tokens += out.num_prefill_tokens + out.num_decode_tokens
+            for seq in sched.postprocess(out):
+                finish[seq.seq_id] = steps
+        hits = sched.allocator.prefix_hit_tokens
+        return steps, finish, preempted, tokens, hits, [(s.num_preemptions, s.num_cached_tokens) for s in seqs]
+
+    rng = random.Random(1)
+    rows: list[int] = []
+    coalesced = preempted = 0
+    for _ in range(20):
+        seqs = [(rng.randint(1, 40), rng.randint(1, 60)) for _ in range(rng.randint(2, 10))]
+        rows.clear()
+        with_runs = replay(seqs, True)
+        coalesced += max(rows) > 1
+        exact = replay(seqs, False)
+        assert with_runs == exact, seqs
+        preempted += exact[2] > 0
+    assert coalesced >= 15 and preempted >= 5  # the comparison covered runs and preemptions

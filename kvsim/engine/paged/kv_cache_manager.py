@@ -97,6 +97,7 @@ class HybridPagedAllocator(KVAllocator):
         self._num_token_groups = sum(g.kind != "state" for g in self.groups)
         windows = [g.window for g in self.groups if g.kind == "sliding"]
         self._max_run_by_window = 2 * min(windows) - 1 if windows else None
+        self.decode_frees_blocks = any(g.kind in ("sliding", "chunked") for g in self.groups)
         # breakdown(): bytes one token occupies in a group's block, and the padding of each of its blocks
         self._token_bytes = [g.num_layers * g.layer_page_bytes // g.block_size for g in self.groups]
         self._pad_bytes = [bpb - g.num_layers * g.layer_page_bytes for g in self.groups]

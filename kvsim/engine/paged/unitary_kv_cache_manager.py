@@ -207,8 +207,10 @@ class PagedAllocator(KVAllocator):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
+        num_hashed = req.num_hashed
         self._cache_full_blocks(req, num_tokens)
-        self._refresh(req)
+        if req.num_hashed != num_hashed:  # else `quiet_until` is still what `_refresh` would make it
+            self._refresh(req)
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.

@@ -66,7 +66,7 @@ class SchedulerOutput:
 
     __slots__ = (
         "prefills", "decodes", "num_steps", "admitted", "preempted", "swapped_in", "swap_bytes", "breakdown",
-        "run_time_s", "sampled",
+        "run_time_s", "last_step_start_s", "sampled",
     )
 
     def __init__(self) -> None:
@@ -79,6 +79,7 @@ class SchedulerOutput:
         self.swap_bytes = 0
         self.breakdown: MemoryBreakdown | None = None
         self.run_time_s: float | None = None  # a decode run's roofline time, computed while sizing it
+        self.last_step_start_s = 0.0  # async scheduling: seconds from a decode run's start to its last step's
         self.sampled: list[SchedSeq] = []  # requests that sample a token in this row (set when it has run)
 
     @property

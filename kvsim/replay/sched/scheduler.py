@@ -69,7 +69,7 @@ class Scheduler:
         self.swap_used_bytes = 0
         self.cache = cache
         self.roofline = roofline
-        self.allow_runs = allow_runs and roofline is not None and not async_scheduling
+        self.allow_runs = allow_runs and roofline is not None
         self.make_token_ids = make_token_ids  # SchedSeq -> (num_final_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
@@ -129,12 +129,17 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_computed_tokens >= seq.prefill_target and not self.async_scheduling:
-                # decoding: a run of decodes grows in one call
+            if seq.num_computed_tokens >= seq.prefill_target and (not self.async_scheduling or self._one_token(seq)):
+                # decoding: a run of decodes grows in one call (async: those the branch below gives one token)
                 j = i + 1
                 end = min(len(running), i + budget)
-                while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
-                    j += 1
+                if not self.async_scheduling:
+                    while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
+                        j += 1
+                else:
+                    while (j < end and running[j].num_computed_tokens >= running[j].prefill_target
+                           and self._one_token(running[j])):
+                        j += 1
                 batch = running[i:j]
                 grown = alloc.append_decode_in_order(batch)
                 decodes += batch[:grown] if grown < len(batch) else batch
@@ -234,12 +239,24 @@ class Scheduler:
         waiting_head = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
         if (decodes and len(decodes) == len(running) and not out.prefills and not out.preempted
                 and not out.swapped_in and self.allow_runs):
-            self._extend_decode_run(out, time_to_next_arrival, waiting_head)
+            if not self.async_scheduling:
+                self._extend_decode_run(out, time_to_next_arrival, waiting_head)
+            elif self._in_flight is not None and len(self._in_flight.sampled) == len(decodes):
+                self._extend_async_decode_run(out, time_to_next_arrival, waiting_head)
         if out.breakdown is None:
             out.breakdown = alloc.breakdown(waiting_head)
         if self.connector is not None:  # connector: flushes, stores and finishes at the end of schedule()
             self._build_connector_meta(out)
         return out, rejected
+
+    def _one_token(self, seq: SchedSeq) -> bool:
+        """Async scheduling: the general branch of the running loop would schedule exactly one token of decoding
+        `seq` (so it may join the batched decodes): its step in flight does not sample its last token, it lacks
+        one token, and max_model_len leaves room for it."""
+        computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
+        tokens = seq.num_prompt_tokens + seq.num_output_tokens  # seq.num_tokens
+        return (tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
+                and not (placeholders and computed + 2 - placeholders >= seq.num_prompt_tokens + seq.max_tokens))
 
     @staticmethod
     def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
@@ -333,6 +350,46 @@ class Scheduler:
                 return
         else:
             run_time = self.roofline.decode_run(n, ctx_sum, k)
+        self._grow_decode_run(out, k, run_time, waiting_head)
+
+    def _extend_async_decode_run(self, out: SchedulerOutput, time_to_next_arrival: float, waiting_head) -> None:
+        """`_extend_decode_run` under async scheduling, with one step in flight while the next is scheduled.
+
+        Stepping, step j of the run is scheduled while step j - 1 runs: it sees the arrivals up to step j - 1's
+        start and the outputs up to step j - 2's. So the run may cover k steps when the row in flight sampled
+        exactly these requests (every one decodes, none finishes: each has a placeholder), no output processed
+        before the k-th step finishes a request (num_output_tokens + k < max_tokens: a request whose in-flight
+        step samples its last token is not scheduled again), and no arrival comes before the (k - 1)-th step
+        starts. `postprocess` settles the outputs of the run's first k - 1 steps at once; its last step stays
+        in flight, starting `last_step_start_s` after the run.
+
+        A queue head that failed to fit stays out only while memory shrinks: not where decoding frees blocks
+        (sliding or chunked windows), where runs also leave prefix caching alone (the run's growth would take
+        the window past blocks its settled steps cache only afterwards: tests found fewer hits than stepping).
+        """
+        decodes = out.decodes
+        alloc = self.allocator
+        if alloc.decode_frees_blocks and (waiting_head is not None or alloc.enable_prefix_caching):
+            return  # blocks leaving a window could admit the queue head inside the run, or leave it uncached
+        if any(seq.num_output_placeholders != 1 for seq in decodes):
+            return
+        n = len(decodes)
+        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]) - 1)
+        k = min(k, alloc.max_decode_run(n))
+        if k < 2:
+            return
+        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
+        if waiting_head is None:
+            if time_to_next_arrival <= 0:  # arrived while the step in flight ran: the next step admits it
+                return
+            k1, _ = self.roofline.decode_steps_before(n, ctx_sum, k - 1, time_to_next_arrival)  # steps 1..k - 1
+            k = k1 + 1
+        out.last_step_start_s = self.roofline.decode_run(n, ctx_sum, k - 1)
+        self._grow_decode_run(out, k, self.roofline.decode_run(n, ctx_sum, k), waiting_head)
+
+    def _grow_decode_run(self, out: SchedulerOutput, k: int, run_time: float, waiting_head) -> None:
+        """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step."""
+        decodes = out.decodes
         out.num_steps = k
         out.run_time_s = run_time
         # Room for the middle step, the memory breakdown there, then room for the whole run.
@@ -418,7 +475,22 @@ class Scheduler:
         if not self.async_scheduling:
             return self._update_from_output(out)
         previous, self._in_flight = self._in_flight, out
-        return self._update_from_output(previous) if previous is not None else []
+        finished = self._update_from_output(previous) if previous is not None else []
+        if out.num_steps > 1:
+            self._settle_run(out)
+        return finished
+
+    def _settle_run(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
+        steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
+        cache_blocks = self.allocator.cache_blocks if self.allocator.enable_prefix_caching else None
+        inner = out.num_steps - 1
+        for seq in out.decodes:
+            seq.num_output_tokens += inner
+            seq.num_known_tokens = seq.num_tokens
+            assert seq.num_output_tokens < seq.max_tokens, seq
+            if cache_blocks is not None:  # what the steps processed so far computed; the last one is in flight
+                cache_blocks(seq, seq.num_computed_tokens - 1)
 
     def flush(self) -> list[SchedSeq]:
         """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
@@ -437,13 +509,13 @@ class Scheduler:
         for seq in out.decodes:
             seq.num_computed_tokens += k
         sampled += out.decodes
-        if self.async_scheduling:
+        if self.async_scheduling:  # a decode run's last step is in flight: its earlier ones settle at once
             for seq in sampled:
                 seq.num_output_placeholders += 1
             for seq, _, n in out.prefills:
                 seq.num_in_flight_tokens += n
             for seq in out.decodes:
-                seq.num_in_flight_tokens += k
+                seq.num_in_flight_tokens += 1
 
     def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
@@ -453,15 +525,16 @@ class Scheduler:
             for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
                 seq.num_in_flight_tokens -= n
             for seq in out.decodes:
-                seq.num_in_flight_tokens -= out.num_steps
+                seq.num_in_flight_tokens -= 1  # a decode run's last step (the others settled with it)
             for seq in [chunk[0] for chunk in out.prefills] + out.decodes:
                 if seq.stale_output:
                     seq.stale_output = False
                     stale.add(seq.seq_id)
         finished: list[SchedSeq] = []
         num_prefill_samples = len(out.sampled) - len(out.decodes)
-        k = out.num_steps
-        cache_blocks = self.allocator.cache_blocks if self.async_scheduling else None
+        k = 1 if self.async_scheduling else out.num_steps  # async: a run's earlier steps settled already
+        caching = self.async_scheduling and self.allocator.enable_prefix_caching
+        cache_blocks = self.allocator.cache_blocks if caching else None  # else it caches nothing
         in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
         if cache_blocks is not None and self._in_flight is not None:
             for seq in self._in_flight.decodes:
