@@ -88,5 +88,6 @@ def resolve(stream: Stream) -> ResolvedStream:
         async_scheduling=getattr(sc, "async_scheduling", False),  # the workload's, or the stream's forced on
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
     )
     return ResolvedStream(stream, workload, config, ctx, generate_requests(workload), setup)
