@@ -12,6 +12,13 @@ from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, tail_blo
 PROGRESS_EVERY = 1024  # steps between progress calls
 
 
+def _tables(req) -> list:
+    """A request's block tables, one per KV cache group: a mixed model's `HybridRequest.tables`, a uniform
+    model's one `PagedRequest.table`."""
+    tables = getattr(req, "tables", None)
+    return tables if tables is not None else [req.table]
+
+
 def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None) -> Trace:
     """kvsim's `replay_allocator` over the stream, observed step by step; `progress(text)` every 1,024 steps."""
     from kvsim.replay.loop import replay_allocator
@@ -29,7 +36,7 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
         entries = []
         for seq, num in [(seq, num) for seq, _, num in out.prefills] + [(seq, 1) for seq in out.decodes]:
             k = tail_blocks(num, block_size, id(seq) in admitted)
-            tables = [[0 if b is None else b.block_id for b in (t if k is None else t[-k:])] for t in reqs[seq].tables]
+            tables = [[0 if b is None else b.block_id for b in (t if k is None else t[-k:])] for t in _tables(reqs[seq])]
             entries.append((seq.index, num, tables))
         schedules.append(encode_schedule(entries))
 
