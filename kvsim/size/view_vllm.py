@@ -23,7 +23,7 @@ def print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
     if h.mamba_cache_mode == "none":
         prefix = "off (mamba_cache_mode none; vllm serve's default for a hybrid model is align: --enable-prefix-caching)"
     elif checkpoint:
-        prefix = f"on (mamba_cache_mode align, state checkpoints every {checkpoint} tokens: 3 state blocks per request)"
+        prefix = f"on (mamba_cache_mode align, prefill state checkpoints at a {checkpoint}-token alignment: 3 state blocks per request)"
     else:
         prefix = (
             "on (mamba_cache_mode align, 2 state blocks per request; no prefill checkpoints: a gated delta net "

@@ -67,6 +67,9 @@ HOPPER_GPUS = ("h100-80gb", "h100-pcie", "h100-nvl", "h200", "h20", "gh200")
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
 # Hugging Face model types whose state layers are gated delta nets (vLLM's `GatedDeltaNetAttention`)
 GATED_DELTA_NET_NAMES = ("qwen3-next", "qwen3_next", "qwen3.5", "qwen3_5")
+# ... and whose state layers are mamba2 mixers (vLLM's `MambaMixer2.get_kv_cache_spec`: one prefill checkpoint block
+# at alignment 1 on every GPU, so align mode holds 3 state blocks a request)
+MAMBA2_NAMES = ("nemotron-h", "nemotron_h", "falcon-h1", "falcon_h1", "bamba", "zamba2", "granite-4", "granitemoehybrid")
 
 
 def serve_mamba_defaults(model, gpu_key: str | None) -> tuple[str, int, str]:
@@ -78,7 +81,8 @@ def serve_mamba_defaults(model, gpu_key: str | None) -> tuple[str, int, str]:
     - In align mode a gated delta net layer exports prefill checkpoints (alignment 64) when its prefill kernel is
       FlashInfer's: on Hopper always; on Blackwell only with head_k_dim 128 and a CUDA 13 runtime, which kvsim
       does not assume (give --mamba-checkpoint-alignment 64 there); elsewhere Triton's (no checkpoints).
-      A model whose state layers are not all gated delta nets gets alignment 0 (the lcm needs every layer).
+      Mamba2 mixers (Nemotron-H, Falcon-H1, Bamba, Zamba2, Granite-4) export a checkpoint at alignment 1 on
+      every GPU; mamba1 (Jamba) none: alignment 0. Families are told by the model's name.
     """
     from kvsim.models.spec import LayerKind
 
@@ -90,6 +94,11 @@ def serve_mamba_defaults(model, gpu_key: str | None) -> tuple[str, int, str]:
     names = " ".join(n.lower() for n in (model.name, model.hf_id or "", model.source or ""))
     gdn = any(n in names for n in GATED_DELTA_NET_NAMES)
     where = f"on {gpu_key}" if gpu_key else "with no --gpu"
+    if any(n in names for n in MAMBA2_NAMES):
+        return "align", 1, (
+            f"vllm serve's defaults for a hybrid model {where}: prefix caching on (mamba_cache_mode align), mamba2 "
+            "layers export their block-boundary state from inside a prefill (checkpoint alignment 1: 3 state blocks "
+            "a request); --no-enable-prefix-caching for none")
     if gdn and gpu_key in HOPPER_GPUS:
         return "align", FLASHINFER_GDN_CHECKPOINT_ALIGNMENT, (
             f"vllm serve's defaults for a hybrid model {where}: prefix caching on (mamba_cache_mode align), gated "

@@ -377,7 +377,8 @@ def test_hybrid_models_default_to_vllm_serves_prefix_caching_per_gpu(cli):
         assert (mode, got) == ("align", alignment) and f"on {gpu}" in note, (gpu, mode, got, note)
     # align with checkpoints: 3 state blocks a request, the block raised to lcm(16, 64) multiples (320 at tp 4)
     assert run_json(cli, ["-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h100-80gb"])["vllm_block_size"] == 320
-    assert settings("-m", "nemotron-h-8b", "--gpu", "h100-80gb")[:2] == ("align", 0)  # not a gated delta net
+    assert settings("-m", "nemotron-h-8b", "--gpu", "h100-80gb")[:2] == ("align", 1)  # mamba2: a checkpoint block
+    assert settings("-m", "jamba-v0.1")[:2] == ("align", 0)  # mamba1: none
     mode, _, note = settings("-m", "mamba-codestral-7b", "--gpu", "h100-80gb")
     assert mode == "none" and "attention-free" in note
     # a setting given is kept, and then nothing is said to be assumed
