@@ -137,8 +137,8 @@ def size(
     kv_cache_memory: Annotated[Optional[str], typer.Option("--kv-cache-memory", help="vLLM's kv_cache_memory_bytes, e.g. 20GiB: the KV budget itself, utilization ignored.")] = None,
     prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Hybrid models: vllm serve's prefix caching, as --mamba-cache-mode align (on) or none (off).", show_default=False)] = None,
     kernel_block_size: Annotated[int, typer.Option("--kernel-block-size", help="Hybrid (mamba) models: the attention backend's kernel block that vLLM's raised block_size is a multiple of.")] = 16,
-    mamba_cache_mode: Annotated[str, typer.Option("--mamba-cache-mode", help="Hybrid models: vLLM's mamba_cache_mode, none (prefix caching off) or align (prefix caching on, vllm serve's default; vLLM: --enable-prefix-caching).")] = "none",
-    mamba_checkpoint_alignment: Annotated[int, typer.Option("--mamba-checkpoint-alignment", help="Hybrid models in align mode: the state layers' prefill checkpoint alignment (64: gated delta net with FlashInfer's prefill, Hopper); 0: none.")] = 0,
+    mamba_cache_mode: Annotated[Optional[str], typer.Option("--mamba-cache-mode", help="Hybrid models: vLLM's mamba_cache_mode, none (prefix caching off) or align (prefix caching on). Default: vllm serve's, align for a hybrid model, none for an attention-free one.", show_default=False)] = None,
+    mamba_checkpoint_alignment: Annotated[Optional[int], typer.Option("--mamba-checkpoint-alignment", help="Hybrid models in align mode: the state layers' prefill checkpoint alignment; 0: none. Default: vllm serve's for the GPU, 64 for gated delta nets (Qwen3-Next, Qwen3.5) on Hopper (FlashInfer's prefill), else 0.", show_default=False)] = None,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on in vllm serve): two batches in flight enter the sliding-window bound.")] = True,
     params: Annotated[Optional[float], typer.Option("--params", help="Total parameter count, e.g. 8.03e9 (needed with --config for weights).")] = None,
     layout: Annotated[bool, typer.Option("--layout", help="Print the KV pool tensor's shape, strides and bytes.")] = False,
@@ -155,7 +155,7 @@ def size(
     from kvsim.size.view import show_size
 
     if prefix_caching is not None:
-        mamba_cache_mode = "align" if prefix_caching else "none"
+        mamba_cache_mode = "align" if prefix_caching else "none"  # None: vllm serve's default for the model
     show_size(
         model, config, kv_dtype=kv_dtype, block_size=block_size, context=context, tp=tp, gpu=gpu, memory=memory,
         utilization=utilization, weight_dtype=weight_dtype, max_num_batched_tokens=max_num_batched_tokens,

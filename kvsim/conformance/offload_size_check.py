@@ -38,8 +38,12 @@ class OffloadCase:
     @property
     def label(self) -> str:
         opts = f" --cpu-block-size {self.cpu_block_size}" if self.cpu_block_size else ""
-        if self.settings.mamba_cache_mode != "none":
+        from kvsim.conformance.size_check import has_state_layers
+
+        if has_state_layers(self.model):  # kvsim size's default follows vllm serve's: name the mode
             opts += f" --mamba-cache-mode {self.settings.mamba_cache_mode}"
+            if self.settings.mamba_cache_mode == "align":
+                opts += f" --mamba-checkpoint-alignment {self.settings.mamba_checkpoint_alignment}"
         if self.context:
             opts += f" --context {self.context}"
         return f"{self.model} --tp {self.tp} --cpu-offload {self.cpu_bytes / GIB:g}GiB{opts}"

@@ -7,6 +7,7 @@ Run: `python3 -m kvsim.conformance.size_check` (exit code 1 on any difference).
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field, replace
 
@@ -39,10 +40,10 @@ class Case:
             opts += f" --max-num-batched-tokens {s.max_num_batched_tokens}"
         if s.kernel_block_size != default.kernel_block_size:
             opts += f" --kernel-block-size {s.kernel_block_size}"
-        if s.mamba_cache_mode != default.mamba_cache_mode:
+        if has_state_layers(self.model):  # kvsim size's defaults follow vllm serve's: name the mode and alignment
             opts += f" --mamba-cache-mode {s.mamba_cache_mode}"
-        if s.mamba_checkpoint_alignment:
-            opts += f" --mamba-checkpoint-alignment {s.mamba_checkpoint_alignment}"
+            if s.mamba_cache_mode == "align":
+                opts += f" --mamba-checkpoint-alignment {s.mamba_checkpoint_alignment}"
         if not s.async_scheduling:
             opts += " --no-async-scheduling"
         return f"{self.model} --tp {self.tp} --gpu {self.gpu} --kv-dtype {self.kv_dtype}{opts}"
@@ -59,6 +60,20 @@ class Result:
     @property
     def differing(self) -> dict[str, tuple]:
         return {k: v for k, v in self.compared.items() if v[0] != v[1]}
+
+
+@functools.lru_cache(maxsize=None)
+def has_state_layers(model: str) -> bool:
+    """Whether `model` (a catalogue name or config path) has state layers, whose mamba settings a label names."""
+    from kvsim.models.catalogue import resolve_model
+    from kvsim.models.hf_config import load_hf_config
+    from kvsim.models.spec import LayerKind
+
+    try:
+        spec = resolve_model(model) if not model.endswith(".json") else load_hf_config(model)
+    except KvsimError:
+        return False
+    return any(layer.kind == LayerKind.LINEAR_STATE for layer in spec.layers)
 
 
 def check(case: Case, report: dict | None = None) -> Result:

@@ -90,6 +90,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         async_scheduling=getattr(sc, "async_scheduling", False),  # the workload's, or the stream's forced on
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
     )
     if workload.deployment.replicas > 1:  # a fleet: the requests its router sent this replica
         from kvsim.deployment.streams import replica_streams

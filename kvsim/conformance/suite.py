@@ -18,7 +18,9 @@ def _streams() -> tuple[Stream, ...]:
         "prefix", "prefix-pressure", "poisson-pressure", "poisson-prefix-pressure", "poisson-1000",
         "chunked-long", "max-model-len", "block-32", "block-256",
         "gpt-oss-pressure", "gemma3-pressure", "qwen3-next-pressure", "deepseek-v3-pressure",  # mixed models: vLLM's KV cache groups
-        "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups
+        "gpt-oss-prefix-pressure", "gemma3-prefix-pressure",  # ... with prefix caching across the groups (vLLM's
+        # default prefix_cache_retention_interval 0: sparse sliding-window blocks)
+        "gpt-oss-prefix-dense", "gemma3-prefix-dense",  # ... the same under retention None (every block cached)
         "parallel-sampling", "gemma3-parallel-sampling",  # n samples a prompt: child requests sharing it by prefix caching
     ]
     as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides

@@ -39,6 +39,8 @@ class EngineSetup:
     # specs by vLLM's own planning functions, as the size check does; None: one full-attention group.
     model: object = None
     kv_budget_bytes: int = 0
+    # CacheConfig.prefix_cache_retention_interval: vLLM's default 0 (sparse), None (dense) or a block multiple
+    prefix_cache_retention_interval: int | None = 0
 
 
 def build_scheduler(setup: EngineSetup):
@@ -63,7 +65,8 @@ def build_scheduler(setup: EngineSetup):
     hybrid_config = hybrid_kv_cache_config(setup) if setup.model is not None else None
     # cache_config.block_size after start-up: the smallest group's (a hybrid mamba model's raised block)
     block_size = setup.block_size if hybrid_config is None else min(g.kv_cache_spec.block_size for g in hybrid_config.kv_cache_groups)
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=setup.enable_prefix_caching)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=setup.enable_prefix_caching,
+                               prefix_cache_retention_interval=setup.prefix_cache_retention_interval)
     cache_config.num_gpu_blocks = setup.num_gpu_blocks
     concurrent_batches = 2 if setup.async_scheduling else 1  # VllmConfig.max_concurrent_batches, pp = 1
     # The VllmConfig fields the scheduler reads, nothing else (a missing one fails loudly).
@@ -136,9 +139,9 @@ def hybrid_kv_cache_config(setup: EngineSetup):
     configs = v.planning.get_kv_cache_configs(cfg, [specs], [setup.kv_budget_bytes], groups)
     config = v.utils.generate_scheduler_kv_cache_config(configs)
     assert config.num_blocks == setup.num_gpu_blocks, (config.num_blocks, setup.num_gpu_blocks)
-    # Dense retention: a sliding-window group caches every full block, as kvsim models it. vLLM's default (0)
-    # keeps only the blocks a replay of the same prompt or a detected shared-prefix junction can hit.
-    config.prefix_cache_retention_interval = None
+    # The workload's retention (vLLM's default 0: a sliding-window group keeps only the blocks a replay of the
+    # same prompt or a detected shared-prefix junction can hit; None: every full block)
+    config.prefix_cache_retention_interval = setup.prefix_cache_retention_interval
     return config
 
 

@@ -25,6 +25,9 @@ class AllocatorConfig:
     placement: Placement = "first-fit"
     prefix_caching: bool = False
     watermark: float = 0.0
+    # vLLM's `prefix_cache_retention_interval` (its default 0: a sliding-window group caches only the blocks a
+    # replay of the prompt or a shared-prefix junction can hit; None: every full block; k: every k tokens too)
+    prefix_cache_retention_interval: int | None = 0
 
     @property
     def label(self) -> str:
@@ -34,7 +37,11 @@ class AllocatorConfig:
             suffix = "" if self.placement == "first-fit" else f"-{self.placement}"
             return f"flat-{self.reserve}{suffix}"
         watermark = "" if self.watermark == 0.0 else f"-wm{self.watermark:g}"
-        return f"paged-{self.block_size}{watermark}" + ("+prefix" if self.prefix_caching else "")
+        prefix = ""
+        if self.prefix_caching:  # a retention interval other than vLLM's default 0 is named: -dense (None), -r<k>
+            interval = self.prefix_cache_retention_interval
+            prefix = "+prefix" + ("-dense" if interval is None else f"-r{interval}" if interval else "")
+        return f"paged-{self.block_size}{watermark}{prefix}"
 
 
 def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int, *, max_model_len: int) -> KVAllocator:
@@ -50,11 +57,18 @@ def make_allocator(config: AllocatorConfig, spec: KVCacheSpec, budget_bytes: int
             max_model_len=max_model_len,
             watermark=config.watermark,
             enable_prefix_caching=config.prefix_caching,
+            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         )
     if config.kind == "paged":
         from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 
         assert spec.is_uniform, "a mixed model's spec carries vLLM's groups (kvsim.size.vllm_pool.with_pool)"
+        if config.prefix_cache_retention_interval:
+            from kvsim.errors import KvsimError
+
+            raise KvsimError(f"is {config.prefix_cache_retention_interval} but this model has no sliding-window "
+                             "layer group, so retention has no effect (vLLM refuses it): set it to 0",
+                             field="prefix_cache_retention_interval")
         return PagedAllocator(
             spec,
             budget_bytes,

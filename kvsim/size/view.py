@@ -43,8 +43,8 @@ def show_size(
     enforce_eager: bool = False,
     kv_cache_memory: str | None = None,
     kernel_block_size: int = 16,
-    mamba_cache_mode: str = "none",
-    mamba_checkpoint_alignment: int = 0,
+    mamba_cache_mode: str | None = None,
+    mamba_checkpoint_alignment: int | None = None,
     async_scheduling: bool = True,
     params: float | None = None,
     layout: bool = False,
@@ -84,6 +84,19 @@ def show_size(
         memory_bytes, gpu_name = device.reported_memory_bytes, device.name
     elif memory:
         memory_bytes = parse_bytes(memory, field="--memory")
+    mamba_note = ""  # which of vllm serve's mamba defaults were assumed
+    if mamba_cache_mode is None or mamba_checkpoint_alignment is None:
+        from kvsim.size.vllm_settings import serve_mamba_defaults
+
+        serve_mode, serve_alignment, mamba_note = serve_mamba_defaults(spec, device.key if gpu else None)
+        if mamba_cache_mode is None:
+            mamba_cache_mode = serve_mode
+        elif mamba_cache_mode != serve_mode:
+            serve_alignment, mamba_note = 0, ""
+        if mamba_checkpoint_alignment is None:
+            mamba_checkpoint_alignment = serve_alignment if mamba_cache_mode == "align" else 0
+        else:
+            mamba_note = ""
     startup = StartupSettings(
         gpu_memory_utilization=utilization,
         max_num_seqs=max_num_seqs,
@@ -125,6 +138,8 @@ def show_size(
 
     if as_json:
         out = report.as_json()
+        if mamba_note:
+            out["vllm_mamba_defaults"] = mamba_note
         if pool is not None:
             out.update({"pool_shape": list(pool.shape), "pool_strides": list(pool.strides), "pool_bytes": pool.total_bytes})
         if offset is not None:
@@ -136,6 +151,8 @@ def show_size(
         return
     console = Console()
     _print_report(console, report)
+    if mamba_note:
+        console.print(f"assumed: {mamba_note}", style="dim", highlight=False, soft_wrap=True)
     if step_time:
         console.print(_step_time_line(spec, device if gpu else None, report, tp), highlight=False, soft_wrap=True)
     if pool is not None:

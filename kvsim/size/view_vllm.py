@@ -21,13 +21,13 @@ def print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
         soft_wrap=True,
     )
     if h.mamba_cache_mode == "none":
-        prefix = "off (mamba_cache_mode none; vllm serve turns it on for hybrid models: --mamba-cache-mode align)"
+        prefix = "off (mamba_cache_mode none; vllm serve's default for a hybrid model is align: --enable-prefix-caching)"
     elif checkpoint:
-        prefix = f"on (mamba_cache_mode align, state checkpoints every {checkpoint} tokens: 3 state blocks per request)"
+        prefix = f"on (mamba_cache_mode align, prefill state checkpoints at a {checkpoint}-token alignment: 3 state blocks per request)"
     else:
         prefix = (
-            "on (mamba_cache_mode align, 2 state blocks per request; gated delta net layers with FlashInfer's "
-            "prefill, vLLM's choice on Hopper, also checkpoint: --mamba-checkpoint-alignment 64)"
+            "on (mamba_cache_mode align, 2 state blocks per request; no prefill checkpoints: a gated delta net "
+            "on Hopper checkpoints with FlashInfer's prefill, --mamba-checkpoint-alignment 64)"
         )
     console.print(
         f"vLLM settings assumed: attention kernel block {h.kernel_block_size} "

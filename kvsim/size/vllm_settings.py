@@ -58,3 +58,53 @@ class VllmSettings:
     def max_in_flight_tokens(self) -> int:
         """`VllmConfig.max_in_flight_tokens`: tokens scheduled but not yet settled, which a window keeps alive."""
         return self.max_concurrent_batches * self.max_num_batched_tokens
+
+
+# GPUs of compute capability 9.0 (Hopper) in kvsim's catalogue: FlashInfer's gated-delta-net prefill runs there
+# with no further condition (vLLM 0.33 `_resolve_gdn_prefill_backend`).
+HOPPER_GPUS = ("h100-80gb", "h100-pcie", "h100-nvl", "h200", "h20", "gh200")
+# vLLM 0.33 `FLASHINFER_GDN_CHECKPOINT_ALIGNMENT` (v1/attention/backends/gdn_attn.py)
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+# Hugging Face model types whose state layers are gated delta nets (vLLM's `GatedDeltaNetAttention`)
+GATED_DELTA_NET_NAMES = ("qwen3-next", "qwen3_next", "qwen3.5", "qwen3_5")
+# ... and whose state layers are mamba2 mixers (vLLM's `MambaMixer2.get_kv_cache_spec`: one prefill checkpoint block
+# at alignment 1 on every GPU, so align mode holds 3 state blocks a request)
+MAMBA2_NAMES = ("nemotron-h", "nemotron_h", "falcon-h1", "falcon_h1", "bamba", "zamba2", "granite-4", "granitemoehybrid")
+
+
+def serve_mamba_defaults(model, gpu_key: str | None) -> tuple[str, int, str]:
+    """`vllm serve` 0.33's mamba_cache_mode and prefill checkpoint alignment for `model` on `gpu_key`, and why.
+
+    - Prefix caching is on by default for a generative hybrid model (`ModelConfig.is_prefix_caching_supported`:
+      attn_type "hybrid"), off for an attention-free one ("attention_free"); `MambaModelConfig.
+      verify_and_update_config` then sets mamba_cache_mode align (on) or none (off).
+    - In align mode a gated delta net layer exports prefill checkpoints (alignment 64) when its prefill kernel is
+      FlashInfer's: on Hopper always; on Blackwell only with head_k_dim 128 and a CUDA 13 runtime, which kvsim
+      does not assume (give --mamba-checkpoint-alignment 64 there); elsewhere Triton's (no checkpoints).
+      Mamba2 mixers (Nemotron-H, Falcon-H1, Bamba, Zamba2, Granite-4) export a checkpoint at alignment 1 on
+      every GPU; mamba1 (Jamba) none: alignment 0. Families are told by the model's name.
+    """
+    from kvsim.models.spec import LayerKind
+
+    states = [layer for layer in model.layers if layer.kind == LayerKind.LINEAR_STATE]
+    if not states:
+        return "none", 0, ""
+    if not any(layer.holds_tokens for layer in model.layers):
+        return "none", 0, "an attention-free model: vllm serve leaves prefix caching off (mamba_cache_mode none)"
+    names = " ".join(n.lower() for n in (model.name, model.hf_id or "", model.source or ""))
+    gdn = any(n in names for n in GATED_DELTA_NET_NAMES)
+    where = f"on {gpu_key}" if gpu_key else "with no --gpu"
+    if any(n in names for n in MAMBA2_NAMES):
+        return "align", 1, (
+            f"vllm serve's defaults for a hybrid model {where}: prefix caching on (mamba_cache_mode align), mamba2 "
+            "layers export their block-boundary state from inside a prefill (checkpoint alignment 1: 3 state blocks "
+            "a request); --no-enable-prefix-caching for none")
+    if gdn and gpu_key in HOPPER_GPUS:
+        return "align", FLASHINFER_GDN_CHECKPOINT_ALIGNMENT, (
+            f"vllm serve's defaults for a hybrid model {where}: prefix caching on (mamba_cache_mode align), gated "
+            f"delta net prefill checkpoints every {FLASHINFER_GDN_CHECKPOINT_ALIGNMENT} tokens (FlashInfer's kernel "
+            "on Hopper); --no-enable-prefix-caching for none")
+    kernel = "" if not gdn else (" (gated delta net prefill by Triton's kernel off Hopper: no checkpoints)" if gpu_key
+                                 else " (no --gpu: no gated delta net prefill checkpoints; 64 on Hopper)")
+    return "align", 0, (f"vllm serve's defaults for a hybrid model {where}: prefix caching on (mamba_cache_mode "
+                        f"align){kernel}; --no-enable-prefix-caching for none")

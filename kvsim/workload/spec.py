@@ -397,6 +397,21 @@ def _trace_file(path: Path, *, source: str | None, field: str) -> Path:
     return path
 
 
+def _retention_interval(a: Fields, block_size: int) -> int | None:
+    """vLLM's `prefix_cache_retention_interval`: absent = its default 0 (sparse: a sliding-window group caches
+    only the blocks a later hit can reach); an explicit null = None (dense: every full block, vLLM's
+    `--prefix-cache-retention-interval` unset in older releases); k > 0 = also a tail every k tokens, k a
+    multiple of the block size."""
+    key = "prefix_cache_retention_interval"
+    if key in a.raw and a.raw[key] is None:
+        a.get(key, None)
+        return None
+    interval = a.int(key, 0, min=0)
+    if interval % block_size:
+        raise a.error(key, f"must be a multiple of the block size ({block_size}), got {interval}")
+    return interval
+
+
 def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig, ...]:
     configs = []
     for a in f.subs("allocators"):
@@ -411,11 +426,13 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
             watermark = a.float("watermark", scheduler.watermark, min=0, max=1)
             if watermark >= 1:
                 raise a.error("watermark", f"must be < 1 (a fraction of the blocks), got {watermark:g}")
+            block_size = a.int("block_size", 16, min=1)
             config = AllocatorConfig(
                 "paged",
-                block_size=a.int("block_size", 16, min=1),
+                block_size=block_size,
                 prefix_caching=a.bool("prefix_caching", False),
                 watermark=watermark,
+                prefix_cache_retention_interval=_retention_interval(a, block_size),
             )
         a.done()
         if any(c.label == config.label for c in configs):

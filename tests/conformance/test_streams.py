@@ -80,7 +80,7 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     from kvsim.conformance.vllm_engine import build_scheduler
     from kvsim.engine.paged.block_pool import BlockPool
 
-    rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-pressure"))
+    rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-dense"))
     manager = build_scheduler(rs.setup).kv_cache_manager
     assert type(manager.coordinator).__name__ == "HybridKVCacheCoordinator"
     kvsim, vllm = run_kvsim(rs), run_vllm(rs)
@@ -191,3 +191,23 @@ def test_a_long_stream_reports_its_progress(vllm_loaded):
                      "max-num-seqs (1 of 1): vLLM's scheduler", "max-num-seqs (1 of 1): vLLM's scheduler, step 1,024", ""]
     row = next(k for k, (kind, line) in enumerate(events) if kind == "row" and line.startswith("max-num-seqs"))
     assert events[row - 1] == ("progress", "")
+
+
+def test_default_retention_streams_give_vllm_retention_0_and_dense_retention_on_kvsims_side_differs(vllm_loaded):
+    """gpt-oss-prefix-pressure runs vLLM 0.33's default prefix_cache_retention_interval 0 on both sides and
+    conforms; kvsim's side alone under dense retention (None, every sliding block cached) differs."""
+    import dataclasses
+
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+
+    rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-pressure"))
+    assert rs.config.prefix_cache_retention_interval == 0 == rs.setup.prefix_cache_retention_interval
+    assert build_scheduler(rs.setup).kv_cache_manager.coordinator.retention_interval == 0
+    vllm = run_vllm(rs)
+    assert compare(run_kvsim(rs), vllm).differing_steps == 0
+    dense = dataclasses.replace(rs, config=dataclasses.replace(rs.config, prefix_cache_retention_interval=None))
+    c = compare(run_kvsim(dense), vllm)
+    assert c.differs and c.first_step is not None

@@ -14,11 +14,13 @@ from kvsim.size.kv_cache_spec import PoolGroupSpec, PoolSpec
 from tests.engine.test_paged_hybrid import SPEC
 
 # SPEC: 2 sliding groups (window 8) and 1 full group, block_size 4, a block id 64 B. A sliding hit needs
-# cdiv(8 - 1, 4) = 2 contiguous cached blocks.
+# cdiv(8 - 1, 4) = 2 contiguous cached blocks. Most tests hold vLLM's dense retention (every full block cached,
+# `prefix_cache_retention_interval` None); the last ones its default 0.
 
 
-def make(num_blocks: int = 17) -> HybridPagedAllocator:
-    return HybridPagedAllocator(SPEC, num_blocks * 64, max_model_len=64, enable_prefix_caching=True)
+def make(num_blocks: int = 17, retention: int | None = None) -> HybridPagedAllocator:
+    return HybridPagedAllocator(SPEC, num_blocks * 64, max_model_len=64, enable_prefix_caching=True,
+                                prefix_cache_retention_interval=retention)
 
 
 def seq(seq_id: int, ids, prompt: int = 20) -> Sequence:
@@ -51,10 +53,11 @@ def test_a_hit_is_every_full_block_and_the_window_before_it_the_rest_null_blocks
 
 def test_admission_counts_revived_hits_but_not_the_hit_blocks_before_the_window():
     ids = np.arange(20)
-    alloc = HybridPagedAllocator(SPEC, 17 * 64, max_model_len=64, enable_prefix_caching=True, watermark=0.36)
+    alloc = HybridPagedAllocator(SPEC, 17 * 64, max_model_len=64, enable_prefix_caching=True, watermark=0.36,
+                                 prefix_cache_retention_interval=None)
     run_and_free(alloc, seq(0, ids))  # alone: no watermark
     coordinator = alloc.coordinator
-    hit_blocks, hit = alloc.coordinator.find_longest_cache_hit(block_hashes(ids, 20, 4), 19)
+    hit_blocks, hit, _ = alloc.coordinator.find_longest_cache_hit(block_hashes(ids, 20, 4), 19)
     assert hit == 16 and [len(b) for b in hit_blocks] == [4, 4, 4]
     # per sliding group: 5 blocks - max(2 skipped, 4 hit) = 1 new + 2 revived; full: 1 new + 4 revived
     assert coordinator.get_num_blocks_to_allocate(coordinator.new_tables(), 20, False, hit_blocks, hit) == 11
@@ -136,3 +139,58 @@ def test_without_prefix_caching_cache_blocks_does_nothing():
     a.num_computed_tokens = 8
     alloc.cache_blocks(a, 8)
     assert alloc.pool.cached_block_hash_to_block == {} and alloc.block_tables(a) == [[1, 2], [3, 4], [5, 6]]
+
+
+# --- vLLM 0.33's default retention (`prefix_cache_retention_interval` 0) ----------------------------------------
+
+
+def test_default_retention_caches_only_the_sliding_tail_before_the_prompts_last_token():
+    """vLLM's `SlidingWindowManager.reachable_block_mask` with retention 0: a 20-token prompt is replayed from
+    at most token 19, whose hit ends at block 19 // 4 = 4; its 2 sliding blocks before (2, 3) are cached, the
+    full group's every block."""
+    alloc = make(retention=0)
+    ids = np.arange(20)
+    run_and_free(alloc, seq(0, ids))
+    h = block_hashes(ids, 20, 4)
+    cached = alloc.pool.cached_block_hash_to_block
+    assert sorted(j for j in range(5) if (h[j], 0) in cached) == [2, 3] == sorted(j for j in range(5) if (h[j], 1) in cached)
+    assert all((h[j], 2) in cached for j in range(5))
+    b = seq(1, ids)
+    assert alloc.allocate(b, 20) == 16  # the same hit as dense retention gives a resend
+    # the uncached blocks went to the free queue's head, each group's tail first: 10, 7, 6, 5, 2, 1, 16, ...
+    assert alloc.block_tables(b)[:2] == [[0, 0, 3, 4, 10], [0, 0, 8, 9, 7]]
+
+
+def test_default_retention_a_shorter_prefix_misses_where_dense_retention_hits():
+    """A request sharing only the first 12 tokens: dense retention caches sliding blocks 1 and 2 (its hit of
+    12 tokens needs them); retention 0 cached only blocks 2 and 3, so the sliding groups miss and so does
+    the whole hit."""
+    ids = np.arange(20)
+    other = np.concatenate([ids[:12], 100 + ids[:8]])
+    for retention, hit in ((None, 12), (0, 0)):
+        alloc = make(retention=retention)
+        run_and_free(alloc, seq(0, ids))
+        assert alloc.allocate(seq(1, other), 20) == hit, retention
+
+
+def test_default_retention_keeps_the_tail_before_a_shared_prefix_junction():
+    """vLLM's `shared_prefix_boundary`: the full group hits 12 tokens but the sliding groups do not (their
+    tails were not kept), so the junction (12) is pinned: the new request caches the sliding blocks before
+    it, and a third request sharing those 12 tokens hits them."""
+    ids = np.arange(20)
+    alloc = make(num_blocks=40, retention=0)
+    run_and_free(alloc, seq(0, ids))
+    b_ids = np.concatenate([ids[:12], 100 + ids[:8]])
+    run_and_free(alloc, seq(1, b_ids))  # misses (previous test); pins 12: sliding blocks 1, 2 cached
+    c_ids = np.concatenate([ids[:12], 200 + ids[:8]])
+    assert alloc.allocate(seq(2, c_ids), 20) == 12
+
+
+def test_a_positive_retention_interval_keeps_a_tail_per_segment_and_is_checked():
+    """Interval 8 (2 blocks of 4): per segment the last `need` = 2 blocks, i.e. every block here (vLLM caches
+    them all when need >= blocks per segment); the interval must be a multiple of the block size."""
+    alloc = make(retention=8)
+    run_and_free(alloc, seq(0, np.arange(20)))
+    assert len(alloc.pool.cached_block_hash_to_block) == 15
+    with pytest.raises(KvsimError, match="multiple of the block size"):
+        make(retention=6)

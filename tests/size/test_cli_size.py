@@ -221,13 +221,14 @@ def test_hybrid_state_model_prints_vllms_lines_and_its_raised_block_size(cli):
     # qwen3-next-80b-a3b at tp 4 with 37,309,411,328 B of KV cache: block_size 16 x cdiv(274,432, 16 x 1,024) = 272; num_blocks
     # 37,309,411,328 // (12 x 278,528) = 11,162; 11,162 / (964 + 3) = 11.54; tokens int(11.54... x 262,144)
     # (each step in tests/test_vllm_sizing.py)
-    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "37309411328", "--tp", "4"]).stdout
+    none = "--no-enable-prefix-caching"  # mamba_cache_mode none; vllm serve's default align is tested below
+    out = cli(["size", "--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "37309411328", "--tp", "4", none]).stdout
     assert "vLLM block_size for this model: 272 tokens (raised from --block-size 16" in out
     assert "state page padded to 278,528 B (+1.49%)" in out
     assert "block_size 272): GPU KV cache size: 3,025,906 tokens, Maximum concurrency for 262,144 tokens per request: 11.54x" in out
     assert "prefix caching off (mamba_cache_mode none" in out and "attention kernel block 16" in out
     assert "kvsim's own estimate, whole 16-token blocks" in out and "not modelled" not in out
-    data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "56257837465", "--tp", "2"])
+    data = run_json(cli, ["--model", "qwen3-next-80b-a3b", "--kv-cache-memory", "56257837465", "--tp", "2", none])
     assert data["block_rounded_is_vllm_exact"] is True
     # tp 2: 2 (K, V) x 1 head x 256 x 2 B = 1,024 B per token per layer; state 1,097,728 / 2 = 548,864 B:
     # 16 x cdiv(548,864, 16,384) = 16 x 34 (33.5 rounds up) = 544; page 544 x 1,024 = 557,056 B
@@ -266,12 +267,14 @@ BAMBA_9B = {  # ibm-ai-platform/Bamba-9B
 def test_jamba_and_bamba_configs_print_vllms_lines(cli, tmp_path):
     # Jamba-v0.1, tp 2, 25,709,411,328 B of KV cache: block 16 x cdiv(155,648, 32,768) = 80; num_blocks 25,709,411,328 // 163,840 // 4
     # = 39,229; 39,229 / (3,277 + 7) = 11.95; tokens int(11.95... x 262,144) = 3,131,439
-    out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--kv-cache-memory", "25709411328", "--tp", "2"]).stdout
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(JAMBA_V01)), "--kv-cache-memory", "25709411328", "--tp", "2",
+               "--mamba-cache-mode", "none"]).stdout
     assert "vLLM block_size for this model: 80 tokens" in out and "(+5.26%)" in out
     assert "GPU KV cache size: 3,131,439 tokens, Maximum concurrency for 262,144 tokens per request: 11.95x" in out
     # Bamba-9B, tp 1, 4,096 tokens, 57,749,411,328 B of KV cache: block 16 x cdiv(2,147,840, 65,536) = 528; num_blocks 57,749,411,328
     # // (3 x 2,162,688) = 8,900; 8,900 / (8 + 10) = 494.44; tokens int(494.44... x 4,096) = 2,025,244
-    out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--kv-cache-memory", "57749411328", "--context", "4096"]).stdout
+    out = cli(["size", "--config", _config(tmp_path, json.dumps(BAMBA_9B)), "--kv-cache-memory", "57749411328", "--context", "4096",
+               "--mamba-cache-mode", "none"]).stdout
     assert "vLLM block_size for this model: 528 tokens" in out and "(+0.69%)" in out
     assert "GPU KV cache size: 2,025,244 tokens, Maximum concurrency for 4,096 tokens per request: 494.44x" in out
 
@@ -302,7 +305,7 @@ def test_models_table_on_an_80_column_terminal_keeps_kv_heads_and_head_dim(cli, 
 
 
 def test_vllm_settings_errors_and_a_refused_start_through_the_cli(cli):
-    result = cli(["size", "-m", "qwen3-next-80b-a3b", "--mamba-checkpoint-alignment", "64"])
+    result = cli(["size", "-m", "qwen3-next-80b-a3b", "--mamba-cache-mode", "none", "--mamba-checkpoint-alignment", "64"])
     assert result.exit_code == 2
     assert result.output.strip() == "kvsim: error: --mamba-checkpoint-alignment: state checkpoints exist only with --mamba-cache-mode align"
     # llama-3.1-70b at tp 2 with 6 GiB of KV cache: 2,457 blocks of 2,621,440 B; one 131,072-token request needs 8,192
@@ -360,3 +363,26 @@ def test_size_help_on_80_columns_keeps_every_option_name(cli, monkeypatch):
     names = [line.split()[1] for line in out.splitlines() if line.startswith("│ -")]
     assert "--max-num-batched-tokens" in names and "--mamba-checkpoint-alignment" in names and "--kv-cache-memory" in names
     assert not any("…" in name for name in names)
+
+
+def test_hybrid_models_default_to_vllm_serves_prefix_caching_per_gpu(cli):
+    """vllm serve 0.33 turns prefix caching on for a hybrid model (mamba_cache_mode align), off for an
+    attention-free one; a gated delta net on Hopper checkpoints its prefill every 64 tokens (FlashInfer)."""
+    def settings(*args):
+        data = run_json(cli, [*args])
+        return data["vllm_mamba_cache_mode"], data.get("vllm_mamba_checkpoint_alignment"), data.get("vllm_mamba_defaults", "")
+
+    for gpu, alignment in (("h100-80gb", 64), ("h200", 64), ("b200", 0), ("a100-80gb", 0)):
+        mode, got, note = settings("-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", gpu)
+        assert (mode, got) == ("align", alignment) and f"on {gpu}" in note, (gpu, mode, got, note)
+    # align with checkpoints: 3 state blocks a request, the block raised to lcm(16, 64) multiples (320 at tp 4)
+    assert run_json(cli, ["-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h100-80gb"])["vllm_block_size"] == 320
+    assert settings("-m", "nemotron-h-8b", "--gpu", "h100-80gb")[:2] == ("align", 1)  # mamba2: a checkpoint block
+    assert settings("-m", "jamba-v0.1")[:2] == ("align", 0)  # mamba1: none
+    mode, _, note = settings("-m", "mamba-codestral-7b", "--gpu", "h100-80gb")
+    assert mode == "none" and "attention-free" in note
+    # a setting given is kept, and then nothing is said to be assumed
+    assert settings("-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h100-80gb", "--no-enable-prefix-caching") == ("none", 0, "")
+    assert settings("-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h100-80gb", "--mamba-checkpoint-alignment", "0") == ("align", 0, "")
+    out = cli(["size", "-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h200"]).stdout
+    assert "assumed: vllm serve's defaults for a hybrid model on h200" in out

@@ -107,7 +107,7 @@ def test_cli_table_lines(cli):
     (["--cpu-offload", "100GiB", "--kv-offloading-size", "100"], "--kv-offloading-size"),
     (["--cpu-block-size", "64"], "--cpu-block-size"),
     (["--cpu-offload", "lots"], "--cpu-offload"),
-    (["-m", "qwen3-next-80b-a3b", "--cpu-offload", "1GiB"], "--mamba-cache-mode"),
+    (["-m", "qwen3-next-80b-a3b", "--cpu-offload", "1GiB", "--no-enable-prefix-caching"], "--mamba-cache-mode"),
 ])
 def test_cli_bad_offload_settings_are_one_line(cli, args, field):
     if "-m" not in args:

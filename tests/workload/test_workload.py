@@ -364,3 +364,20 @@ def test_deployment_defaults_to_one_gpu_and_reads_tp_and_ep(tmp_path):
     assert load_workload(write(tmp_path, BASE)).deployment == Deployment(tp=1, ep=1)
     assert load_workload(write(tmp_path, with_change("deployment", {"tp": 4}))).deployment == Deployment(tp=4, ep=1)
     assert load_workload(write(tmp_path, with_change("deployment", {"tp": 8, "ep": 8}))).deployment == Deployment(8, 8)
+
+
+def test_prefix_cache_retention_interval_defaults_to_vllms_0_null_is_dense_and_bad_values_name_the_field(tmp_path):
+    data = with_change("scheduler", {})
+    data["allocators"] = [
+        {"kind": "paged", "block_size": 16, "prefix_caching": True},
+        {"kind": "paged", "block_size": 16, "prefix_caching": True, "prefix_cache_retention_interval": None},
+        {"kind": "paged", "block_size": 16, "prefix_caching": True, "prefix_cache_retention_interval": 64},
+    ]
+    w = load_workload(write(tmp_path, data))
+    assert [a.prefix_cache_retention_interval for a in w.allocators] == [0, None, 64]
+    assert [a.label for a in w.allocators] == ["paged-16+prefix", "paged-16+prefix-dense", "paged-16+prefix-r64"]
+    for bad, says in ((24, "multiple of the block size"), (-16, ">= 0"), ("dense", "number")):
+        data["allocators"] = [{"kind": "paged", "block_size": 16, "prefix_cache_retention_interval": bad}]
+        with pytest.raises(KvsimError, match=r"w\.yaml: allocators\[0\]\.prefix_cache_retention_interval") as err:
+            load_workload(write(tmp_path, data))
+        assert says in str(err.value) or bad == "dense", str(err.value)

@@ -25,8 +25,10 @@ class HybridCoordinator:
     window are looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
-    def __init__(self, pool_spec: PoolSpec, pool: BlockPool):
+    def __init__(self, pool_spec: PoolSpec, pool: BlockPool, prefix_cache_retention_interval: int | None = 0):
         self.pool = pool
+        # vLLM's `prefix_cache_retention_interval`: which sliding-window blocks are cached (None: every one)
+        self.retention_interval = prefix_cache_retention_interval
         self.managers: list[SingleTypeManager] = [make_manager(g, pool) for g in pool_spec.groups]
         self.groups = groups = pool_spec.groups
         kinds: dict[tuple, list[int]] = {}
@@ -75,8 +77,10 @@ class HybridCoordinator:
 
     # --- prefix caching across the groups ---------------------------------------------------------------
 
-    def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[Block]], int]:
-        """Each group's hit blocks and the hit length in tokens (`HybridKVCacheCoordinator.find_longest_cache_hit`).
+    def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[Block]], int, int]:
+        """Each group's hit blocks, the hit length in tokens, and the shared prefix some group caches beyond it
+        (`HybridKVCacheCoordinator.find_longest_cache_hit`'s `num_uncached_common_prefix_tokens`: the longest
+        hit any one group's lookup found, less the hit).
 
         A fixed point: each kind accepts the candidate length or shortens it, until no kind shortens it.
         Full attention is downward closed, so it is looked up once and later only trimmed; with one full
@@ -87,6 +91,7 @@ class HybridCoordinator:
         hit_by_group = [0] * len(self.groups)
         simple = len(self.spec_groups) == 2 and self.spec_groups[0][0][0]
         hit_length = max_length
+        longest = 0
         while True:
             curr = hit_length
             for (is_full, kind, window, bs), ids in self.spec_groups:
@@ -99,6 +104,7 @@ class HybridCoordinator:
                     blocks, curr = self._sliding_hit(hashes, curr, ids, bs, window)
                 for g, b in zip(ids, blocks):
                     hit_blocks[g], hit_by_group[g] = b, curr
+                longest = max(longest, curr)
             if curr >= hit_length:
                 break
             hit_length = curr
@@ -108,7 +114,7 @@ class HybridCoordinator:
             if is_full:
                 for g in ids:
                     del hit_blocks[g][-(-hit_length // bs):]
-        return [b if b is not None else [] for b in hit_blocks], hit_length
+        return [b if b is not None else [] for b in hit_blocks], hit_length, longest - hit_length
 
     def _get(self, block_hash: int, ids: list[int]) -> list[Block] | None:
         """The cached block of each group in `ids` for `block_hash`, or None if any group misses."""
@@ -159,14 +165,18 @@ class HybridCoordinator:
             del out[run:]
         return blocks, run * bs
 
-    def cache_blocks(self, tables: list[list[Block]], hashes: list[int], start: int, end: int) -> None:
+    def cache_blocks(
+        self, tables: list[list[Block]], hashes: list[int], start: int, end: int, reachable_boundaries: tuple[int, ...] = ()
+    ) -> None:
         """Cache blocks [start, end) of every group under (hash, group id), skipping null blocks and hit blocks
         (`cache_full_blocks`); a block that repeats a cached prefix joins its key. A sliding group's blocks
-        are cached before they leave the window."""
+        are cached before they leave the window, only those its manager's `reachable_block_mask` keeps under
+        the retention interval (`reachable_boundaries`: token positions a later hit can resume at)."""
         pool, null = self.pool, self.pool.null_block
         for g, table in enumerate(tables):
             if self.groups[g].kind not in CACHEABLE_KINDS:
                 continue
-            for block, h in zip(table[start:end], hashes[start:end]):
-                if block is not null and block.block_hash is None:
+            mask = self.managers[g].reachable_block_mask(start, end, self.retention_interval, reachable_boundaries)
+            for i, (block, h) in enumerate(zip(table[start:end], hashes[start:end])):
+                if block is not null and block.block_hash is None and (mask is None or mask[i]):
                     pool.cache_full_block(block, (h, g))

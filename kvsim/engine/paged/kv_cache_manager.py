@@ -22,7 +22,7 @@ from kvsim.errors import KvsimError
 class HybridRequest:
     """The allocator's state for one admitted request: a block table per group, real blocks held per group."""
 
-    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit")
+    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit", "boundaries")
 
     def __init__(self, seq: Sequence, tables: list[list[Block]], hashes: list[int] | None = None):
         self.seq = seq
@@ -30,6 +30,9 @@ class HybridRequest:
         self.hashes = hashes  # chained hashes of the full blocks of its final length (prefix caching on)
         self.num_cached = 0  # leading blocks of every table already offered to the cache
         self.hit = 0  # prefix-cache hit at admission, in tokens (computed once the step runs)
+        # token positions a later request can resume a hit at, whose sliding-window tails are cached under
+        # sparse retention: the prompt's last token, and a shared-prefix junction found at admission
+        self.boundaries: tuple[int, ...] = (seq.num_prompt_tokens - 1,)
         self.held = [0] * len(tables)  # blocks of each table that are not the null block
         self.quiet_until = -1  # an append up to this many computed + new tokens needs no block
         self.next_skip = 0  # an append at this many computed tokens may null a block of a window group
@@ -62,6 +65,7 @@ class HybridPagedAllocator(KVAllocator):
         max_model_len: int,
         watermark: float = 0.0,
         enable_prefix_caching: bool = False,
+        prefix_cache_retention_interval: int | None = 0,
     ):
         if not 0.0 <= watermark < 1.0:
             raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
@@ -77,6 +81,8 @@ class HybridPagedAllocator(KVAllocator):
         self.enable_prefix_caching = enable_prefix_caching
         if enable_prefix_caching:
             check_prefix_caching(spec.pool.groups)
+        check_retention_interval(prefix_cache_retention_interval, spec.pool.groups)
+        self.prefix_cache_retention_interval = prefix_cache_retention_interval
         # slots and block_table follow the first group that keeps tokens (a state group's block is a state)
         token_groups = [i for i, g in enumerate(self.groups) if g.kind != "state"]
         if not token_groups:
@@ -89,7 +95,7 @@ class HybridPagedAllocator(KVAllocator):
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
-        self.coordinator = HybridCoordinator(pool_spec, self.pool)
+        self.coordinator = HybridCoordinator(pool_spec, self.pool, prefix_cache_retention_interval)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
@@ -133,11 +139,11 @@ class HybridPagedAllocator(KVAllocator):
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
         coordinator, free = self.coordinator, self.pool.num_free_blocks
         tables = coordinator.new_tables()
-        hashes, hit_blocks, hit, query = None, None, 0, 0
+        hashes, hit_blocks, hit, query, uncached = None, None, 0, 0, 0
         if self.enable_prefix_caching and seq.token_ids is not None:
             hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks, hit = coordinator.find_longest_cache_hit(hashes, query - 1)
+            hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         if full_sequence_must_fit:
             full = min(num_tokens, self.max_model_len)
@@ -148,6 +154,8 @@ class HybridPagedAllocator(KVAllocator):
         if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit) + watermark > free:
             return None
         req = HybridRequest(seq, tables, hashes)
+        if uncached:  # vLLM's `shared_prefix_boundary`: where the longest single group's hit ends
+            req.boundaries += (hit + uncached,)
         self._reqs[seq] = req
         if hit:
             coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit)
@@ -325,7 +333,7 @@ class HybridPagedAllocator(KVAllocator):
         end = min(total, seq.num_final_tokens, seq.num_final_tokens if known is None else known) // self.block_size
         end = min(end, len(req.hashes))
         if end > req.num_cached:
-            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end)
+            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end, req.boundaries)
             req.num_cached = end
 
     def _refresh(self, req: HybridRequest, computed: int) -> None:
@@ -347,6 +355,21 @@ class HybridPagedAllocator(KVAllocator):
         req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
         if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
             req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
+
+
+def check_retention_interval(interval: int | None, groups) -> None:
+    """vLLM's `_validate_prefix_cache_retention_interval`: None (dense) or 0 always; a positive interval is a
+    multiple of the block size, for a model with a sliding-window group (else it has no effect: vLLM refuses it)."""
+    if interval is None or interval == 0:
+        return
+    field = "prefix_cache_retention_interval"
+    if not any(g.kind == "sliding" for g in groups):
+        raise KvsimError(f"is {interval} but this model has no sliding-window layer group, so retention has no "
+                         "effect (vLLM refuses it): set it to 0", field=field)
+    block_size = groups[0].block_size
+    if interval < 0 or interval % block_size:
+        raise KvsimError(f"must be 0, null or a positive multiple of the block size ({block_size}), got {interval}",
+                         field=field)
 
 
 def check_prefix_caching(groups) -> None:

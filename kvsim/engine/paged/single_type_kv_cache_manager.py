@@ -70,6 +70,12 @@ class SingleTypeManager:
         """Leading tokens attention will never read again: none for full attention and state groups."""
         return 0
 
+    def reachable_block_mask(
+        self, start_block: int, end_block: int, retention_interval: int | None, reachable_boundaries: tuple[int, ...]
+    ) -> list[bool] | None:
+        """Which of blocks [start_block, end_block) `cache_blocks` caches; None: every one (full attention)."""
+        return None
+
     def remove_skipped_blocks(self, table: list[Block], processed_computed_tokens: int) -> int:
         """Replace the blocks wholly before the skipped tokens with the null block and free them, the latest
         first, stopping at the first block already nulled (`_remove_blocks_in_range`). Returns how many."""
@@ -106,6 +112,40 @@ class SlidingWindowManager(SingleTypeManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.group.window + 1)
+
+    def reachable_block_mask(
+        self, start_block: int, end_block: int, retention_interval: int | None, reachable_boundaries: tuple[int, ...]
+    ) -> list[bool] | None:
+        """The blocks a later hit can use (vLLM's `SlidingWindowManager.reachable_block_mask`, no EAGLE, hits
+        aligned to the block size). A hit at token t needs the `need = cdiv(window - 1, block_size)` blocks
+        before t, so only such tails are worth caching:
+
+            retention_interval None (dense): the tail before every block boundary, i.e. every block;
+            0 (vLLM 0.33's default): only the tail before each reachable boundary (the prompt's
+              `num_prompt_tokens - 1`, and a shared prefix another group already caches);
+            k > 0: the tail before every k-token boundary, plus the reachable ones.
+
+            window 40, block_size 16 (need 3), prompt 150 tokens, retention 0:
+            block  0 1 2 3 4 5 6 7 8 9          boundary (150 - 1) // 16 * 16 = 144 = block 9
+            cached . . . . . . Y Y Y .          blocks 6-8 end on it
+        """
+        bs = self.block_size
+        need = -(-(self.group.window - 1) // bs)
+        mask = [False] * (end_block - start_block)
+        segment = bs if retention_interval is None else (retention_interval or None)
+        if segment is not None:
+            per_segment = segment // bs
+            if need >= per_segment:
+                return None
+            for i in range(start_block, end_block):
+                if i % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // bs
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
 
 
 class ChunkedLocalAttentionManager(SingleTypeManager):
