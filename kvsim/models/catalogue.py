@@ -25,20 +25,43 @@ from kvsim.models.spec import ModelSpec
 CATALOGUE_FILE = "kvsim/models/data/models.yaml"
 
 
-@functools.lru_cache(maxsize=1)
-def _entries() -> dict[str, dict]:
-    """Raw catalogue entries by short name (lower case)."""
+# A catalogue entry starts at a line `short-name:` in the first column; its fields are indented under it.
+_ENTRY_START = re.compile(r"^(?=[^\s#][^:\n]*:[ \t]*$)", re.M)
+
+
+def _load_yaml(text: str):
     import yaml
 
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=1)
+def _texts() -> dict[str, str]:
+    """Each catalogue entry's YAML text by short name (lower case), in catalogue order. An entry is parsed when
+    it is asked for: the whole file (150+ entries, most with a whole config.json) takes ~0.1 s to parse, and
+    `kvsim size` needs one."""
     text = resources.files("kvsim.models").joinpath("data/models.yaml").read_text()
-    entries = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    assert isinstance(entries, dict) and entries, "empty model catalogue"
-    return {name.lower(): entry for name, entry in entries.items()}
+    texts = {}
+    for part in _ENTRY_START.split(text):
+        name, sep, _ = part.partition(":")
+        if sep and not part[:1].isspace() and not part.startswith("#"):
+            assert name.strip().lower() not in texts, f"catalogue entry {name} twice"
+            texts[name.strip().lower()] = part
+    assert texts, "empty model catalogue"
+    return texts
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(short_name: str) -> dict:
+    """One raw catalogue entry (its YAML parsed alone)."""
+    parsed = _load_yaml(_texts()[short_name])
+    assert isinstance(parsed, dict) and len(parsed) == 1, f"catalogue entry {short_name}"
+    return next(iter(parsed.values()))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(short_name: str) -> ModelSpec:
-    entry = _entries()[short_name]
+    entry = _entry(short_name)
     source = f"{CATALOGUE_FILE} [{short_name}]"
     spec = model_spec_from_config(
         entry["config"],
@@ -55,25 +78,27 @@ def _build(short_name: str) -> ModelSpec:
 
 def model_names() -> list[str]:
     """Every catalogue short name, in catalogue order."""
-    return list(_entries())
+    return list(_texts())
 
 
 def catalogue_models() -> list[ModelSpec]:
     """Every catalogue model, in catalogue order."""
-    return [_build(name) for name in _entries()]
+    return [_build(name) for name in _texts()]
 
 
 def catalogue_entry(name: str) -> dict:
     """The raw YAML entry (sources included) of a catalogue model, by short name or HF id."""
-    return _entries()[_lookup(name)]
+    return _entry(_lookup(name))
 
 
 @functools.lru_cache(maxsize=1)
 def _by_repository_id() -> dict[str, str]:
     """Short name by lower-case repository id: each entry's hf_id and its aliases (instruct / chat variants)."""
     ids: dict[str, str] = {}
-    for short, entry in _entries().items():
-        for repo in [entry["hf_id"], *entry.get("aliases", [])]:
+    for short, text in _texts().items():  # each entry's hf_id and aliases lines, not the whole entry
+        fields = _load_yaml("\n".join(line.strip() for line in text.splitlines()
+                                      if line.startswith(("  hf_id:", "  aliases:")))) or {}
+        for repo in [fields["hf_id"], *fields.get("aliases", [])]:
             assert repo.lower() not in ids, f"repository id {repo} names two catalogue entries"
             ids[repo.lower()] = short
     return ids
@@ -98,13 +123,13 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def _catalogue_key(name: str) -> str | None:
     """Short name for `name` (short name, HF id or alias, any case), or None."""
     key = name.strip().lower()
-    if key in _entries():
+    if key in _texts():
         return key
     return _by_repository_id().get(key)
 
 
 def _close_matches(name: str) -> str:
-    candidates = list(_entries()) + list(_by_repository_id())
+    candidates = list(_texts()) + list(_by_repository_id())
     close = difflib.get_close_matches(name.strip().lower(), candidates, n=4, cutoff=0.5)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
