@@ -106,6 +106,10 @@ class BlockPool:
         """Free blocks, cached-but-unreferenced included (they can be evicted on demand)."""
         return self.free_queue.num_free_blocks
 
+    def get_usage(self) -> float:
+        """vLLM's `BlockPool.get_usage`: the fraction of usable blocks requests hold (a router's KV-utilization)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref_count 1."""
         queue = self.free_queue

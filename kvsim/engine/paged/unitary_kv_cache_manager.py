@@ -97,8 +97,7 @@ class PagedAllocator(KVAllocator):
         return self.pool.num_free_blocks
 
     def kv_cache_usage(self) -> float:
-        """vLLM's `BlockPool.get_usage`: 1 - free blocks / usable blocks (the null block is never usable)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
+        return self.pool.get_usage()
 
     def cached_block_hashes(self) -> Container[int]:
         return self.pool.cached_block_hash_to_block
