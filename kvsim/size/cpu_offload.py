@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsim.errors import KvsimError
+from kvsim.size.kv_cache_spec import VllmGroup
 from kvsim.size.sizing import cdiv
-from kvsim.size.vllm_capacity import VllmGroup, VllmStartup
+from kvsim.size.vllm_capacity import VllmStartup
 from kvsim.size.vllm_settings import VLLM_VERSION
 
 # `SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE`: every chunk is padded to a host page (4 KiB on x86-64

@@ -40,6 +40,19 @@ class KVCacheGroupSpec:
 
 
 @dataclass(frozen=True)
+class VllmGroup:
+    """One of vLLM's KV cache groups: layers of one kind sharing a block table."""
+
+    kind: str
+    num_layers: int  # real layers; a group with fewer than group_size holds padding
+    block_size: int  # tokens per block (a state group's: mamba_block_size)
+    page_bytes: int  # one block of one layer (padded)
+    blocks_per_request: int  # a request of max_model_len tokens
+    window: int | None = None  # sliding: the window; chunked: the chunk
+    layer_page_bytes: int = 0  # one block of one layer before padding (a state layer: its state)
+
+
+@dataclass(frozen=True)
 class PoolGroupSpec:
     """One of vLLM's KV cache groups as the paged pool allocates it: its own block table and manager.
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 from kvsim.errors import KvsimError
+from kvsim.size.kv_cache_spec import VllmGroup
 from kvsim.size.sizing import cdiv, positive_int
-from kvsim.size.vllm_capacity import VllmGroup, VllmStartup
+from kvsim.size.vllm_capacity import VllmStartup
 from kvsim.size.vllm_hybrid import MLA_HYBRID_ALIGNMENT, HybridPages, hybrid_pages
 from kvsim.size.vllm_layers import VllmLayer, vllm_layers
 from kvsim.size.vllm_settings import DEFAULT_KERNEL_BLOCK_SIZE, MAMBA_CACHE_MODES, VLLM_VERSION, VllmSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec, VllmGroup
 from kvsim.size.vllm_hybrid import HybridPages
 from kvsim.size.vllm_settings import VllmSettings
 
@@ -20,19 +20,6 @@ def num_gpu_blocks(spec: KVCacheSpec, budget_bytes: int) -> int:
     """vLLM's `num_gpu_blocks` for `budget_bytes` of KV memory (`get_kv_cache_configs`: the budget over the bytes
     of one block id), the null block included: the one place the paged pool's size is computed."""
     return budget_bytes // bytes_per_block(spec)
-
-
-@dataclass(frozen=True)
-class VllmGroup:
-    """One of vLLM's KV cache groups: layers of one kind sharing a block table."""
-
-    kind: str
-    num_layers: int  # real layers; a group with fewer than group_size holds padding
-    block_size: int  # tokens per block (a state group's: mamba_block_size)
-    page_bytes: int  # one block of one layer (padded)
-    blocks_per_request: int  # a request of max_model_len tokens
-    window: int | None = None  # sliding: the window; chunked: the chunk
-    layer_page_bytes: int = 0  # one block of one layer before padding (a state layer: its state)
 
 
 @dataclass(frozen=True)
