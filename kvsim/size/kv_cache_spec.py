@@ -41,20 +41,8 @@ class KVCacheGroupSpec:
 
 @dataclass(frozen=True)
 class VllmGroup:
-    """One of vLLM's KV cache groups: layers of one kind sharing a block table."""
-
-    kind: str
-    num_layers: int  # real layers; a group with fewer than group_size holds padding
-    block_size: int  # tokens per block (a state group's: mamba_block_size)
-    page_bytes: int  # one block of one layer (padded)
-    blocks_per_request: int  # a request of max_model_len tokens
-    window: int | None = None  # sliding: the window; chunked: the chunk
-    layer_page_bytes: int = 0  # one block of one layer before padding (a state layer: its state)
-
-
-@dataclass(frozen=True)
-class PoolGroupSpec:
-    """One of vLLM's KV cache groups as the paged pool allocates it: its own block table and manager.
+    """One of vLLM's KV cache groups: layers of one kind sharing a block table, with its own manager in the
+    paged pool (`kvsim.size.vllm.vllm_startup` forms them; the replay's paged allocator allocates them).
 
     `kind` is vLLM's spec kind ("full", "mla", "sliding", "chunked", "state"). Every group's page is equal
     (`page_bytes`, padded where a layer's own page is smaller: `layer_page_bytes`); a group with fewer than
@@ -62,15 +50,22 @@ class PoolGroupSpec:
     """
 
     kind: str
-    num_layers: int
-    block_size: int  # tokens per block (a state group without prefix caching: max_model_len, one block)
-    page_bytes: int  # one block of one layer, padded
+    num_layers: int  # real layers; a group with fewer than group_size holds padding
+    block_size: int  # tokens per block (a state group's: mamba_block_size; without prefix caching max_model_len)
+    page_bytes: int  # one block of one layer (padded)
     layer_page_bytes: int  # one block of one layer as the layer needs it (block_size x bytes per token, or a state)
+    blocks_per_request: int  # a request of max_model_len tokens (cdiv(max_memory_usage_bytes, page_size_bytes))
     window: int | None = None  # sliding: the window; chunked: the chunk
-    max_admission_blocks: int | None = None  # sliding/chunked: vLLM's max_admission_blocks_per_request
 
     def __post_init__(self) -> None:
         assert 0 < self.layer_page_bytes <= self.page_bytes and self.num_layers > 0 and self.block_size > 0
+        assert self.blocks_per_request > 0
+
+    @property
+    def max_admission_blocks(self) -> int | None:
+        """Sliding and chunked groups: vLLM's `max_admission_blocks_per_request`, the most blocks admitting one
+        request may take (its `blocks_per_request`); None for groups that keep every block they are given."""
+        return self.blocks_per_request if self.kind in ("sliding", "chunked") else None
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,7 @@ class PoolSpec:
     costs `bytes_per_block` and `num_gpu_blocks = budget // bytes_per_block`.
     """
 
-    groups: tuple[PoolGroupSpec, ...]
+    groups: tuple[VllmGroup, ...]
     group_size: int
 
     @property

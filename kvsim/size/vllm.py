@@ -108,7 +108,8 @@ def _uniform_type_startup(
     blocks = _BLOCKS_PER_REQUEST[first.kind](first, block_size, max_model_len, settings)
     bytes_per_block = sum(layer.bytes_per_token * block_size for layer in layers)
     # the group's spec as the scheduler sees it: the first layer's (`generate_scheduler_kv_cache_config`)
-    group = VllmGroup(first.kind, len(layers), block_size, first.bytes_per_token * block_size, blocks)
+    page = first.bytes_per_token * block_size
+    group = VllmGroup(first.kind, len(layers), block_size, page, page, blocks)
     return VllmStartup(
         groups=(group,),
         group_size=len(layers),
@@ -180,7 +181,7 @@ def vllm_startup(
             size = len(members[i::n])  # vLLM deals layers round-robin: layers[i::num_groups]
             widest = max(widest, size)
             layer_page = layer.state_bytes if layer.kind == "state" else layer.bytes_per_token * bs
-            groups.append(VllmGroup(layer.kind, size, bs, page, blocks, layer.window, layer_page))
+            groups.append(VllmGroup(layer.kind, size, bs, page, layer_page, blocks, layer.window))
     bytes_per_block = widest * groups[0].page_bytes
     return VllmStartup(
         groups=tuple(groups),

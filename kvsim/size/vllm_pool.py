@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from kvsim.errors import KvsimError
 from kvsim.models.spec import ModelSpec
-from kvsim.size.kv_cache_spec import KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec, PoolSpec
 from kvsim.size.vllm import vllm_startup
 from kvsim.size.vllm_capacity import VllmStartup
 from kvsim.size.vllm_layers import vllm_layers
@@ -16,19 +16,7 @@ from kvsim.vllm_version import VLLM_VERSION
 
 def pool_spec(startup: VllmStartup) -> PoolSpec:
     """vLLM's groups as the replay's paged pool allocates them (`KVCacheSpec.pool`)."""
-    groups = tuple(
-        PoolGroupSpec(
-            g.kind,
-            g.num_layers,
-            g.block_size,
-            g.page_bytes,
-            g.layer_page_bytes,
-            window=g.window,
-            max_admission_blocks=g.blocks_per_request if g.kind in ("sliding", "chunked") else None,
-        )
-        for g in startup.groups
-    )
-    return PoolSpec(groups, startup.group_size)
+    return PoolSpec(startup.groups, startup.group_size)
 
 
 def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings: VllmSettings) -> KVCacheSpec:

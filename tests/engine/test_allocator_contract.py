@@ -11,7 +11,7 @@ import pytest
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, VllmGroup
 from kvsim.engine.sequence import Sequence
 
 BLOCK_SIZE = 4
@@ -22,10 +22,11 @@ MAX_MODEL_LEN = 40
 
 # A mixed model as the replay builds it: vLLM's groups (a full and a sliding group, one layer each, 32-byte pages),
 # 16 bytes per token across both like SPEC; the window is past max_model_len, so the contract's byte counts hold.
+# Blocks a request of MAX_MODEL_LEN: cdiv(40, 4) = 10 in each.
 MIXED = KVCacheSpec(
     groups=(KVCacheGroupSpec("full", 1, bytes_per_token=8), KVCacheGroupSpec("sliding", 1, bytes_per_token=8, window=1000)),
     block_size=BLOCK_SIZE, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=2, num_attention_layers=2,
-    pool=PoolSpec((PoolGroupSpec("full", 1, BLOCK_SIZE, 32, 32), PoolGroupSpec("sliding", 1, BLOCK_SIZE, 32, 32, window=1000, max_admission_blocks=10)), 1),
+    pool=PoolSpec((VllmGroup("full", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10), VllmGroup("sliding", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10, window=1000)), 1),
 )
 assert MIXED.bytes_per_token == BPT
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, VllmGroup
 from kvsim.engine.sequence import Sequence
 
 from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, SPEC, build
@@ -242,10 +242,10 @@ MIXED_LEN = 48
 # and a state group whose 20 B state is padded to the page (block_size max_model_len: one block a request)
 MIXED_POOL = PoolSpec(
     (
-        PoolGroupSpec("sliding", 2, 4, 32, 32, window=6, max_admission_blocks=4),
-        PoolGroupSpec("sliding", 1, 4, 32, 32, window=6, max_admission_blocks=4),
-        PoolGroupSpec("full", 2, 4, 32, 32),
-        PoolGroupSpec("state", 1, MIXED_LEN, 32, 20),
+        VllmGroup("sliding", 2, 4, 32, 32, blocks_per_request=4, window=6),
+        VllmGroup("sliding", 1, 4, 32, 32, blocks_per_request=4, window=6),
+        VllmGroup("full", 2, 4, 32, 32, blocks_per_request=12),  # cdiv(48, 4)
+        VllmGroup("state", 1, MIXED_LEN, 32, 20, blocks_per_request=1),
     ),
     group_size=2,
 )

@@ -12,7 +12,7 @@ import pytest
 
 from kvsim.engine.allocator import KVAllocator
 from kvsim.engine.flat.flat_allocator import FlatAllocator
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, VllmGroup
 from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
@@ -70,7 +70,7 @@ def test_can_ever_fit_is_running_alone(make):
 # Every layer slides (Mistral-7B-v0.1 style): vLLM's one sliding group, window 5, block size 4, 64-byte blocks.
 SLIDING = KVCacheSpec(
     (KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1,
-    pool=PoolSpec((PoolGroupSpec("sliding", 1, 4, 64, 64, window=5, max_admission_blocks=3),), 1),
+    pool=PoolSpec((VllmGroup("sliding", 1, 4, 64, 64, blocks_per_request=3, window=5),), 1),
 )
 
 

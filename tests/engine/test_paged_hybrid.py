@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 from kvsim.engine.factory import AllocatorConfig, make_allocator
-from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolGroupSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, VllmGroup
 from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
 
 # 3 sliding layers (window 8) and 2 full layers, 8 B per token per layer, block_size 4: every page 32 B.
 # vLLM's grouping: group_size 2, so the sliding layers form 2 groups (2 layers, 1 layer + 1 padding layer)
-# and the full layers 1 group; a block id spans 2 layer tensors: 64 B.
+# and the full layers 1 group; a block id spans 2 layer tensors: 64 B. A request of 64 tokens: cdiv(64, 4) = 16
+# full blocks.
 POOL = PoolSpec(
     (
-        PoolGroupSpec("sliding", 2, 4, 32, 32, window=8, max_admission_blocks=5),
-        PoolGroupSpec("sliding", 1, 4, 32, 32, window=8, max_admission_blocks=5),
-        PoolGroupSpec("full", 2, 4, 32, 32),
+        VllmGroup("sliding", 2, 4, 32, 32, blocks_per_request=5, window=8),
+        VllmGroup("sliding", 1, 4, 32, 32, blocks_per_request=5, window=8),
+        VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16),
     ),
     group_size=2,
 )

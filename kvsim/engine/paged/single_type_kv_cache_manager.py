@@ -4,7 +4,7 @@ needs for `num_tokens`, which of its blocks fall outside the attention window (r
 from __future__ import annotations
 
 from kvsim.engine.paged.block_pool import Block, BlockPool
-from kvsim.size.kv_cache_spec import PoolGroupSpec
+from kvsim.size.kv_cache_spec import VllmGroup
 
 
 class SingleTypeManager:
@@ -17,7 +17,7 @@ class SingleTypeManager:
         table  [ null ][ 7 ][ 9 ][ 4 ]     tokens 0-3 lie before the window of token 13 (6-13): block freed
     """
 
-    def __init__(self, group: PoolGroupSpec, pool: BlockPool):
+    def __init__(self, group: VllmGroup, pool: BlockPool):
         self.group = group
         self.block_size = group.block_size
         self.pool = pool
@@ -170,6 +170,6 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
 }
 
 
-def make_manager(group: PoolGroupSpec, pool: BlockPool) -> SingleTypeManager:
+def make_manager(group: VllmGroup, pool: BlockPool) -> SingleTypeManager:
     """The manager vLLM's `get_manager_for_kv_cache_spec` picks for `group`'s kind."""
     return MANAGERS[group.kind](group, pool)
