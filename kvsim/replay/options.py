@@ -119,15 +119,13 @@ def _with_pool_per_rank(model, spec: KVCacheSpec, budget_bytes: int, max_model_l
 
     from kvsim.size.vllm import vllm_startup
     from kvsim.size.vllm_layers import vllm_layers
-    from kvsim.size.vllm_pool import pool_spec
-
     try:
         startup = vllm_startup(vllm_layers(model, spec, tp), budget_bytes, max_model_len, spec.block_size, settings)
     except KvsimError:
         return spec
     if startup is None or startup.num_blocks < 2:
         return spec
-    return replace(spec, pool=pool_spec(startup))
+    return replace(spec, pool=startup.pool)
 
 
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)

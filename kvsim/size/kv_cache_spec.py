@@ -70,18 +70,20 @@ class VllmGroup:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """vLLM's KV cache config for a mixed model: the groups, in vLLM's order, and layers per group.
+    """vLLM's KV cache config for a model: the groups, in vLLM's order, layers per group, and one block id's bytes.
 
     One block id is one page in each of `group_size` layer tensors and belongs to one group, so every block
-    costs `bytes_per_block` and `num_gpu_blocks = budget // bytes_per_block`.
+    costs `bytes_per_block` (vLLM's `_get_kv_cache_bytes_per_block`: the pages of the largest group's layers,
+    which `kvsim.size.vllm` works out) and `num_gpu_blocks = budget // bytes_per_block`
+    (`kvsim.size.vllm_capacity.num_gpu_blocks`).
     """
 
     groups: tuple[VllmGroup, ...]
     group_size: int
+    bytes_per_block: int
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.group_size * self.groups[0].page_bytes
+    def __post_init__(self) -> None:
+        assert self.groups and self.group_size > 0 and self.bytes_per_block >= self.groups[0].page_bytes
 
 
 @dataclass(frozen=True)

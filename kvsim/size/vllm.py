@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvsim.errors import KvsimError
-from kvsim.size.kv_cache_spec import VllmGroup
+from kvsim.size.kv_cache_spec import PoolSpec, VllmGroup
 from kvsim.size.sizing import cdiv, positive_int
 from kvsim.size.vllm_capacity import VllmStartup
 from kvsim.size.vllm_hybrid import MLA_HYBRID_ALIGNMENT, HybridPages, hybrid_pages
@@ -55,6 +55,13 @@ _BLOCKS_PER_REQUEST: dict[str, BlocksPerRequest] = {
     # MambaSpec: one state (none); the running and the cached state, and a checkpoint block (align)
     "state": lambda layer, block_size, max_len, s: s.mamba_state_blocks,
 }
+
+
+def _kv_cache_bytes_per_block(group_pages: list[list[int]]) -> int:
+    """One block id: a page of each layer of the largest group, the layers' pages summed
+    (`_get_kv_cache_bytes_per_block`; pages are padded to one size, so it is the widest group's layers x page,
+    except a single group of one uniform type, whose layers' pages differ)."""
+    return max(sum(pages) for pages in group_pages)
 
 
 def _unified_page(layer: VllmLayer, block_size: int, hybrid: HybridPages | None) -> int:
@@ -106,15 +113,11 @@ def _uniform_type_startup(
         return None  # mixed types, states, or all layers equal (the bucket path gives the same one group)
     first = layers[0]
     blocks = _BLOCKS_PER_REQUEST[first.kind](first, block_size, max_model_len, settings)
-    bytes_per_block = sum(layer.bytes_per_token * block_size for layer in layers)
     # the group's spec as the scheduler sees it: the first layer's (`generate_scheduler_kv_cache_config`)
     page = first.bytes_per_token * block_size
     group = VllmGroup(first.kind, len(layers), block_size, page, page, blocks)
     return VllmStartup(
-        groups=(group,),
-        group_size=len(layers),
-        bytes_per_block=bytes_per_block,
-        num_blocks=budget_bytes // bytes_per_block,
+        pool=PoolSpec((group,), len(layers), _kv_cache_bytes_per_block([[layer.bytes_per_token * block_size for layer in layers]])),
         budget_bytes=budget_bytes,
         max_model_len=max_model_len,
         settings=settings,
@@ -141,7 +144,7 @@ def vllm_startup(
           ...                                                     every tensor, owned by one group
         tensor 11 [ full.11 | state.32 | state.33 | state.35 ]
 
-        num_blocks  = budget // (12 x page)                     (`get_kv_cache_configs`)
+        num_blocks  = budget // (12 x page)                     (`get_kv_cache_configs`, `num_gpu_blocks`)
         concurrency = num_blocks / (cdiv(len, block_size) + 3 x 1)   (a state group: 1 block a request)
         tokens      = int(concurrency x len)                    (`get_kv_cache_capacity`)
 
@@ -169,7 +172,7 @@ def vllm_startup(
     group_size = min(counts)
     if max(counts) < group_size * _GROUP_SIZE_SLACK:
         group_size = max(counts)
-    groups, widest = [], 0
+    groups, group_pages = [], []
     for (layer, bs, page), members in buckets.items():
         if layer.kind not in _BLOCKS_PER_REQUEST:
             raise KvsimError(f"vLLM {VLLM_VERSION}'s KV cache arithmetic for {layer.kind!r} layers is not modelled", field="layers")
@@ -179,15 +182,11 @@ def vllm_startup(
         blocks = _BLOCKS_PER_REQUEST[layer.kind](layer, bs, max_model_len, settings)
         for i in range(n):
             size = len(members[i::n])  # vLLM deals layers round-robin: layers[i::num_groups]
-            widest = max(widest, size)
+            group_pages.append([page] * size)
             layer_page = layer.state_bytes if layer.kind == "state" else layer.bytes_per_token * bs
             groups.append(VllmGroup(layer.kind, size, bs, page, layer_page, blocks, layer.window))
-    bytes_per_block = widest * groups[0].page_bytes
     return VllmStartup(
-        groups=tuple(groups),
-        group_size=group_size,
-        bytes_per_block=bytes_per_block,
-        num_blocks=budget_bytes // bytes_per_block,
+        pool=PoolSpec(tuple(groups), group_size, _kv_cache_bytes_per_block(group_pages)),
         budget_bytes=budget_bytes,
         max_model_len=max_model_len,
         settings=settings,

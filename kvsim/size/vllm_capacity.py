@@ -5,20 +5,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsim.size.kv_cache_spec import KVCacheSpec, VllmGroup
+from kvsim.size.kv_cache_spec import KVCacheSpec, PoolSpec, VllmGroup
 from kvsim.size.vllm_hybrid import HybridPages
 from kvsim.size.vllm_settings import VllmSettings
 
 
-def bytes_per_block(spec: KVCacheSpec) -> int:
-    """One block id of the paged pool: a page in each of a mixed model's `group_size` layer tensors (vLLM's
-    groups, `spec.pool`), or one block of `block_size` tokens across a uniform model's layers."""
-    return spec.block_bytes if spec.pool is None else spec.pool.bytes_per_block
+def bytes_per_block(spec: KVCacheSpec | PoolSpec) -> int:
+    """One block id of the paged pool: vLLM's groups' (a `PoolSpec`, or a mixed model's `spec.pool`: a page in
+    each of `group_size` layer tensors), or one block of `block_size` tokens across a uniform model's layers."""
+    pool = spec if isinstance(spec, PoolSpec) else spec.pool
+    return spec.block_bytes if pool is None else pool.bytes_per_block
 
 
-def num_gpu_blocks(spec: KVCacheSpec, budget_bytes: int) -> int:
+def num_gpu_blocks(spec: KVCacheSpec | PoolSpec, budget_bytes: int) -> int:
     """vLLM's `num_gpu_blocks` for `budget_bytes` of KV memory (`get_kv_cache_configs`: the budget over the bytes
-    of one block id), the null block included: the one place the paged pool's size is computed."""
+    of one block id), the null block included: the one place the paged pool's size is computed, for
+    `kvsim size` (`vllm_startup`), the allocators and conformance alike."""
     return budget_bytes // bytes_per_block(spec)
 
 
@@ -26,14 +28,29 @@ def num_gpu_blocks(spec: KVCacheSpec, budget_bytes: int) -> int:
 class VllmStartup:
     """vLLM's KV cache config for a model and budget, and the line it logs at start-up."""
 
-    groups: tuple[VllmGroup, ...]
-    group_size: int  # layers per group (the pool: group_size tensors, one block id spans each group)
-    bytes_per_block: int  # one block id across a group's layers: num_blocks = budget // bytes_per_block
-    num_blocks: int  # num_gpu_blocks (the null block included)
+    pool: PoolSpec  # the groups, layers per group (group_size tensors, one block id spans each group), bytes_per_block
     budget_bytes: int
     max_model_len: int
     settings: VllmSettings
     hybrid: HybridPages | None = None
+
+    @property
+    def groups(self) -> tuple[VllmGroup, ...]:
+        return self.pool.groups
+
+    @property
+    def group_size(self) -> int:
+        return self.pool.group_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block id across a group's layers."""
+        return bytes_per_block(self.pool)
+
+    @property
+    def num_blocks(self) -> int:
+        """num_gpu_blocks (the null block included)."""
+        return num_gpu_blocks(self.pool, self.budget_bytes)
 
     @property
     def block_size(self) -> int:

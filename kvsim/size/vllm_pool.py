@@ -6,17 +6,11 @@ from dataclasses import replace
 
 from kvsim.errors import KvsimError
 from kvsim.models.spec import ModelSpec
-from kvsim.size.kv_cache_spec import KVCacheSpec, PoolSpec
+from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm import vllm_startup
-from kvsim.size.vllm_capacity import VllmStartup
 from kvsim.size.vllm_layers import vllm_layers
 from kvsim.size.vllm_settings import VllmSettings
 from kvsim.vllm_version import VLLM_VERSION
-
-
-def pool_spec(startup: VllmStartup) -> PoolSpec:
-    """vLLM's groups as the replay's paged pool allocates them (`KVCacheSpec.pool`)."""
-    return PoolSpec(startup.groups, startup.group_size)
 
 
 def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings: VllmSettings) -> KVCacheSpec:
@@ -42,4 +36,4 @@ def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_
             source=source,
             field="layers",
         )
-    return replace(spec, pool=pool_spec(startup))
+    return replace(spec, pool=startup.pool)

@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 40
 MIXED = KVCacheSpec(
     groups=(KVCacheGroupSpec("full", 1, bytes_per_token=8), KVCacheGroupSpec("sliding", 1, bytes_per_token=8, window=1000)),
     block_size=BLOCK_SIZE, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=2, num_attention_layers=2,
-    pool=PoolSpec((VllmGroup("full", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10), VllmGroup("sliding", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10, window=1000)), 1),
+    pool=PoolSpec((VllmGroup("full", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10), VllmGroup("sliding", 1, BLOCK_SIZE, 32, 32, blocks_per_request=10, window=1000)), 1, 32),
 )
 assert MIXED.bytes_per_token == BPT
 

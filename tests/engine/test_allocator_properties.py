@@ -248,6 +248,7 @@ MIXED_POOL = PoolSpec(
         VllmGroup("state", 1, MIXED_LEN, 32, 20, blocks_per_request=1),
     ),
     group_size=2,
+    bytes_per_block=64,  # 2 layers x 32 B
 )
 MIXED_SPEC = KVCacheSpec(
     groups=(
@@ -337,7 +338,7 @@ def test_mixed_model_random_operations(num_blocks, extra_bytes, words):
 
 
 # prefix caching over the sliding and full groups (state groups have no prefix caching here)
-PREFIX_POOL = PoolSpec(MIXED_POOL.groups[:3], group_size=2)
+PREFIX_POOL = PoolSpec(MIXED_POOL.groups[:3], group_size=2, bytes_per_block=64)
 PREFIX_SPEC = replace(MIXED_SPEC, groups=MIXED_SPEC.groups[:2], pool=PREFIX_POOL)
 
 

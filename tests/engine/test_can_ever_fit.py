@@ -70,7 +70,7 @@ def test_can_ever_fit_is_running_alone(make):
 # Every layer slides (Mistral-7B-v0.1 style): vLLM's one sliding group, window 5, block size 4, 64-byte blocks.
 SLIDING = KVCacheSpec(
     (KVCacheGroupSpec("sliding", 1, bytes_per_token=16, window=5),), 4, "bf16", 2, 1, 4, 1,
-    pool=PoolSpec((VllmGroup("sliding", 1, 4, 64, 64, blocks_per_request=3, window=5),), 1),
+    pool=PoolSpec((VllmGroup("sliding", 1, 4, 64, 64, blocks_per_request=3, window=5),), 1, 64),
 )
 
 

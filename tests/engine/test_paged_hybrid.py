@@ -20,6 +20,7 @@ POOL = PoolSpec(
         VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16),
     ),
     group_size=2,
+    bytes_per_block=64,  # 2 layers x 32 B
 )
 SPEC = KVCacheSpec(
     groups=(KVCacheGroupSpec("sliding", 3, bytes_per_token=24, window=8), KVCacheGroupSpec("full", 2, bytes_per_token=16)),

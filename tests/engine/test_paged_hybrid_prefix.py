@@ -108,7 +108,7 @@ def test_sliding_blocks_are_cached_before_they_become_null_blocks_and_stay_evict
 def test_factory_enables_it_for_sliding_and_full_groups_and_refuses_state_groups():
     alloc = make_allocator(AllocatorConfig("paged", block_size=4, prefix_caching=True), SPEC, 20 * 64, max_model_len=64)
     assert isinstance(alloc, HybridPagedAllocator) and alloc.enable_prefix_caching
-    state = PoolSpec((VllmGroup("state", 1, 64, 64, 64, blocks_per_request=1), VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16)), group_size=2)  # 16 = cdiv(64, 4)
+    state = PoolSpec((VllmGroup("state", 1, 64, 64, 64, blocks_per_request=1), VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16)), group_size=2, bytes_per_block=64)  # 16 = cdiv(64, 4); 2 x 32 B
     with pytest.raises(KvsimError, match="state"):
         HybridPagedAllocator(
             SPEC.__class__(**{**SPEC.__dict__, "pool": state}), 20 * 64, max_model_len=64, enable_prefix_caching=True

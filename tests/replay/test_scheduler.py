@@ -332,7 +332,7 @@ def test_decode_runs_on_a_mixed_sliding_window_model_never_overdraw_the_pool():
     tokens, from one pool: a run's bound counts the blocks of every group, and the window's."""
     from kvsim.size.kv_cache_spec import KVCacheGroupSpec, PoolSpec, VllmGroup
 
-    pool = PoolSpec((VllmGroup("full", 1, 4, 16, 16, blocks_per_request=16), VllmGroup("sliding", 1, 4, 16, 16, blocks_per_request=3, window=8)), 1)
+    pool = PoolSpec((VllmGroup("full", 1, 4, 16, 16, blocks_per_request=16), VllmGroup("sliding", 1, 4, 16, 16, blocks_per_request=3, window=8)), 1, 16)
     spec = KVCacheSpec(
         groups=(KVCacheGroupSpec("full", 1, bytes_per_token=4), KVCacheGroupSpec("sliding", 1, bytes_per_token=4, window=8)),
         block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2, pool=pool,

@@ -12,7 +12,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import Block, BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.size.vllm_capacity import num_gpu_blocks
+from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 from kvsim.engine.paged.kv_cache_coordinator import CACHEABLE_KINDS, HybridCoordinator
 from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
@@ -90,7 +90,7 @@ class HybridPagedAllocator(KVAllocator):
                              "has no block table to replay)", field="model")
         self._slot_group = token_groups[0]
         self.block_size = self.groups[self._slot_group].block_size
-        self.bytes_per_block = bpb = pool_spec.bytes_per_block
+        self.bytes_per_block = bpb = bytes_per_block(spec)
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
