@@ -157,7 +157,7 @@ class _NoGrammar:
 class VllmEngine:
     """The engine core's loop around vLLM's scheduler, on kvsim's roofline clock; `run()` returns a Trace.
 
-    `requests` are kvsim `RequestSpec`s sorted by arrival, `token_ids(i)` the (num_final_tokens,) ids of
+    `requests` are kvsim `RequestSpec`s sorted by arrival, `token_ids(i)` the (prompt + max_tokens,) ids of
     request i, `step_time(chunks)` the roofline seconds of a batch of (start, num_tokens) chunks.
     """
 

@@ -14,8 +14,8 @@ from kvsim.size.kv_cache_spec import KVCacheSpec
 class AllocatorConfig:
     """One allocator under test: `{kind: paged, block_size: 16, prefix_caching: true}` in a workload.
 
-    Flat: `reserve` (max = max_model_len tokens, pow2 = next power of two >= prompt + output, oracle =
-    exactly prompt + output) and `placement` of slabs in the arena. Paged: `block_size` (tokens per block),
+    Flat: `reserve` (max = max_model_len tokens, pow2 = next power of two >= num_final_tokens, oracle =
+    exactly num_final_tokens) and `placement` of slabs in the arena. Paged: `block_size` (tokens per block),
     `prefix_caching`, `watermark` (fraction of blocks kept free at admission).
     """
 

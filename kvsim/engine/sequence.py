@@ -12,9 +12,11 @@ class Sequence:
     """A request's lengths, its synthetic token ids, and how far its KV has been computed.
 
     The simulator knows the future: `num_final_tokens` is the most KV it will ever hold, which allocators
-    size reservations and hashes by. Here it is prompt + `max_tokens`; the scheduler's `SchedSeq` counts as
-    vLLM does (the last sampled token's KV is never written: prompt + max_tokens - 1). `token_ids` covers prompt and output
-    (`num_final_tokens` ids), so prefix-cache hashes of full blocks are well defined for every block.
+    size reservations and hashes by. It counts as vLLM v1 does: a request samples `max_tokens` tokens and
+    finishes on its last (`check_stop`), whose KV is never written, so it holds prompt + max_tokens - 1 tokens
+    of KV (`max_tokens` 0 counts as 1: a prefill always samples, as vLLM's `Request` gives a pooling request
+    `max_tokens` 1). `token_ids` covers prompt and every sampled token (at least `num_final_tokens` ids), so
+    prefix-cache hashes of full blocks are well defined for every block.
 
     `num_computed_tokens` is owned by the scheduler: it is advanced after the tokens of a step are computed
     (written to the cache) and reset to 0 when the request is preempted for recompute. Allocators read it to
@@ -24,7 +26,7 @@ class Sequence:
     seq_id: int
     num_prompt_tokens: int
     max_tokens: int
-    token_ids: np.ndarray | None = None  # (num_final_tokens,) int64, synthetic but consistent
+    token_ids: np.ndarray | None = None  # (prompt + max_tokens,) int64, synthetic but consistent
     arrival_time: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission, in tokens
@@ -43,8 +45,8 @@ class Sequence:
 
     @property
     def num_final_tokens(self) -> int:
-        """Prompt + output: the KV this request holds when it finishes."""
-        return self.num_prompt_tokens + self.max_tokens
+        """Prompt + max_tokens - 1: the most KV it holds (the last sampled token's KV is never written)."""
+        return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
 
     @property
     def is_prefill_done(self) -> bool:

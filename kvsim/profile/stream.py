@@ -149,13 +149,14 @@ def replay_stream(requests, backend, *, bytes_per_token: int, max_num_seqs: int,
             totals["admissions"] += 1
         totals["peak_running"] = max(totals["peak_running"], len(running))
         totals["running_steps"] += len(running)
-        preempted = backend.decode(running)
+        # a request admitted at its final KV (max_tokens 1: its prefill samples its only token) decodes nothing
+        preempted = backend.decode([seq for seq in running if seq.num_computed_tokens < seq.num_final_tokens])
         waiting.extendleft(reversed(preempted))  # they go first again, in their admission order
         still = []
         for seq in running:
             if seq in preempted:
                 continue
-            seq.num_computed_tokens += 1
+            seq.num_computed_tokens = min(seq.num_computed_tokens + 1, seq.num_final_tokens)
             if seq.num_computed_tokens >= seq.num_final_tokens:
                 backend.free(seq)
                 totals["finished"] += 1

@@ -105,7 +105,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     needs_ids = config.prefix_caching or options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
-        ids = make_token_ids(requests[seq.index], ctx.seed)  # (num_final_tokens,)
+        ids = make_token_ids(requests[seq.index], ctx.seed)  # (prompt + max_tokens,)
         if cache is not None:
             cache.register(seq.seq_id, ids)
         return ids

@@ -101,11 +101,6 @@ class RequestSpec:
         if self.hash_ids is not None:
             assert self.prefix_group is None and len(self.hash_ids) == -(-self.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
 
-    @property
-    def num_final_tokens(self) -> int:
-        """Prompt + output: the KV this request holds when it finishes."""
-        return self.num_prompt_tokens + self.max_tokens
-
 
 class StreamSource(Protocol):
     """What `generate_requests` reads of a workload (a `Workload` is one), named here so that this module does
@@ -168,7 +163,8 @@ def _prefix_groups(shared, prompt: np.ndarray, rng: np.random.Generator) -> tupl
 
 
 def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
-    """Synthetic token ids for prompt and output, (num_final_tokens,) int64 in [0, VOCAB_SIZE).
+    """Synthetic token ids for the prompt and every sampled token, (prompt + max_tokens,) int64 in [0, VOCAB_SIZE)
+    (the last sampled token included, though its KV is never written: vLLM's engine returns it).
 
     Position p of a shared-prefix group's ids depends only on (seed, group, p), so every request of the
     group agrees on its first `num_prefix_tokens` ids; every other id depends on (seed, request_id, p).
@@ -190,7 +186,7 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
     whole 512-token blocks are whole B-blocks when B divides 512 (every power of two up to 512), and any other
     B shares floor(512 j / B) blocks, a straddling block only when both ids under it are shared.
     """
-    k, n = request.num_prefix_tokens, request.num_final_tokens
+    k, n = request.num_prefix_tokens, request.num_prompt_tokens + request.max_tokens
     ids = np.empty(n, dtype=np.int64)  # (n,)
     if request.hash_ids is not None:
         k = request.num_prompt_tokens

@@ -135,16 +135,17 @@ def test_decode_grows_and_keeps_earlier_slots(config, spec):
     for s in seqs:
         assert admit(alloc, s) == 0
     before = [alloc.slot_mapping(s, 0, s.num_computed_tokens) for s in seqs]
-    for _ in range(6):
+    for _ in range(5):  # max_tokens 6: 5 decodes write the KV of sampled tokens 1-5 (the 6th's is never written)
         assert alloc.append_decode_in_order(seqs) == len(seqs)
         for s in seqs:
             s.num_computed_tokens += 1
-    for s, old in zip(seqs, before):
+    for s, old in zip(seqs, before, strict=True):
+        assert s.num_computed_tokens == s.num_final_tokens == 5 + s.seq_id + 6 - 1
         now = alloc.slot_mapping(s, 0, s.num_computed_tokens)
         assert np.array_equal(now[: len(old)], old)
         assert len(np.unique(now)) == s.num_final_tokens
     b = alloc.breakdown()
-    assert b.token_states_bytes == sum(s.num_final_tokens for s in seqs) * BPT
+    assert b.token_states_bytes == (10 + 11 + 12) * BPT  # prompt 5 + i, + 6 - 1
     assert b.reservation_bytes == 0
 
 

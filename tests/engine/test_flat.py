@@ -27,10 +27,10 @@ def seq(seq_id: int, prompt: int, output: int) -> Sequence:
     ("reserve", "prompt", "output", "expected"),
     [
         ("max", 10, 7, 64),
-        ("pow2", 10, 7, 32),
-        ("pow2", 10, 6, 16),  # 16 is already a power of two
-        ("pow2", 40, 20, 64),  # 64 = next power of two, also the cap
-        ("oracle", 10, 7, 17),
+        ("pow2", 10, 8, 32),  # 10 + 8 - 1 = 17 tokens of KV -> 32
+        ("pow2", 10, 7, 16),  # 10 + 7 - 1 = 16 is already a power of two
+        ("pow2", 40, 20, 64),  # 40 + 20 - 1 = 59 -> 64 = next power of two, also the cap
+        ("oracle", 10, 7, 16),  # 10 + 7 - 1: the last sampled token's KV is never written
     ],
 )
 def test_reserve_policies(reserve, prompt, output, expected):
@@ -43,15 +43,16 @@ def test_reserve_policies(reserve, prompt, output, expected):
 
 def test_pow2_is_capped_at_max_model_len():
     alloc = make_flat(200, reserve="pow2", max_model_len=48)
-    assert alloc.reserved_tokens(seq(1, 30, 10)) == 48  # next power of two would be 64
-    assert alloc.can_ever_fit(seq(2, 40, 8)) and not alloc.can_ever_fit(seq(3, 40, 9))
+    assert alloc.reserved_tokens(seq(1, 30, 10)) == 48  # 30 + 10 - 1 = 39: next power of two would be 64
+    # 40 + 9 - 1 = 48 tokens of KV fit max_model_len 48; 40 + 10 - 1 = 49 do not
+    assert alloc.can_ever_fit(seq(2, 40, 9)) and not alloc.can_ever_fit(seq(3, 40, 10))
 
 
 def test_breakdown_by_hand_with_remainder_bytes():
-    # 100 slots + 5 stray bytes; pow2: request of 10 + 7 tokens reserves 32 slots.
+    # 100 slots + 5 stray bytes; pow2: a 10-token prompt sampling 8 holds 10 + 8 - 1 = 17 tokens of KV, reserves 32 slots.
     alloc = make_flat(100, extra_bytes=5, reserve="pow2")
     assert alloc.num_slots == 100
-    s = seq(1, 10, 7)
+    s = seq(1, 10, 8)
     assert alloc.allocate(s, 10) == 0
     b = alloc.breakdown()
     assert (b.token_states_bytes, b.reservation_bytes) == (0, 17 * BPT)
@@ -71,46 +72,47 @@ def test_breakdown_by_hand_with_remainder_bytes():
 
 def test_no_growth_past_the_slab_and_decode_batch():
     alloc = make_flat(100, reserve="oracle")
-    a, b = seq(1, 4, 2), seq(2, 3, 5)
+    a, b = seq(1, 4, 2), seq(2, 3, 5)  # slabs of 4 + 2 - 1 = 5 and 3 + 5 - 1 = 7 tokens
     assert alloc.allocate(a, 4) == 0 and alloc.allocate(b, 3) == 0
     a.num_computed_tokens, b.num_computed_tokens = 4, 3
-    assert alloc.append_slots(a, 2) and not alloc.append_slots(a, 3)
-    a.num_computed_tokens = 6  # a has produced its last token
+    assert alloc.append_slots(a, 1) and not alloc.append_slots(a, 2)
+    a.num_computed_tokens = 5  # a has written its last KV (its 2nd sampled token's is never written)
     assert alloc.append_decode_in_order([a, b]) == 0
-    assert alloc.append_slots(b, 5) and not alloc.append_slots(b, 6)
+    assert alloc.append_slots(b, 4) and not alloc.append_slots(b, 5)
 
 
 def test_allocate_refuses_more_than_the_slab_and_too_long_requests():
     alloc = make_flat(500, reserve="oracle", max_model_len=64)
-    assert alloc.allocate(seq(1, 10, 5), 16) is None  # more than prompt + output
-    too_long = seq(2, 60, 5)
+    assert alloc.allocate(seq(1, 10, 5), 15) is None  # more than its 10 + 5 - 1 = 14 tokens of KV
+    too_long = seq(2, 60, 6)  # 60 + 6 - 1 = 65 > max_model_len 64
     assert not alloc.can_ever_fit(too_long) and alloc.allocate(too_long, 60) is None
     assert alloc.num_live == 0 and alloc.arena.free_total == 500
 
 
 def test_external_fragmentation_counts_all_free_bytes_for_the_waiting_head():
-    # four oracle slabs of 10 in 40 slots; free the 1st and 3rd: 20 free, largest hole 10.
+    # four oracle slabs of 5 + 5 - 1 = 9 in 40 slots, at 0, 9, 18, 27; free the 1st and 3rd:
+    # holes [0, 9), [18, 27), [36, 40): 9 + 9 + 4 = 22 free, largest hole 9.
     alloc = make_flat(40, reserve="oracle")
     seqs = [seq(i, 5, 5) for i in range(4)]
     for s in seqs:
         assert alloc.allocate(s, 5) == 0
     alloc.free(seqs[0])
     alloc.free(seqs[2])
-    head = seq(9, 10, 5)  # needs 15 > largest hole 10, <= free total 20
+    head = seq(9, 10, 5)  # needs 10 + 5 - 1 = 14 > largest hole 9, <= free total 22
     assert alloc.allocate(head, 10) is None
     b = alloc.breakdown(head)
-    assert b.external_fragmentation_bytes == 20 * BPT and b.free_bytes == 0
-    assert b.reservation_bytes == 20 * BPT  # two live slabs, nothing computed yet
-    small = seq(10, 5, 5)  # fits a hole: no external fragmentation
+    assert b.external_fragmentation_bytes == 22 * BPT and b.free_bytes == 0
+    assert b.reservation_bytes == 18 * BPT  # two live slabs of 9, nothing computed yet
+    small = seq(10, 5, 5)  # 9 fits a hole: no external fragmentation
     assert alloc.breakdown(small).external_fragmentation_bytes == 0
-    big = seq(11, 20, 5)  # 25 > free total: not fragmentation, just full
+    big = seq(11, 20, 5)  # 20 + 5 - 1 = 24 > free total 22: not fragmentation, just full
     b = alloc.breakdown(big)
-    assert b.external_fragmentation_bytes == 0 and b.free_bytes == 20 * BPT
+    assert b.external_fragmentation_bytes == 0 and b.free_bytes == 22 * BPT
 
 
 def test_buddy_rounding_is_internal_fragmentation():
     alloc = make_flat(64, reserve="oracle", placement="buddy")
-    s = seq(1, 10, 7)  # 17 tokens -> a 32-slot buddy block
+    s = seq(1, 10, 8)  # 10 + 8 - 1 = 17 tokens of KV -> a 32-slot buddy block
     assert alloc.allocate(s, 10) == 0
     assert alloc.slab(s) == (0, 17)
     b = alloc.breakdown()
@@ -137,9 +139,9 @@ def test_slot_mapping_is_the_slab_slice():
     a, b = seq(1, 4, 2), seq(2, 3, 5)
     alloc.allocate(a, 4)
     alloc.allocate(b, 3)
-    assert alloc.slab(b) == (6, 8)
+    assert alloc.slab(b) == (5, 7)  # after a's 4 + 2 - 1 = 5 slots, b's 3 + 5 - 1 = 7
     m = alloc.slot_mapping(b, 2, 5)
-    assert m.dtype == np.int64 and m.tolist() == [8, 9, 10]
+    assert m.dtype == np.int64 and m.tolist() == [7, 8, 9]  # 5 + 2 .. 5 + 4
     assert alloc.slot_mapping(a, 0, 0).shape == (0,)
 
 
@@ -160,13 +162,13 @@ def test_state_layers_reserve_state_slots_per_request():
     assert alloc.num_state_slots == 3 and alloc.state_padding_bytes == 8
     s = seq(1, 10, 5)
     alloc.allocate(s, 10)
-    assert alloc.slab(s) == (0, 18)
+    assert alloc.slab(s) == (0, 17)  # 10 + 5 - 1 = 14 token slots + 3 state slots
     s.num_computed_tokens = 10
     b = alloc.breakdown()
     assert b.token_states_bytes == 10 * 16 + 40
-    assert b.reservation_bytes == 5 * 16
+    assert b.reservation_bytes == 4 * 16  # 14 - 10
     assert b.internal_fragmentation_bytes == 8
-    assert b.free_bytes == 82 * 16
+    assert b.free_bytes == 83 * 16  # 100 - 17
 
 
 def test_sliding_layers_keep_every_token():

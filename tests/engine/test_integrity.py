@@ -37,7 +37,10 @@ def make_cache(alloc, device: str = "cpu") -> KVCache:
 
 
 def make_seq(seq_id: int, token_ids: np.ndarray, num_prompt_tokens: int, cache: KVCache | None = None) -> Sequence:
-    seq = Sequence(seq_id, num_prompt_tokens, len(token_ids) - num_prompt_tokens, token_ids=np.asarray(token_ids))
+    """A request that writes the KV of every one of `token_ids`: it samples one token more, whose KV is never
+    written (num_final_tokens = prompt + max_tokens - 1 = len(token_ids))."""
+    seq = Sequence(seq_id, num_prompt_tokens, len(token_ids) - num_prompt_tokens + 1, token_ids=np.asarray(token_ids))
+    assert seq.num_final_tokens == len(token_ids)
     if cache is not None:
         cache.register(seq_id, seq.token_ids)
     return seq

@@ -54,20 +54,20 @@ def parts(alloc: PagedAllocator) -> tuple[int, int, int, int, int]:
 def test_num_blocks_tables_slots_and_breakdown():
     alloc = make_alloc(10, extra=5)
     assert (alloc.num_blocks, alloc.num_slots, alloc.num_free_blocks) == (11, 44, 10)
-    a, b = make_seq(0, 6, 3), make_seq(1, 5, 1)
+    a, b = make_seq(0, 6, 4), make_seq(1, 5, 1)  # KV for 6 + 4 - 1 = 9 and 5 + 1 - 1 = 5 tokens
     assert admit(alloc, a) == 0 and admit(alloc, b) == 0
     assert alloc.block_table(a) == [1, 2] and alloc.block_table(b) == [3, 4]
     assert alloc.slot_mapping(a, 0, 6).tolist() == [4, 5, 6, 7, 8, 9]
     assert alloc.slot_mapping(b, 3, 5).tolist() == [15, 16]
     assert alloc.slot_mapping(b, 3, 5).dtype == np.int64
-    # a: 6 computed, 2 reserved (final 9 > 8 slots). b: 5 computed, 1 reserved, 2 past its final 6.
-    # internal = b's 2 slots + the null block + the 5-byte remainder; free = 6 blocks.
-    assert parts(alloc) == (11 * BPT, 3 * BPT, 2 * BPT + BLOCK + 5, 0, 6 * BLOCK)
+    # a: 6 computed, 2 reserved (final 9 > 8 slots). b: 5 computed, 0 reserved, 3 past its final 5.
+    # internal = b's 3 slots + the null block + the 5-byte remainder; free = 6 blocks.
+    assert parts(alloc) == (11 * BPT, 2 * BPT, 3 * BPT + BLOCK + 5, 0, 6 * BLOCK)
     assert decode(alloc, a) and decode(alloc, a) and alloc.block_table(a) == [1, 2]
     assert decode(alloc, a) and alloc.block_table(a) == [1, 2, 5]  # token 8 opens a third block
     assert alloc.slot_mapping(a, 7, 9).tolist() == [11, 20]
-    # a: 9 computed of 12 slots, final 9: 3 slots internal.
-    assert parts(alloc) == (14 * BPT, 1 * BPT, 5 * BPT + BLOCK + 5, 0, 5 * BLOCK)
+    # a: 9 computed of 12 slots, final 9: 3 slots internal; b's 3 as before.
+    assert parts(alloc) == (14 * BPT, 0, 6 * BPT + BLOCK + 5, 0, 5 * BLOCK)
     alloc.free(a)
     c = make_seq(2, 4, 0)
     assert admit(alloc, c) == 0 and alloc.block_table(c) == [5]  # a's last block, freed first, is reused first
@@ -161,7 +161,7 @@ def probe_hit(alloc: PagedAllocator, token_ids: np.ndarray) -> int:
 
 def test_a_block_filled_by_decode_is_cached_when_its_last_token_is_scheduled():
     alloc = make_alloc(12, enable_prefix_caching=True)
-    a = make_seq(0, 5, 7)  # final 12: its 1st block full at admission, the 2nd and 3rd filled by decode
+    a = make_seq(0, 5, 8)  # final 5 + 8 - 1 = 12: its 1st block full at admission, the 2nd and 3rd filled by decode
     admit(alloc, a)
 
     def num_cached() -> int:
@@ -192,10 +192,10 @@ def test_watermark_refuses_admission_but_not_growth():
 
 def test_can_ever_fit():
     alloc = make_alloc(10, watermark=0.1)  # 1 block kept free when admitting beside a running request
-    assert alloc.can_ever_fit(make_seq(0, 36, 4))  # 9 blocks to admit, 10 at the end
+    assert alloc.can_ever_fit(make_seq(0, 36, 5))  # 9 blocks to admit, 10 at the end (36 + 5 - 1 = 40 tokens)
     assert alloc.can_ever_fit(make_seq(1, 40, 0))  # all 10 blocks to admit: alone, the watermark does not apply
-    assert not alloc.can_ever_fit(make_seq(2, 36, 5))  # 11 blocks at the end
-    assert not make_alloc(100).can_ever_fit(make_seq(3, 250, 7))  # longer than max_model_len 256
+    assert not alloc.can_ever_fit(make_seq(2, 36, 6))  # 11 blocks at the end (36 + 6 - 1 = 41 tokens)
+    assert not make_alloc(100).can_ever_fit(make_seq(3, 250, 8))  # 250 + 8 - 1 = 257: longer than max_model_len 256
 def test_user_mistakes_raise_kvsim_errors():
     with pytest.raises(KvsimError, match="watermark"):
         make_alloc(10, watermark=1.5)
@@ -207,7 +207,8 @@ def test_nothing_leaks_after_a_busy_run():
     result = run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3)
     trace = make_trace(40, 3)
     assert result.prefill_tokens == sum(s.num_prompt_tokens for s in trace)
-    assert result.decode_tokens == sum(s.max_tokens for s in trace)
+    # the prefill samples the first token; max_tokens - 1 decodes compute the others but the last, never written
+    assert result.decode_tokens == sum(s.max_tokens - 1 for s in trace)
     assert result.blocks_allocated == sum(-(-s.num_final_tokens // 16) for s in trace)  # no hits, no preemption
 
 

@@ -53,10 +53,10 @@ def run(reqs, backend, **kw):
 
 
 def test_per_request_tensors_count_admissions_before_the_first_oom():
-    # oracle reserve: 5, 4 and 5 tokens = 20, 16 and 20 bytes on a 40-byte device
+    # oracle reserve: 3 + 3 - 1 = 5, 2 + 3 - 1 = 4 and 4 + 2 - 1 = 5 tokens = 20, 16 and 20 bytes on a 40-byte device
     device = FakeDevice(40)
     flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=100)
-    rows, totals = run(requests((3, 2), (2, 2), (4, 1)), PerRequestTensors(flat, device.empty))
+    rows, totals = run(requests((3, 3), (2, 3), (4, 2)), PerRequestTensors(flat, device.empty))
     # step 0: r0 and r1 fit (36 bytes), r2 raises OOM; step 1: both finish, nothing retried meanwhile; step 2: r2 runs
     assert totals["admitted_before_first_oom"] == 2 and totals["first_oom_step"] == 0
     assert (totals["ooms"], totals["admissions"], totals["finished"], totals["steps"]) == (1, 3, 3, 3)
@@ -75,7 +75,7 @@ def test_per_request_tensors_count_admissions_before_the_first_oom():
 def test_max_reserve_holds_max_model_len_per_request():
     device = FakeDevice(1000)
     flat = make_allocator(AllocatorConfig("flat", reserve="max"), spec(), 1000, max_model_len=100)
-    rows, totals = run(requests((3, 2), (2, 2), (4, 1)), PerRequestTensors(flat, device.empty))
+    rows, totals = run(requests((3, 3), (2, 3), (4, 2)), PerRequestTensors(flat, device.empty))
     assert rows[0]["kv_in_use_bytes"] == 2 * 100 * BYTES_PER_TOKEN  # 400 each: only two fit in 1000 bytes
     assert totals["admitted_before_first_oom"] == 2
 
@@ -83,12 +83,13 @@ def test_max_reserve_holds_max_model_len_per_request():
 def test_a_request_that_can_never_fit_is_rejected_not_waited_for():
     device = FakeDevice(10**6)
     flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=8)
-    _, totals = run(requests((6, 5), (2, 1)), PerRequestTensors(flat, device.empty))  # 11 tokens > max_model_len 8
+    _, totals = run(requests((6, 5), (2, 1)), PerRequestTensors(flat, device.empty))  # 6 + 5 - 1 = 10 tokens > max_model_len 8
     assert (totals["rejected"], totals["finished"], totals["ooms"]) == (1, 1, 0)
 
 
 def test_an_oom_on_an_idle_device_rejects_the_request():
-    # the flat budget admits 20 bytes, the device holds 12: the first request can never be allocated
+    # the flat budget admits 3 + 2 - 1 = 4 tokens, 16 bytes; the device holds 12: the first request can never be
+    # allocated; the second (1 + 1 - 1 = 1 token) finishes at its prefill
     device = FakeDevice(12)
     flat = make_allocator(AllocatorConfig("flat", reserve="oracle"), spec(), 400, max_model_len=100)
     _, totals = run(requests((3, 2), (1, 1)), PerRequestTensors(flat, device.empty))
@@ -102,7 +103,7 @@ def test_paged_pool_preempts_instead_of_failing_allocations():
     paged = make_allocator(AllocatorConfig("paged", block_size=2, watermark=0.0), spec(), 48, max_model_len=100)
     backend = PagedPool(paged, 48, device.empty)
     assert device.used == 48 and device.calls == 1  # the whole budget, once
-    rows, totals = run(requests((3, 3), (3, 2)), backend)
+    rows, totals = run(requests((3, 4), (3, 3)), backend)  # KV for 3 + 4 - 1 = 6 and 3 + 3 - 1 = 5 tokens
     # step 0: both admitted with 2 blocks each, both grow to 4 tokens in place;
     # step 1: r0 takes the last block, r1 cannot grow -> preempted (recompute 4 tokens);
     # step 2: r1 re-admitted (2 blocks), r0 finishes but frees only after the step, so r1 is preempted again;

@@ -34,9 +34,9 @@ class FlatAllocator(KVAllocator):
           token      reservation  internal      ceil(state_bytes / bytes_per_token)
           states                  fragmentation
 
-    - `reserve="max"`: `max_model_len` tokens; `"pow2"`: the next power of two >= prompt + output, capped at
-      `max_model_len` (no engine reserves past the longest sequence it serves; the cap keeps pow2 <= max);
-      `"oracle"`: exactly prompt + output (it knows the future).
+    - `reserve="max"`: `max_model_len` tokens; `"pow2"`: the next power of two >= `num_final_tokens` (prompt +
+      max_tokens - 1), capped at `max_model_len` (no engine reserves past the longest sequence it serves; the
+      cap keeps pow2 <= max); `"oracle"`: exactly `num_final_tokens` (it knows the future).
     - Every per-token layer keeps every token (no window freeing: the paper's systems had none).
     - Nothing grows after admission: `append_slots` only checks the request stays inside its slab, so a flat
       allocator never preempts. A request longer than `max_model_len` is never admitted (`can_ever_fit`).

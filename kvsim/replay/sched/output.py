@@ -17,7 +17,7 @@ class SchedSeq(Sequence):
     output stays within max_model_len). A step that completes its prefill samples the first; each decode step
     computes the last sampled token and samples the next. It finishes once it has `max_tokens` (vLLM's
     `check_stop`), so the KV of its last sampled token is never written: it holds at most
-    `num_final_tokens = prompt + max_tokens - 1` tokens of KV.
+    `num_final_tokens = prompt + max_tokens - 1` tokens of KV (`Sequence.num_final_tokens`).
 
     `num_tokens` is prompt + output sampled so far: what it must have computed before it samples again.
     `prefill_target` is `num_tokens` when it was last admitted: the tokens of that (re)admission's prefill
@@ -39,11 +39,6 @@ class SchedSeq(Sequence):
         if self.prefill_target == 0:
             self.prefill_target = self.num_prompt_tokens
         self.final_tokens = self.num_final_tokens
-
-    @property
-    def num_final_tokens(self) -> int:
-        """Prompt + max_tokens - 1: the most KV it holds (the last sampled token's KV is never written)."""
-        return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
 
     @property
     def num_tokens(self) -> int:

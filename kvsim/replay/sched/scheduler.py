@@ -70,7 +70,7 @@ class Scheduler:
         self.cache = cache
         self.roofline = roofline
         self.allow_runs = allow_runs and roofline is not None
-        self.make_token_ids = make_token_ids  # SchedSeq -> (num_final_tokens,) ids, made at admission
+        self.make_token_ids = make_token_ids  # SchedSeq -> (prompt + max_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
         self.waiting: deque[SchedSeq] = deque()
