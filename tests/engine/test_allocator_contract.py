@@ -175,7 +175,7 @@ def test_refusal_is_a_value_and_changes_nothing(config, spec):
             break
         admitted.append(s)
     else:
-        pytest.fail("a 64-slot budget admitted 50 requests of 16 tokens")
+        pytest.fail("a 64-slot budget admitted 50 requests of 10 + 6 - 1 = 15 tokens")
     assert 1 <= len(admitted) and len(admitted) * 10 <= alloc.num_slots
 
 

@@ -76,7 +76,7 @@ SLIDING = KVCacheSpec(
 
 def test_sliding_window_only_model_frees_blocks_outside_the_window():
     alloc = HybridPagedAllocator(SLIDING, 8 * 64, max_model_len=200, watermark=0.0)  # 8 blocks: 7 usable, 0 is null
-    seq = Sequence(0, 16, 40)
+    seq = Sequence(0, 16, 41)  # KV for 16 + 41 - 1 = 56 tokens: 40 decodes
     assert alloc.allocate(seq, 16) == 0 and alloc.num_free_blocks == 3
     seq.num_computed_tokens = 16
     held = []

@@ -71,7 +71,7 @@ def test_breakdown_by_hand_with_padding_named():
     seq = Sequence(0, 10, 10)
     alloc.allocate(seq, 10)
     b = alloc.breakdown()
-    # 12 slots allocated per group, none computed, all before the final length 20: reservation
+    # 12 slots allocated per group, none computed, all before the final length 10 + 10 - 1 = 19: reservation
     assert b.reservation_bytes == 12 * TOKEN_BYTES == 480
     assert b.padding_bytes == 3 * 32  # the padding layer's page in each of group 1's 3 blocks
     assert b.internal_fragmentation_bytes == 96 + 64 + 10  # padding, the null block, the remainder
@@ -123,9 +123,9 @@ def test_watermark_counts_blocks_of_the_pool():
 
 def test_can_ever_fit_by_the_admission_bound_or_unchunked_peak():
     alloc = make(num_blocks=21, max_model_len=64)  # 20 usable
-    assert alloc.can_ever_fit(Sequence(0, 8, 32))  # 40 tokens: 5 + 5 + 10 capped
-    assert not alloc.can_ever_fit(Sequence(0, 8, 57))  # 65 > max_model_len
-    # 60 tokens: capped 5 + 5 + 15 = 25 blocks. Alone, unchunked: the prompt takes 3 x 2 blocks; the decode
+    assert alloc.can_ever_fit(Sequence(0, 8, 32))  # 8 + 32 - 1 = 39 tokens: 5 + 5 + cdiv(39, 4) = 10 capped
+    assert not alloc.can_ever_fit(Sequence(0, 8, 58))  # 8 + 58 - 1 = 65 > max_model_len 64
+    # 8 + 52 - 1 = 59 tokens: capped 5 + 5 + 15 = 25 blocks. Alone, unchunked: the prompt takes 3 x 2 blocks; the decode
     # peak is where a block opens, at 56 computed (room for 57): 15 full blocks + 2 x (15 - 49 // 4) = 21
     assert not alloc.can_ever_fit(Sequence(1, 8, 52))
     assert make(num_blocks=22, max_model_len=64).can_ever_fit(Sequence(1, 8, 52))  # 21 usable
