@@ -122,16 +122,16 @@ class ModelRunner:
         blocks they did not write (prefix hits, copy on write), checked in the pool after the row's writes."""
         admitted = {seq.seq_id for seq in out.admitted}
         for seq, start, num in out.prefills:
-            if start + num >= seq.final_tokens:
-                self._verify(seq, seq.final_tokens)
+            if start + num >= seq.num_final_tokens:
+                self._verify(seq, seq.num_final_tokens)
             elif start and seq.seq_id in admitted:
                 self._verify(seq, start)
         for seq in out.swapped_in:
             self._verify(seq, seq.num_computed_tokens)
         k = out.num_steps
         for seq in out.decodes:
-            if seq.num_computed_tokens + k >= seq.final_tokens:
-                self._verify(seq, seq.final_tokens)
+            if seq.num_computed_tokens + k >= seq.num_final_tokens:
+                self._verify(seq, seq.num_final_tokens)
 
     def _verify(self, seq: SchedSeq, end: int) -> None:
         """Check positions [0, end) of `seq` in the pool (from its first held block: a sliding window frees old ones)."""

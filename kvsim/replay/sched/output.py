@@ -32,13 +32,11 @@ class SchedSeq(Sequence):
     num_preemptions: int = 0
     swap_handle: object = None  # the cache's handle of KV swapped to the CPU pool (None: accounting only)
     swap_tokens: int = 0  # computed tokens that sit in the CPU pool while swapped out
-    final_tokens: int = 0  # num_final_tokens as a plain attribute: read on every step
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.prefill_target == 0:
             self.prefill_target = self.num_prompt_tokens
-        self.final_tokens = self.num_final_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +46,6 @@ class SchedSeq(Sequence):
     def set_max_tokens(self, max_tokens: int) -> None:
         """Cap how many tokens it samples (at least one: a prefill always samples)."""
         self.max_tokens = max(1, max_tokens)
-        self.final_tokens = self.num_final_tokens
 
 
 class SchedulerOutput:
