@@ -106,26 +106,7 @@ class ReplayContext:
         spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size, tp=self.tp)
         sc = self.scheduler_config
         settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=getattr(sc, "async_scheduling", False))
-        if self.tp > 1 and not spec.is_uniform:
-            return _with_pool_per_rank(self.model, spec, self.budget_bytes, self.max_model_len, settings, self.tp)
-        return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings)
-
-
-def _with_pool_per_rank(model, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings, tp: int) -> KVCacheSpec:
-    """`kvsim.size.vllm_pool.with_pool` for one of `tp` ranks: the same calls with the layers' per-rank pages
-    (`with_pool` sizes the layers at tp 1), and the same fall-back to kvsim's lanes where vLLM's arithmetic
-    does not apply."""
-    from dataclasses import replace
-
-    from kvsim.size.vllm import vllm_startup
-    from kvsim.size.vllm_layers import vllm_layers
-    try:
-        startup = vllm_startup(vllm_layers(model, spec, tp), budget_bytes, max_model_len, spec.block_size, settings)
-    except KvsimError:
-        return spec
-    if startup is None or startup.num_blocks < 2:
-        return spec
-    return replace(spec, pool=startup.pool)
+        return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings, self.tp)
 
 
 ProgressFn = Callable[[str, int, int], None]  # (allocator label, requests done, total requests)

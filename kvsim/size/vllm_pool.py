@@ -13,9 +13,11 @@ from kvsim.size.vllm_settings import VllmSettings
 from kvsim.vllm_version import VLLM_VERSION
 
 
-def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings: VllmSettings) -> KVCacheSpec:
-    """`spec` with vLLM's groups for a mixed model; a uniform model's spec as it is (one group: the paged
-    allocator's single-group path).
+def with_pool(
+    model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, settings: VllmSettings, tp: int = 1
+) -> KVCacheSpec:
+    """`spec` (one of `tp` ranks') with vLLM's groups for a mixed model, their pages per rank; a uniform model's
+    spec as it is (one group: the paged allocator's single-group path).
 
     The paged allocator has one layout, vLLM's: where vLLM 0.33.0's arithmetic cannot build a model's groups
     (or kvsim does not model it), this is a KvsimError naming the layer kinds and the model's file, never a
@@ -25,7 +27,7 @@ def with_pool(model: ModelSpec, spec: KVCacheSpec, budget_bytes: int, max_model_
         return spec
     source = model.source or model.name
     try:
-        startup = vllm_startup(vllm_layers(model, spec), budget_bytes, max_model_len, spec.block_size, settings)
+        startup = vllm_startup(vllm_layers(model, spec, tp), budget_bytes, max_model_len, spec.block_size, settings)
     except KvsimError as exc:
         raise KvsimError(f"{exc}; the paged allocator follows vLLM's KV cache groups only", source=source) from None
     if startup is None:

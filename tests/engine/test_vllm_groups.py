@@ -66,10 +66,12 @@ def test_every_config_family_keeps_vllms_groups(name, tmp_path):
     _check_groups(load_hf_config(path))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("failure", ["no groups", "not modelled"])
-def test_groups_vllm_cannot_build_are_an_error_naming_the_layers_and_the_file(tmp_path, monkeypatch, failure):
+def test_groups_vllm_cannot_build_are_an_error_naming_the_layers_and_the_file(tmp_path, monkeypatch, failure, tp):
     """Where vLLM's arithmetic builds no groups for a mixed model (it cannot unify the pages) or kvsim does not
-    model it: one line naming the layer kinds and the model's file, not a replay on some other layout."""
+    model it: one line naming the layer kinds and the model's file, not a replay on some other layout; at any
+    tensor parallelism (one rank's pool)."""
     import kvsim.size.vllm_pool as vllm_pool
 
     def startup(*args, **kwargs):
@@ -81,9 +83,9 @@ def test_groups_vllm_cannot_build_are_an_error_naming_the_layers_and_the_file(tm
     path = tmp_path / "config.json"
     path.write_text(json.dumps(FAMILIES["GEMMA4"]))
     model = load_hf_config(path)
-    spec = kv_cache_spec(model, kv_dtype="bf16", block_size=16)
+    spec = kv_cache_spec(model, kv_dtype="bf16", block_size=16, tp=tp)
     with pytest.raises(KvsimError) as err:
-        with_pool(model, spec, BUDGET, MAX_MODEL_LEN, VllmSettings())
+        with_pool(model, spec, BUDGET, MAX_MODEL_LEN, VllmSettings(), tp)
     message = str(err.value)
     assert message.startswith(str(model.source or model.name))
     assert ("full, sliding" in message) if failure == "no groups" else ("'linear' layers" in message)
