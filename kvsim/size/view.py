@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import json
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
 from kvsim.size.view_vllm import print_hybrid_pages, print_vllm_lines
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _b(num_bytes: int | None) -> str:
@@ -149,6 +149,8 @@ def show_size(
         print(json.dumps(out, indent=2))
         _raise_verdict(report)
         return
+    from rich.console import Console  # tables only: --json never loads rich
+
     console = Console()
     _print_report(console, report)
     if mamba_note:
@@ -231,6 +233,8 @@ def _group_shape(model, group, tp: int) -> tuple[str, str]:
 
 
 def _print_report(console: Console, report) -> None:
+    from rich.table import Table
+
     from kvsim.size.sizing import sliding_cap_bytes_per_sequence
 
     model, spec, n = report.model, report.spec, report.context_tokens
@@ -318,6 +322,9 @@ def _startup_note(m) -> str:
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=escape("KV pool tensor [kv, layer, block, token, head, dim] (row-major)"), title_justify="left")
     table.add_column("")
     for name in ("kv", "layer", "block", "token", "head", "dim"):
