@@ -185,15 +185,15 @@ def _raise_verdict(report) -> None:
 
 def _cpu_tier(report, cpu_offload: str | None, kv_offloading_size: str | None, cpu_block_size: int | None):
     """The CPU tier of --cpu-offload / --kv-offloading-size (kvsim.size.cpu_offload), or None without one."""
-    from kvsim.size.cpu_offload import model_cpu_offload, parse_offloading_size
-    from kvsim.units import parse_bytes
-
     if cpu_offload is not None and kv_offloading_size is not None:
         raise KvsimError("give --cpu-offload or --kv-offloading-size, not both", field="--kv-offloading-size")
     if cpu_offload is None and kv_offloading_size is None:
         if cpu_block_size is not None:
             raise KvsimError("a CPU block size needs a CPU tier: give --cpu-offload too", field="--cpu-block-size")
         return None
+    from kvsim.size.cpu_offload import model_cpu_offload, parse_offloading_size  # loaded with a tier only
+    from kvsim.units import parse_bytes
+
     if cpu_offload is not None:
         return model_cpu_offload(report, parse_bytes(cpu_offload, field="--cpu-offload"), cpu_block_size=cpu_block_size)
     size = parse_offloading_size(kv_offloading_size, field="--kv-offloading-size")
