@@ -75,6 +75,15 @@ def _aliases() -> dict[str, str]:
     return table
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_key_by_name(name: str) -> str | None:
+    """The catalogue key of the GPU whose `name` (GPUSpec.name, e.g. "NVIDIA H100 80GB SXM") is `name`, or None."""
+    for key, fields in entries_fields(_texts(), "name").items():
+        if fields.get("name") == name:
+            return key
+    return None
+
+
 def gpu_names() -> list[str]:
     """Every catalogue GPU key, in catalogue order."""
     return list(_texts())
