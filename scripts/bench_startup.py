@@ -8,12 +8,15 @@ the interpreter's and typer's (typer 0.29 imports pydantic for its options; both
     python3 scripts/bench_startup.py            # kvsim size -m llama-3.1-8b --gpu h100-80gb, min of 9
     python3 scripts/bench_startup.py --runs 21 -- size -m qwen3-0.6b --json
     python3 scripts/bench_startup.py --against /tmp/old   # also another checkout's kvsim (git archive REV), interleaved
+    python3 scripts/bench_startup.py --instructions       # instructions executed (valgrind), not time: the same
+                                                          # on a loaded machine, ~10 s a run
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -46,17 +49,27 @@ if __name__ == "__main__":
 '''
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+def timed(cmd: list[str], env: dict[str, str], cwd: str) -> tuple[float, float]:
     """Wall seconds of one run of `cmd`, start to exit, and its CPU seconds (user + system: less moved by the
     machine's other load); a failing run is an error, not a time."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-500:]}")
     return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def instructions(cmd: list[str], env: dict[str, str], cwd: str) -> int:
+    """Instructions one run of `cmd` executes (callgrind's total), deterministic where time is not."""
+    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd], env=env, cwd=cwd,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    found = re.search(r"Collected : (\d+)", proc.stderr)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"valgrind {' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-500:]}")
+    return int(found.group(1))
 
 
 def main() -> None:
@@ -65,6 +78,8 @@ def main() -> None:
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="compile kvsim's modules at every run (PYTHONDONTWRITEBYTECODE=1 with no cache yet), "
                         "as a fresh source tree does; by default their bytecode is cached once, as pip install does")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the instructions each command executes under valgrind (callgrind) instead of timing it")
     parser.add_argument("--against", type=Path, help="another checkout of kvsim to time in the same runs")
     parser.add_argument("kvsim_args", nargs="*", default=["size", "-m", "llama-3.1-8b", "--gpu", "h100-80gb"])
     args = parser.parse_args()
@@ -83,16 +98,25 @@ def main() -> None:
         app.write_text(TYPER_APP)
         kvsim_cmd = [sys.executable, "-m", "kvsim", *args.kvsim_args]
         label = "kvsim " + " ".join(args.kvsim_args)
+        # every run in the temporary folder: `python -m kvsim` looks in the current folder before PYTHONPATH
         cases = {label: (kvsim_cmd, env_for(REPO))}
         if args.against:
             cases[f"the same, {args.against}"] = (kvsim_cmd, env_for(args.against.resolve()))
         cases["two-command typer app"] = ([sys.executable, str(app), "hello", "--name", "kvsim"], env)
         for cmd, cmd_env in cases.values():  # warm the file cache and the bytecode once
-            timed(cmd, cmd_env)
+            timed(cmd, cmd_env, tmp)
+        if args.instructions:
+            counts = {name: instructions(cmd, dict(cmd_env, PYTHONHASHSEED="0"), tmp) for name, (cmd, cmd_env) in cases.items()}
+            width = max(len(name) for name in cases) + 2
+            base = counts["two-command typer app"]
+            print(f"instructions executed (valgrind --tool=callgrind), {'bytecode cached' if not args.no_bytecode_cache else 'kvsim compiled'}")
+            for name, count in counts.items():
+                print(f"{name:{width}} {count / 1e6:9.1f} M {count / base:5.2f}x")
+            return
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
         for _ in range(args.runs):  # interleaved: a burst of load hits each alike
             for name, (cmd, cmd_env) in cases.items():
-                runs[name].append(timed(cmd, cmd_env))
+                runs[name].append(timed(cmd, cmd_env, tmp))
 
     cache = "kvsim compiled at every run" if args.no_bytecode_cache else "bytecode cached"
     print(f"min of {args.runs} runs each, {cache}; load average {os.getloadavg()[0]:.2f}")
