@@ -28,7 +28,8 @@ def entry_texts(text: str, file: str) -> dict[str, str]:
         if not sep or part[:1].isspace() or part.startswith("#"):
             continue  # the file's opening comment block
         assert name.strip() not in texts, f"{file}: entry {name} twice"
-        assert rest.split("\n", 1)[0].strip() == "", f"{file}: top-level line {name}: holds a value, not an entry"
+        value = rest.split("\n", 1)[0].split("#", 1)[0].strip()  # a comment may follow `name:`
+        assert value == "", f"{file}: top-level line {name}: holds a value, not an entry"
         texts[name.strip()] = part
     assert texts, f"{file}: no entries"
     return texts

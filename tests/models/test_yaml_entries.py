@@ -41,7 +41,7 @@ first:
     b: [1, 2]
 
 # a comment between entries
-second-one:
+second-one:  # a comment after the name
   a: two
 third:
   aliases: [z]
