@@ -32,3 +32,39 @@ def test_help_shows_every_option_name_whole(cli, path, cmd, width):
     names.append("--help")
     missing = [name for name in names if name not in words]
     assert not missing, f"cut or missing at COLUMNS={width}: {missing}"
+
+
+NAMED_RUNS = [
+    ["size", "--help"],
+    ["size", "--model", "qwen3-0.6b", "--json"],
+    ["size", "--model", "qwen3-0.6b", "--tp", "x"],
+    ["size", "--no-such-option"],
+    ["bench", "--help"],
+    ["bench", "allocator", "--help"],
+    ["cache-curve", "--help"],
+    ["replay"],
+    ["models", "--json"],
+]
+
+
+@pytest.mark.parametrize("args", NAMED_RUNS, ids=" ".join)
+def test_a_named_command_run_alone_prints_what_the_whole_app_does(args):
+    """`kvsim NAME ...` builds the one command it names (app_for): its help, output, errors and exit code are
+    the whole app's."""
+    from typer.testing import CliRunner
+
+    from kvsim.cli import app_for
+
+    alone = app_for(args)
+    assert alone is not app
+    assert [c.callback.__name__.replace("_", "-") for c in alone.registered_commands] + [g.name for g in alone.registered_groups] == [args[0]]
+    runner = CliRunner()
+    whole, one = runner.invoke(app, args), runner.invoke(alone, args)
+    assert (one.exit_code, one.output) == (whole.exit_code, whole.output)
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["--version"], ["sise"], ["--version", "size"]], ids=repr)
+def test_no_command_name_first_gets_the_whole_app(args):
+    from kvsim.cli import app_for
+
+    assert app_for(args) is app

@@ -42,3 +42,16 @@ def test_help_imports_no_heavy_module():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "size" in proc.stdout
     assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_size_json_imports_no_table_and_no_hub_step():
+    """--json prints no table: rich stays unloaded; a catalogue name never reaches the Hub's step (kvsim.models.hub,
+    which loads logging), the CPU tier without --cpu-offload, nor another command's modules."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvsim", "size", "--model", "llama-3.1-8b",
+                           "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"memory_bytes": 85029158912' in proc.stdout
+    names = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:") and "|" in line}
+    assert "kvsim.size.report" in names and "yaml" in names  # the parse saw real imports
+    assert not {n.split(".")[0] for n in names} & {"rich", "logging", *HEAVY}
+    assert not {"kvsim.models.hub", "kvsim.size.cpu_offload", "kvsim.replay", "kvsim.engine", "kvsim.workload", "kvsim.clock"} & names

@@ -118,14 +118,18 @@ def table(cases: list[LogCase]) -> str:
         err = f"{c.available_error:+.2f} ({c.available_error / abs(c.logged['available']) * 100:+.1f}%)" if c.logged["available"] else "-"
         mark = "" if c.hit else " **miss**"
         tok = f"{c.logged['tokens']:,} / {c.tokens:,}" if c.logged.get("tokens") and c.tokens else "-"
+        oos = " (out of sample)" if c.entry.get("out_of_sample") else ""
         lines.append(
-            f"| [{c.id}]({c.entry['url']}) | {c.entry['vllm_version']} | {c.entry['tp']} | "
+            f"| [{c.id}]({c.entry['url']}){oos} | {c.entry['vllm_version']} | {c.entry['tp']} | "
             + " | ".join(_cell(c, t) for t in TERMS)
             + f" | {err}{mark} | {tok} |"
         )
     hits = sum(c.hit for c in cases)
     lines.append("")
     lines.append(f"{hits} of {len(cases)} logs within 3% or 0.3 GiB of the logged available KV memory ({hits / len(cases):.0%}).")
+    unfitted = [c for c in cases if c.entry.get("out_of_sample")]
+    if unfitted:
+        lines.append(f"Out of sample (no constant fitted to them): {sum(c.hit for c in unfitted)} of {len(unfitted)} within.")
     for c in cases:
         if not c.hit:
             lines.append(f"- {c.id}: {c.entry.get('note', 'unexplained')}")

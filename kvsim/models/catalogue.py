@@ -19,20 +19,10 @@ from pathlib import Path
 from kvsim.errors import KvsimError
 from kvsim.models.hf_cache import checkpoint_spec, find_cached, hub_cache_dir, local_checkpoint
 from kvsim.models.hf_config import model_spec_from_config
-from kvsim.models.hub import fetch_from_hub, hub_offline
 from kvsim.models.spec import ModelSpec
+from kvsim.models.yaml_entries import entries_fields, entry_texts, parse_entry
 
 CATALOGUE_FILE = "kvsim/models/data/models.yaml"
-
-
-# A catalogue entry starts at a line `short-name:` in the first column; its fields are indented under it.
-_ENTRY_START = re.compile(r"^(?=[^\s#][^:\n]*:[ \t]*$)", re.M)
-
-
-def _load_yaml(text: str):
-    import yaml
-
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,21 +32,16 @@ def _texts() -> dict[str, str]:
     `kvsim size` needs one."""
     text = resources.files("kvsim.models").joinpath("data/models.yaml").read_text()
     texts = {}
-    for part in _ENTRY_START.split(text):
-        name, sep, _ = part.partition(":")
-        if sep and not part[:1].isspace() and not part.startswith("#"):
-            assert name.strip().lower() not in texts, f"catalogue entry {name} twice"
-            texts[name.strip().lower()] = part
-    assert texts, "empty model catalogue"
+    for name, entry in entry_texts(text, CATALOGUE_FILE).items():
+        assert name.lower() not in texts, f"catalogue entry {name} twice"
+        texts[name.lower()] = entry
     return texts
 
 
 @functools.lru_cache(maxsize=None)
 def _entry(short_name: str) -> dict:
     """One raw catalogue entry (its YAML parsed alone)."""
-    parsed = _load_yaml(_texts()[short_name])
-    assert isinstance(parsed, dict) and len(parsed) == 1, f"catalogue entry {short_name}"
-    return next(iter(parsed.values()))
+    return parse_entry(short_name, _texts()[short_name], CATALOGUE_FILE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,9 +80,7 @@ def catalogue_entry(name: str) -> dict:
 def _by_repository_id() -> dict[str, str]:
     """Short name by lower-case repository id: each entry's hf_id and its aliases (instruct / chat variants)."""
     ids: dict[str, str] = {}
-    for short, text in _texts().items():  # each entry's hf_id and aliases lines, not the whole entry
-        fields = _load_yaml("\n".join(line.strip() for line in text.splitlines()
-                                      if line.startswith(("  hf_id:", "  aliases:")))) or {}
+    for short, fields in entries_fields(_texts(), "hf_id", "aliases").items():  # those lines, not whole entries
         for repo in [fields["hf_id"], *fields.get("aliases", [])]:
             assert repo.lower() not in ids, f"repository id {repo} names two catalogue entries"
             ids[repo.lower()] = short
@@ -170,6 +153,8 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         if path.is_dir():
             raise KvsimError("a folder without a config.json", source=str(path), field="--model")
         _lookup(name_or_path)  # raises, naming close matches
+    from kvsim.models.hub import fetch_from_hub, hub_offline  # the Hub's step, reached by an id nothing else knows
+
     if hub_offline():
         raise KvsimError(
             f"unknown model {repo_id!r}: not a local path, not in the Hugging Face cache ({hub_cache_dir()}), "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from kvsim.errors import KvsimError
+from kvsim.models.yaml_entries import entries_fields, entry_texts, parse_entry
 from kvsim.units import parse_bytes
 
 HARDWARE_FILE = "kvsim/models/data/hardware.yaml"
@@ -38,46 +39,54 @@ class GPUSpec:
 
 
 @functools.lru_cache(maxsize=1)
-def _raw() -> dict[str, dict]:
-    import yaml
-
+def _texts() -> dict[str, str]:
+    """Each GPU's YAML text by key, in file order: an entry is parsed when asked for (the whole table took
+    ~10 ms, and `kvsim size` needs one)."""
     text = resources.files("kvsim.models").joinpath("data/hardware.yaml").read_text()
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return entry_texts(text, HARDWARE_FILE)
 
 
-@functools.lru_cache(maxsize=1)
-def _catalogue() -> dict[str, GPUSpec]:
-    gpus = {}
-    for key, entry in _raw().items():
-        source = f"{HARDWARE_FILE} [{key}]"
-        gpus[key] = GPUSpec(
-            name=entry["name"],
-            memory_bytes=parse_bytes(entry["memory"], field="memory", source=source),
-            hbm_bandwidth_bytes_per_s=float(entry["hbm_bandwidth_bytes_per_s"]),
-            bf16_flops_per_s=float(entry["bf16_flops_per_s"]),
-            source=entry["source"],
-            key=key,
-            cuda_memory_bytes=parse_bytes(entry["cuda_memory"], field="cuda_memory", source=source),
-            cuda_memory_estimated=bool(entry.get("cuda_memory_estimated", True)),
-            cuda_memory_source=entry.get("cuda_memory_source", ""),
-            unified_memory=bool(entry.get("unified_memory", False)),
-        )
-    return gpus
+@functools.lru_cache(maxsize=None)
+def _gpu(key: str) -> GPUSpec:
+    entry = parse_entry(key, _texts()[key], HARDWARE_FILE)
+    source = f"{HARDWARE_FILE} [{key}]"
+    return GPUSpec(
+        name=entry["name"],
+        memory_bytes=parse_bytes(entry["memory"], field="memory", source=source),
+        hbm_bandwidth_bytes_per_s=float(entry["hbm_bandwidth_bytes_per_s"]),
+        bf16_flops_per_s=float(entry["bf16_flops_per_s"]),
+        source=entry["source"],
+        key=key,
+        cuda_memory_bytes=parse_bytes(entry["cuda_memory"], field="cuda_memory", source=source),
+        cuda_memory_estimated=bool(entry.get("cuda_memory_estimated", True)),
+        cuda_memory_source=entry.get("cuda_memory_source", ""),
+        unified_memory=bool(entry.get("unified_memory", False)),
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def _aliases() -> dict[str, str]:
+    """GPU key by key and by alias (lower case), from each entry's `aliases:` line."""
     table = {}
-    for key, entry in _raw().items():
+    for key, fields in entries_fields(_texts(), "aliases").items():
         table[key] = key
-        for alias in entry.get("aliases", []):
+        for alias in fields.get("aliases", []):
             table[str(alias).lower()] = key
     return table
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_key_by_name(name: str) -> str | None:
+    """The catalogue key of the GPU whose `name` (GPUSpec.name, e.g. "NVIDIA H100 80GB SXM") is `name`, or None."""
+    for key, fields in entries_fields(_texts(), "name").items():
+        if fields.get("name") == name:
+            return key
+    return None
+
+
 def gpu_names() -> list[str]:
     """Every catalogue GPU key, in catalogue order."""
-    return list(_catalogue())
+    return list(_texts())
 
 
 def get_gpu(name: str) -> GPUSpec:
@@ -88,7 +97,7 @@ def get_gpu(name: str) -> GPUSpec:
     if key not in aliases and len(variants) > 1:  # `a100`: the 40 GB or the 80 GB card?
         raise KvsimError(f"ambiguous GPU {name!r}: say which of {', '.join(variants)}", field="--gpu")
     if key in aliases:
-        return _catalogue()[aliases[key]]
+        return _gpu(aliases[key])
     close = difflib.get_close_matches(key, list(aliases), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise KvsimError(f"unknown GPU {name!r}{hint} (known: {', '.join(gpu_names())})", field="--gpu")

@@ -8,7 +8,6 @@ Every failure is one KvsimError line naming the repository.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ def hub_offline() -> bool:
 
 def fetch_from_hub(repo_id: str) -> Checkpoint:
     """Download `repo_id`'s config.json (and model.safetensors.index.json when it has one) into the local cache."""
+    import logging
+
     try:
         import huggingface_hub
         import huggingface_hub.file_download  # noqa: F401  (sets up its logger, which kvsim then quiets)

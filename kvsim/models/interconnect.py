@@ -50,6 +50,15 @@ def get_interconnect(gpu) -> Interconnect:
     return found
 
 
+def peer_nvlink(device_name: str) -> bool:
+    """Whether the catalogue GPU called `device_name` (GPUSpec.name) reaches its tensor-parallel peers over NVLink
+    (or another GPU fabric) rather than PCIe alone; True for a device this file does not list."""
+    from kvsim.models.hardware import gpu_key_by_name
+
+    found = interconnects().get(gpu_key_by_name(device_name) or "")
+    return found is None or not found.link.startswith("PCIe")
+
+
 def get_host_link(gpu) -> tuple[float, str]:
     """The host link of a catalogue `GPUSpec` (one direction's bytes/s, its source), or a KvsimError naming the
     GPU (a CPU KV tier's transfers need one)."""

@@ -36,8 +36,8 @@ ESTIMATE_ERROR = {"activation_peak": 0.3 * GiB, "non_torch": 0.25 * GiB, "cudagr
 _SAMPLER_BYTES_PER_LOGIT = 14.5  # the dummy sampler run over max_num_seqs x vocab logits (fp32, top-k/top-p)
 _SAMPLER_BASE = 0.15 * GiB
 _NON_TORCH = 0.25 * GiB  # cuBLAS workspaces and the attention backend's buffers, one rank alone
-_NON_TORCH_TP = 2.05 * GiB  # NCCL's and the custom all-reduce's buffers with tp > 1 (logged 2.06-2.21 GiB)
-_NON_TORCH_TP_PER_RANK = 0.035 * GiB
+_NON_TORCH_TP = 2.05 * GiB  # NCCL's and the custom all-reduce's buffers with tp > 1 over NVLink (H100 SXM: logged
+_NON_TORCH_TP_PER_RANK = 0.035 * GiB  # 2.06-2.21 GiB); over PCIe alone (GeForce cards) ~0.2-0.25 GiB, as one rank
 _GRAPH_BASE = 0.2 * GiB  # the CUDA graph estimate: a base, plus per graph and layer
 _GRAPH_PER_LAYER = 0.2 * MiB
 
@@ -181,9 +181,12 @@ def activation_peak_bytes(model: ModelSpec, *, tp: int, max_num_batched_tokens: 
     return max(forward, sampler) + workspace
 
 
-def non_torch_bytes(tp: int) -> int:
-    """Memory outside torch that start-up takes (estimated): 0.25 GiB alone, about 2.1 GiB with tp > 1."""
-    return int(_NON_TORCH if tp == 1 else _NON_TORCH_TP + _NON_TORCH_TP_PER_RANK * tp)
+def non_torch_bytes(tp: int, peer_nvlink: bool = True) -> int:
+    """Memory outside torch that start-up takes (estimated): 0.25 GiB alone, about 2.1 GiB with tp > 1 where the
+    ranks talk over NVLink (H100 SXM logs: the growth with tp is what NCCL and the custom all-reduce set up for
+    peer-to-peer links, after vLLM's start-up snapshot), 0.25 GiB with tp > 1 over PCIe alone (RTX 4090 and 3090
+    logs at tp 2 and more: 0.25 and 0.20 GiB)."""
+    return int(_NON_TORCH if tp == 1 or not peer_nvlink else _NON_TORCH_TP + _NON_TORCH_TP_PER_RANK * tp)
 
 
 def cudagraph_estimate_bytes(num_graphs: int, num_layers: int) -> int:
@@ -208,7 +211,12 @@ def startup_memory(
     requested = math.ceil(total_memory_bytes * settings.gpu_memory_utilization)
     weights, how = loaded_weight_bytes(model, tp=tp, weight_dtype=weight_dtype)
     peak = activation_peak_bytes(model, tp=tp, max_num_batched_tokens=mnbt, max_num_seqs=seqs)
-    non_torch = non_torch_bytes(tp)
+    if tp > 1:
+        from kvsim.models.interconnect import peer_nvlink
+
+        non_torch = non_torch_bytes(tp, peer_nvlink(device_name))
+    else:
+        non_torch = non_torch_bytes(tp)
     graphs, num_graphs = 0, 0
     if not settings.enforce_eager:
         blackwell = any(name in device_name.lower() for name in ("b200", "b300", "gb200"))

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import json
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from kvsim.errors import KvsimError
 from kvsim.units import format_bytes
 from kvsim.size.view_vllm import print_hybrid_pages, print_vllm_lines
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _b(num_bytes: int | None) -> str:
@@ -149,6 +149,8 @@ def show_size(
         print(json.dumps(out, indent=2))
         _raise_verdict(report)
         return
+    from rich.console import Console  # tables only: --json never loads rich
+
     console = Console()
     _print_report(console, report)
     if mamba_note:
@@ -183,15 +185,15 @@ def _raise_verdict(report) -> None:
 
 def _cpu_tier(report, cpu_offload: str | None, kv_offloading_size: str | None, cpu_block_size: int | None):
     """The CPU tier of --cpu-offload / --kv-offloading-size (kvsim.size.cpu_offload), or None without one."""
-    from kvsim.size.cpu_offload import model_cpu_offload, parse_offloading_size
-    from kvsim.units import parse_bytes
-
     if cpu_offload is not None and kv_offloading_size is not None:
         raise KvsimError("give --cpu-offload or --kv-offloading-size, not both", field="--kv-offloading-size")
     if cpu_offload is None and kv_offloading_size is None:
         if cpu_block_size is not None:
             raise KvsimError("a CPU block size needs a CPU tier: give --cpu-offload too", field="--cpu-block-size")
         return None
+    from kvsim.size.cpu_offload import model_cpu_offload, parse_offloading_size  # loaded with a tier only
+    from kvsim.units import parse_bytes
+
     if cpu_offload is not None:
         return model_cpu_offload(report, parse_bytes(cpu_offload, field="--cpu-offload"), cpu_block_size=cpu_block_size)
     size = parse_offloading_size(kv_offloading_size, field="--kv-offloading-size")
@@ -231,6 +233,8 @@ def _group_shape(model, group, tp: int) -> tuple[str, str]:
 
 
 def _print_report(console: Console, report) -> None:
+    from rich.table import Table
+
     from kvsim.size.sizing import sliding_cap_bytes_per_sequence
 
     model, spec, n = report.model, report.spec, report.context_tokens
@@ -318,6 +322,9 @@ def _startup_note(m) -> str:
 
 
 def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=escape("KV pool tensor [kv, layer, block, token, head, dim] (row-major)"), title_justify="left")
     table.add_column("")
     for name in ("kv", "layer", "block", "token", "head", "dim"):

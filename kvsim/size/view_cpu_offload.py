@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from kvsim.size.cpu_offload import CpuOffload
 from kvsim.units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def print_cpu_tier(console: Console, cpu: CpuOffload) -> None:

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:

@@ -19,11 +19,11 @@ def test_each_logged_term(entry):
     current = version >= (0, 17)  # the profile run's peak shrank 2.5x in 0.17 (see the notes)
     for term, tolerance in TOLERANCE.items():
         logged = entry["logged"].get(term)
-        if logged is None or (term in ("activation", "non_torch") and not current):
+        if logged is None or (term == "activation" and not current):
             continue
         assert abs(case.kvsim[term] - logged) <= tolerance, (term, case.kvsim[term], logged)
-    if case.hit:
-        assert current
+    if case.hit and not entry.get("out_of_sample"):
+        assert current  # the fitted logs of releases before 0.17 miss by their larger profile peak
     else:
         assert "note" in entry, "every miss is explained"
     if current and entry["logged"].get("tokens") and case.tokens:  # vLLM's arithmetic from the budget on: exact

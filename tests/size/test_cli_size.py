@@ -81,6 +81,17 @@ def test_tp_dtype_block_size_and_weight_dtype(cli):
     assert out["startup"]["non_torch_bytes"] > 2 * GiB  # NCCL's buffers at tp > 1
 
 
+@pytest.mark.parametrize("gpu, non_torch", [("h100-80gb", int(2.05 * GiB + 2 * 0.035 * GiB)), ("h200", int(2.05 * GiB + 2 * 0.035 * GiB)),
+                                            ("rtx-4090", int(0.25 * GiB)), ("l40s", int(0.25 * GiB))])
+def test_non_torch_memory_at_tp_2_follows_the_peer_link(cli, gpu, non_torch):
+    """NVLink peers: NCCL's and the custom all-reduce's buffers (~2.1 GiB in H100 logs); PCIe alone: as one rank (0.25
+    GiB logged on two RTX 4090s, kvsim/conformance/startup_logs/logs.yaml); one rank alone is 0.25 GiB on any GPU."""
+    two = run_json(cli, ["--model", "qwen3-0.6b", "--tp", "2", "--gpu", gpu])["startup"]
+    one = run_json(cli, ["--model", "qwen3-0.6b", "--gpu", gpu])["startup"]
+    assert two["non_torch_bytes"] == non_torch
+    assert one["non_torch_bytes"] == int(0.25 * GiB)
+
+
 def test_state_and_mla_through_the_cli(cli):
     assert run_json(cli, ["--model", "qwen3-next-80b-a3b"])["state_bytes_per_sequence"] == 39518208
     assert run_json(cli, ["--model", "deepseek-v3", "--tp", "8"])["kv_bytes_per_token"] == 70272
