@@ -252,6 +252,7 @@ def replay(
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Override the scheduler's max_num_seqs.", show_default=False)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Override the scheduler's max_num_batched_tokens.", show_default=False)] = None,
     prefix_caching: Annotated[Optional[bool], typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching", help="Prefix caching on (or off) for every paged allocator.", show_default=False)] = None,
+    async_scheduling: Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (on in vllm serve, and the workload's default) or the synchronous loop (overrides scheduler.async_scheduling).", show_default=False)] = None,
     replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines of tp GPUs each behind a router, on one clock (overrides deployment.replicas; accounting only).", show_default=False)] = None,
     router: Annotated[Optional[str], typer.Option("--router", help="Router policy: random, round-robin, least-loaded, prefix-approx or prefix-precise (overrides router.policy).", show_default=False)] = None,
     cpu_offload: Annotated[Optional[str], typer.Option("--cpu-offload", help="CPU KV tier of this size under every allocator (e.g. 64GiB; 0: none), overriding the workload's offload.cpu_bytes (its policy kept, else lru).", show_default=False)] = None,
@@ -265,7 +266,7 @@ def replay(
     overrides = WorkloadOverrides(
         model=model, hardware=gpu, gpu_memory_utilization=utilization, max_model_len=max_model_len, kv_dtype=kv_dtype,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, async_scheduling=async_scheduling,
     )
     if replicas is not None and replicas < 1:
         raise KvsimError(f"must be >= 1, got {replicas}", field="--replicas")
@@ -305,12 +306,13 @@ def plan(
     out: Annotated[Optional[str], typer.Option("--out", help="Directory for plan.json and plan.png (default: reports/plan/<name>/).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print plan.json on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict.")] = False,
+    async_scheduling: Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (vllm serve's default, and a workload's) or the synchronous loop in every deployment.", show_default=False)] = None,
 ) -> None:
     """The fewest GPUs for a workload or trace under latency targets: replicas x tp x GPU, each a fleet replay."""
     from kvsim.deployment.plan_view import show_plan
 
     show_plan(target, model=model, gpus=gpu, tps=tp, replicas=replicas, slo=slo, router=router, timing=timing,
-              workers=workers, ray=ray, out=out_option(out), json_out=json_out, quiet=quiet)
+              workers=workers, ray=ray, out=out_option(out), json_out=json_out, quiet=quiet, async_scheduling=async_scheduling)
 
 
 def _workload_replicas(path: str) -> int:

@@ -3,6 +3,7 @@
     python3 scripts/bench_main_job.py                       # kvsim replay workloads/poisson.yaml (CPU tensors)
     python3 scripts/bench_main_job.py --all                 # + every workloads/*.yaml's peak RSS (CPU tensors)
     python3 scripts/bench_main_job.py --measured --limit 20 # + --timing measured against the roofline replay
+    python3 scripts/bench_main_job.py --sync                # + the main job with the synchronous loop
 
 Each case is one `python3 -m kvsim replay ... --quiet` child process; its wall seconds, CPU seconds (user +
 sys of it and its worker processes: steadier than wall on a shared machine) and the largest peak RSS of any
@@ -46,8 +47,11 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help="Also every shipped workload (peak RSS; slow).")
     parser.add_argument("--measured", action="store_true", help="Also --timing measured vs roofline on --limit requests.")
     parser.add_argument("--limit", type=int, default=20, help="Requests for the --measured comparison.")
+    parser.add_argument("--sync", action="store_true", help="Also the main job with --no-async-scheduling.")
     opts = parser.parse_args()
     cases = [["workloads/poisson.yaml"]]
+    if opts.sync:
+        cases += [["workloads/poisson.yaml", "--no-async-scheduling"]]
     if opts.all:
         cases += [[str(p.relative_to(REPO))] for p in sorted((REPO / "workloads").glob("*.yaml")) if p.name != "poisson.yaml"]
     if opts.measured:

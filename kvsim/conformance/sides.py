@@ -18,7 +18,7 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
     from kvsim.replay.options import ReplayOptions
 
     trace = Trace("kvsim")
-    lag = 1 if getattr(rs.workload.scheduler, "async_scheduling", False) else 0  # outputs come a row late
+    lag = 1 if rs.workload.scheduler.async_scheduling else 0  # outputs come a row late
     block_size = rs.config.block_size
     schedules: list[bytes] = []  # each computing row's schedule, recorded as it is scheduled, until observed
 

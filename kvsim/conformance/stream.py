@@ -14,13 +14,14 @@ STREAMS_DIR = Path(__file__).with_name("streams")
 
 @dataclass(frozen=True)
 class Stream:
-    """`workload` (a YAML under streams/, or any path) replayed as its `scheduler:` says, with async scheduling
-    forced on by `async_scheduling` (both sides: kvsim's replay and vLLM's `AsyncScheduler`). A fleet's workload
-    (deployment.replicas > 1) is one stream per `replica`: the requests its router sent that replica."""
+    """`workload` (a YAML under streams/, or any path) replayed with `async_scheduling` on both sides (True: vLLM's
+    `AsyncScheduler`, False: its synchronous `Scheduler`), or as the file's `scheduler:` says (None; a workload's
+    default is async, as vllm serve's). A fleet's workload (deployment.replicas > 1) is one stream per `replica`:
+    the requests its router sent that replica."""
 
     name: str
     workload: Path
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     replica: int | None = None
 
 
@@ -59,10 +60,8 @@ def resolve(stream: Stream) -> ResolvedStream:
         raise KvsimError("a conformance stream names exactly one paged allocator", source=source, field="allocators")
     if workload.kv_budget_bytes is None:
         raise KvsimError("a conformance stream gives kv_budget (bytes), not gpu_memory_utilization", source=source, field="kv_budget")
-    if stream.async_scheduling:
-        if not hasattr(workload.scheduler, "async_scheduling"):
-            raise KvsimError("kvsim's scheduler has no async_scheduling option", source=source, field="scheduler")
-        workload = replace(workload, scheduler=replace(workload.scheduler, async_scheduling=True))
+    if stream.async_scheduling is not None:
+        workload = replace(workload, scheduler=replace(workload.scheduler, async_scheduling=stream.async_scheduling))
     config = paged[0]
     model = resolve_model(workload.model)
     gpu = get_gpu(workload.hardware)
@@ -87,7 +86,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         watermark=config.watermark,
         reserve_full_isl=sc.scheduler_reserve_full_isl,
         enable_prefix_caching=config.prefix_caching,
-        async_scheduling=getattr(sc, "async_scheduling", False),  # the workload's, or the stream's forced on
+        async_scheduling=sc.async_scheduling,  # the stream's, else the workload's
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,

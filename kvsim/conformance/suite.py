@@ -24,11 +24,13 @@ def _streams() -> tuple[Stream, ...]:
         "parallel-sampling", "gemma3-parallel-sampling",  # n samples a prompt: child requests sharing it by prefix caching
     ]
     as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
-    streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
+    # Each stream twice: the synchronous loop (vLLM's Scheduler) and async scheduling (vllm serve's default).
+    streams = [Stream(name, STREAMS_DIR / f"{name}.yaml", async_scheduling=False) for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
-    # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides.
-    streams += [Stream(f"fleet-prefix-pressure/r{k}", STREAMS_DIR / "fleet-prefix-pressure.yaml", replica=k) for k in range(4)]
+    # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides (sync).
+    streams += [Stream(f"fleet-prefix-pressure/r{k}", STREAMS_DIR / "fleet-prefix-pressure.yaml", async_scheduling=False,
+                       replica=k) for k in range(4)]
     return tuple(streams)
 
 

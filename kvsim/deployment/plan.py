@@ -116,6 +116,7 @@ def run_plan_task(task: PlanTask) -> dict:
                                           "num_requests", "finished", "rejected", "load_imbalance", "fleet_hit_rate")})
         row["unfinished"] = int(dep["num_requests"] - dep["finished"])
         row["clock"] = fleet.result.clock
+        row["async_scheduling"] = workload.scheduler.async_scheduling
         row["error"] = None
     except KvsimError as exc:
         row["error"] = str(exc)
@@ -150,15 +151,16 @@ class Plan:
 
     def plans_json(self) -> list[dict]:
         keys = ("gpu", "tp", "replicas", "gpus", "ttft_p99_s", "tpot_p99_s", "ttft_p50_s", "tpot_p50_s",
-                "throughput_tokens_per_s", "fleet_hit_rate", "error")
+                "throughput_tokens_per_s", "fleet_hit_rate", "async_scheduling", "error")
         return [{**{k: r.get(k) for k in keys[:4]}, "meets_slo": self.meets(r), **{k: r.get(k) for k in keys[4:]}}
                 for r in sorted(self.rows, key=lambda r: (r["gpu"], r["gpus"], r["tp"]))]
 
 
 def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int], replicas: list[int], timing: str,
-               router: str | None) -> tuple[list[PlanTask], list[str], str]:
+               router: str | None, async_scheduling: bool | None = None) -> tuple[list[PlanTask], list[str], str]:
     """The deployments to replay, the (GPU, tp) pairs skipped because the model does not fit, and the
-    workload's path. Bad input (a tp that divides no head count, nothing that fits) is one line."""
+    workload's path. Bad input (a tp that divides no head count, nothing that fits) is one line.
+    `async_scheduling` (None: the workload's, else vllm serve's default, async) sets every deployment's loop."""
     import yaml
 
     from kvsim.models.catalogue import resolve_model
@@ -188,6 +190,8 @@ def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int
                    "requests": {"trace": {"path": str(path.resolve())}},
                    "allocators": [{"kind": "paged", "block_size": 16, "prefix_caching": True}]}
         workload_path = str(path.with_suffix(".plan.yaml"))
+    if async_scheduling is not None:
+        mapping["scheduler"] = {**(mapping.get("scheduler") or {}), "async_scheduling": async_scheduling}
     if router is not None:
         if router not in ROUTER_POLICIES:
             raise KvsimError(f"unknown router policy {router!r}; choose from {', '.join(ROUTER_POLICIES)}", field="--router")

@@ -17,7 +17,8 @@ from kvsim.out_paths import output_dir
 
 
 def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: str, slo: str, router: str | None,
-              timing: str, workers: int | None, ray: str | None, out: Path | None, json_out: bool, quiet: bool) -> Plan:
+              timing: str, workers: int | None, ray: str | None, out: Path | None, json_out: bool, quiet: bool,
+              async_scheduling: bool | None = None) -> Plan:
     """Run the plan and report it; exit 2 (a KvsimError) when no searched deployment meets the SLO."""
     from kvsim.deployment.plan import check_clock, parse_ints, parse_slo, plan_tasks, run_plan
 
@@ -30,7 +31,8 @@ def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: 
     if timing not in ("kernels-db", "roofline"):
         raise KvsimError(f"must be kernels-db or roofline, got {timing!r}", field="--timing")
     tasks, skipped, _ = plan_tasks(target, model=model, gpus=gpu_names, tps=parse_ints(tps, "--tp"),
-                                   replicas=parse_ints(replicas, "--replicas"), timing=timing, router=router)
+                                   replicas=parse_ints(replicas, "--replicas"), timing=timing, router=router,
+                                   async_scheduling=async_scheduling)
     check_clock(tasks, timing)
     out_dir = output_dir(out if out is not None else Path("reports") / "plan" / Path(target).stem, create=False)
     console = Console(stderr=True)

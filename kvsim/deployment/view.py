@@ -56,7 +56,8 @@ def run_fleet_cli(workload, *, replicas: int | None, router: str | None, out: Pa
 def fleet_table(records: list[dict], fleet) -> Table:
     result = fleet.result
     table = Table(title=f"{result.workload.name}: {fleet.num_replicas} x {result.model_name} on {result.hardware_name} "
-                        f"x tp {result.tp} ({fleet.num_gpus} GPUs) behind {fleet.router.policy}")
+                        f"x tp {result.tp} ({fleet.num_gpus} GPUs) behind {fleet.router.policy}, "
+                        f"{'async' if result.workload.scheduler.async_scheduling else 'sync'} scheduling")
     for name in ("allocator", "replica", "requests", "TTFT p50", "TTFT p99", "TPOT p99", "tok/s", "hit rate",
                  "bound", "imbalance"):
         table.add_column(name, justify="left" if name == "allocator" else "right")

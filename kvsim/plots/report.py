@@ -126,13 +126,16 @@ class Report:
         return int(value) if value else None
 
     def subtitle(self) -> str:
-        """'model qwen3-0.6b · KV budget 4.0 GiB · workload poisson' from whatever the report states."""
+        """'model qwen3-0.6b · KV budget 4.0 GiB · workload poisson · async scheduling' from whatever the report
+        states (a report from before meta.json named the loop says nothing of it)."""
         parts = []
         if self.model:
             parts.append(f"model {self.model}")
         if self.budget_bytes:
             parts.append(f"KV budget {format_bytes(self.budget_bytes)}")
         parts.append(f"workload {self.workload or self.name}")
+        if isinstance(self.meta.get("async_scheduling"), bool):
+            parts.append("async scheduling" if self.meta["async_scheduling"] else "sync scheduling")
         return " · ".join(parts)
 
     def table(self, which: str, columns: tuple[str, ...]) -> pd.DataFrame:

@@ -105,7 +105,7 @@ class ReplayContext:
 
         spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size, tp=self.tp)
         sc = self.scheduler_config
-        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=getattr(sc, "async_scheduling", False))
+        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=sc.async_scheduling)
         return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings, self.tp)
 
 

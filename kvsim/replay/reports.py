@@ -139,6 +139,7 @@ def summary_records(result: ReplayResult, *, kernels: bool = True) -> list[dict]
             "model": result.model_name,
             "workload": workload.name,
             "tp": result.tp,  # budget_bytes and the % of it are one rank's
+            "async_scheduling": workload.scheduler.async_scheduling,  # which loop ran: vllm serve's async or sync
             "budget_bytes": budget,
             "num_requests": len(result.arrival_s),
             "finished": int(finished.sum()),
@@ -234,6 +235,7 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
         "hardware": result.hardware_name,
         "tp": result.tp,
         "ep": result.ep,
+        "async_scheduling": workload.scheduler.async_scheduling,  # vLLM's AsyncScheduler (vllm serve's default) or sync
         "budget_bytes": result.budget_bytes,  # one tensor-parallel rank's
         "num_requests": len(result.arrival_s),
         "allocators": [run.label for run in result.runs],

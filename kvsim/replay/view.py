@@ -222,7 +222,8 @@ def run_replay_cli(
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
             f"{f'tp {result.tp}' + (f', ep {result.ep}' if result.ep > 1 else '') + ', ' if result.tp > 1 else ''}"
-            f"KV budget {format_bytes(result.budget_bytes)}{' per rank' if result.tp > 1 else ''} (time-averaged % of it), scheduler: {SCHEDULER_FOLLOWS}, clock: {result.clock}"
+            f"KV budget {format_bytes(result.budget_bytes)}{' per rank' if result.tp > 1 else ''} (time-averaged % of it), scheduler: {SCHEDULER_FOLLOWS} "
+            f"{'async' if workload.scheduler.async_scheduling else 'sync'}, clock: {result.clock}"
         )
         console.print(summary_table(records, title=title, width=console.width))
         for line in rejection_notes(result):

@@ -18,7 +18,8 @@ from kvsim.errors import KvsimError
 @dataclass(frozen=True)
 class WorkloadOverrides:
     """The settings a command line gives (None: the file's). `block_size` and `prefix_caching` apply to every
-    paged allocator; `gpu_memory_utilization` replaces the file's `kv_budget`."""
+    paged allocator; `gpu_memory_utilization` replaces the file's `kv_budget`; `async_scheduling` False keeps the
+    synchronous loop (a workload's default is async, as vllm serve's)."""
 
     model: str | None = None
     hardware: str | None = None
@@ -29,6 +30,7 @@ class WorkloadOverrides:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool | None = None
+    async_scheduling: bool | None = None
 
     # field -> (the flag that sets it, where it lands in the file)
     FLAGS = {
@@ -41,6 +43,7 @@ class WorkloadOverrides:
         "max_num_seqs": ("--max-num-seqs", "scheduler.max_num_seqs"),
         "max_num_batched_tokens": ("--max-num-batched-tokens", "scheduler.max_num_batched_tokens"),
         "prefix_caching": ("--enable-prefix-caching", "prefix_caching"),
+        "async_scheduling": ("--async-scheduling", "scheduler.async_scheduling"),
     }
 
     def given(self) -> dict[str, object]:
@@ -63,7 +66,7 @@ class WorkloadOverrides:
             raw.pop("kv_budget", None)
             raw.pop("utilization", None)
             raw["gpu_memory_utilization"] = given["gpu_memory_utilization"]
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "async_scheduling"):
             if name in given:
                 scheduler = raw.get("scheduler")
                 raw["scheduler"] = {**(scheduler if isinstance(scheduler, dict) else {}), name: given[name]}

@@ -38,8 +38,8 @@ class SchedulerConfig:
     `watermark` is the fraction of KV blocks kept free when admitting a waiting request while others run
     (vLLM's default 0); a paged allocator inherits it unless it sets its own. `scheduler_reserve_full_isl`:
     admit a waiting request only if blocks for all its tokens are free (vLLM's default True).
-    `async_scheduling`: schedule step n + 1 before step n's output is processed (vLLM's AsyncScheduler;
-    `vllm serve` turns it on, the scheduler's own default is off).
+    `async_scheduling`: schedule step n + 1 before step n's output is processed (vLLM's AsyncScheduler, on in
+    `vllm serve` 0.33 and so kvsim's default; `false` keeps the synchronous loop).
     `swap_space_bytes` is the CPU pool that `preemption: swap` (beyond vLLM v1) moves KV to.
     """
 
@@ -49,7 +49,7 @@ class SchedulerConfig:
     watermark: float = 0.0
     swap_space_bytes: int = 4 * 2**30
     scheduler_reserve_full_isl: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

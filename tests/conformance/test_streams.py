@@ -131,7 +131,7 @@ def test_a_stream_files_async_scheduling_runs_vllms_async_scheduler(vllm_loaded)
     from kvsim.conformance.vllm_engine import build_scheduler
 
     stream = next(s for s in STREAMS if s.name == "block-32-long")
-    assert not stream.async_scheduling  # not forced by the suite: the file's own setting
+    assert stream.async_scheduling is None  # not forced by the suite: the file's own setting
     rs = resolve(stream)
     assert rs.workload.scheduler.async_scheduling and rs.setup.async_scheduling
     assert type(build_scheduler(rs.setup)).__name__ == "AsyncScheduler"
@@ -139,6 +139,22 @@ def test_a_stream_files_async_scheduling_runs_vllms_async_scheduler(vllm_loaded)
     assert compare(kvsim, run_vllm(rs)).differing_steps == 0
     rs.setup = replace(rs.setup, async_scheduling=False)
     assert compare(kvsim, run_vllm(rs)).differs
+
+
+def test_sync_streams_run_vllms_synchronous_scheduler_though_a_workload_defaults_to_async(vllm_loaded):
+    """A workload without `async_scheduling` is async (vllm serve's default), so the suite pins each stream's loop:
+    `pressure` runs vLLM's synchronous Scheduler on both sides, `pressure+async` its AsyncScheduler."""
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+    from kvsim.workload.spec import load_workload
+
+    by_name = {s.name: s for s in STREAMS}
+    assert load_workload(by_name["pressure"].workload).scheduler.async_scheduling  # the file says nothing: async
+    for name, expected, kind in (("pressure", False, "Scheduler"), ("pressure+async", True, "AsyncScheduler")):
+        rs = resolve(by_name[name])
+        assert rs.workload.scheduler.async_scheduling is expected and rs.setup.async_scheduling is expected
+        assert type(build_scheduler(rs.setup)).__name__ == kind
+    assert sum(s.async_scheduling is False for s in STREAMS) == sum(s.async_scheduling is True for s in STREAMS) + 4  # + fleet
 
 
 def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vllm_loaded, monkeypatch):

@@ -76,6 +76,21 @@ def test_plan_cli_finds_the_fewest_replicas_and_writes_plan_json(tmp_path):
     cheapest = plans[meets.index(True)]
     assert f"h100: {cheapest['replicas']} x tp 1 = {cheapest['gpus']} GPUs" in result.output
     assert (out / "plan.png").exists()
+    assert {p["async_scheduling"] for p in plans} == {True}  # vllm serve's default: the file says nothing
+
+
+def test_no_async_scheduling_runs_every_deployment_synchronously(tmp_path):
+    args = dict(model=None, gpus=["h100"], tps=[1], replicas=[1], timing="roofline", router=None)
+    tasks, _, _ = plan_tasks(str(write(tmp_path)), **args)
+    assert "scheduler" not in tasks[0].workload  # the workload's own (async unless it says otherwise)
+    tasks, _, _ = plan_tasks(str(write(tmp_path)), **args, async_scheduling=False)
+    assert tasks[0].workload["scheduler"] == {"async_scheduling": False}
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", "h100", "--tp", "1", "--replicas", "1",
+                                      "--slo", "ttft_p99=3600s", "--timing", "roofline", "--workers", "1", "--out", str(out),
+                                      "-q", "--no-async-scheduling"])
+    assert result.exit_code == 0, result.output
+    assert [p["async_scheduling"] for p in json.loads((out / "plan.json").read_text())["plans"]] == [False]
 
 
 def test_an_slo_nobody_meets_names_the_closest_and_exits_2(tmp_path):

@@ -645,3 +645,10 @@ def test_allocator_colours_never_reuse_a_byte_categorys_colour():
             for category, taken in CATEGORY_COLORS.items():
                 distance = np.abs(np.array(mcolors.to_rgb(color)) - np.array(mcolors.to_rgb(taken))).sum()
                 assert distance > 0.3, (color, category)
+
+
+def test_the_subtitle_names_the_loop_a_report_ran_and_says_nothing_where_meta_is_silent(report_dir):
+    assert load_report(report_dir).subtitle() == "model qwen3-0.6b · KV budget 1.0 GiB · workload poisson"
+    for value, says in ((True, "async scheduling"), (False, "sync scheduling")):
+        (report_dir / "meta.json").write_text(json.dumps({"seed": 0, "workload": "poisson", "async_scheduling": value}))
+        assert load_report(report_dir).subtitle().endswith(f"· workload poisson · {says}")

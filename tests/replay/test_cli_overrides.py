@@ -83,3 +83,19 @@ def test_progress_goes_to_stderr_and_the_table_to_stdout(cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert "6/6 requests" in result.stderr and "6/6 requests" not in result.stdout
     assert "paged-16+prefix" in result.stdout
+
+
+def test_async_scheduling_is_the_default_and_the_flag_or_the_file_keeps_the_synchronous_loop(cli, tmp_path):
+    """meta.json and every summary row say which loop ran: async (vllm serve's default) unless
+    `--no-async-scheduling` or the file's `scheduler: {async_scheduling: false}` says otherwise."""
+    path = write_tiny(tmp_path)
+    records, meta = _replay(cli, path, tmp_path)
+    assert meta["async_scheduling"] is True and {r["async_scheduling"] for r in records} == {True}
+    sync, meta = _replay(cli, path, tmp_path, "--no-async-scheduling")
+    assert meta["async_scheduling"] is False and {r["async_scheduling"] for r in sync} == {False}
+    assert sync != records  # the loop shows in the figures (finish times come a row later with async)
+    path.write_text(path.read_text().replace("swap_space: 1GiB}", "swap_space: 1GiB, async_scheduling: false}"))
+    in_file, meta = _replay(cli, path, tmp_path)
+    assert meta["async_scheduling"] is False and in_file == sync
+    forced, meta = _replay(cli, path, tmp_path, "--async-scheduling")
+    assert meta["async_scheduling"] is True and forced == records

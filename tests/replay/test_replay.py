@@ -47,11 +47,15 @@ scheduler: {{max_num_seqs: 16, max_num_batched_tokens: 256, preemption: {preempt
 
 
 def write_tiny(
-    tmp_path: Path, *, budget_tokens: int = 1024, count: int = 24, preemption: str = "recompute", max_output: int = 200
+    tmp_path: Path, *, budget_tokens: int = 1024, count: int = 24, preemption: str = "recompute", max_output: int = 200,
+    async_scheduling: bool | None = None,
 ) -> Path:
+    """The tiny workload; `async_scheduling` None leaves the file silent on it (async, vllm serve's default)."""
     (tmp_path / "tiny-model.json").write_text(TINY_MODEL)
     path = tmp_path / "tiny.yaml"
     text = TINY.format(budget=budget_tokens * BPT, count=count, preemption=preemption)
+    if async_scheduling is not None:
+        text = text.replace("swap_space: 1GiB}", f"swap_space: 1GiB, async_scheduling: {str(async_scheduling).lower()}}}")
     path.write_text(text.replace("max: 200}", f"max: {max_output}}}"))
     return path
 
@@ -66,8 +70,10 @@ def paired_runs(one, two) -> list:
     return list(zip(one.runs, two.runs))
 
 
-def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path):
-    result = run_replay(tiny_workload(tmp_path), ReplayOptions(tensors=False), workers=1)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_request_finishes_and_the_budget_is_always_whole(tmp_path, async_scheduling):
+    result = run_replay(tiny_workload(tmp_path, async_scheduling=async_scheduling), ReplayOptions(tensors=False), workers=1)
+    assert result.workload.scheduler.async_scheduling is async_scheduling
     assert [run.label for run in result.runs] == ["flat-oracle", "paged-16", "paged-16+prefix"]
     for run in result.runs:
         assert not np.isnan(run.finished_s).any(), run.label
@@ -99,9 +105,11 @@ def test_paged_beats_flat_oracle_on_admission_under_a_tight_budget(tmp_path):
     assert prefix.prefix_hit_tokens > 0 and prefix.num_cached_tokens.sum() > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_preemption_under_a_tight_budget_recovers(tmp_path, preemption):
-    result = run_replay(tiny_workload(tmp_path, budget_tokens=440, count=32, preemption=preemption), ReplayOptions(tensors=False), workers=1)
+def test_preemption_under_a_tight_budget_recovers(tmp_path, preemption, async_scheduling):
+    workload = tiny_workload(tmp_path, budget_tokens=440, count=32, preemption=preemption, async_scheduling=async_scheduling)
+    result = run_replay(workload, ReplayOptions(tensors=False), workers=1)
     paged = result.runs[1]
     assert paged.num_preemptions.sum() > 0
     assert not np.isnan(paged.finished_s).any()
@@ -202,12 +210,14 @@ def test_tensors_on_and_off_give_identical_byte_columns(tmp_path):
     assert any((run.steps["num_steps"] > 1).any() for run in on.runs)  # runs were executed step by step too
 
 
-@pytest.mark.parametrize("read_every", [1, 10**6])
+@pytest.mark.parametrize("read_every,async_scheduling", [(1, True), (10**6, True), (1, False)])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption, read_every):
+def test_integrity_holds_across_preemption_swap_and_prefix_sharing(tmp_path, preemption, read_every, async_scheduling):
     """Every decode reads back, through block tables or slabs, exactly what its own tokens wrote; with reads
-    sampled (10**6: only the first decode step reads) the finish / swap-in / prefix-hit checks still pass."""
-    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption=preemption)
+    sampled (10**6: only the first decode step reads) the finish / swap-in / prefix-hit checks still pass; under
+    async scheduling (the default) and the synchronous loop."""
+    workload = tiny_workload(tmp_path, budget_tokens=260, count=10, max_output=40, preemption=preemption,
+                             async_scheduling=async_scheduling)
     options = ReplayOptions(tensors=True, device="cpu", integrity=True, num_layers=2, read_every=read_every)
     result = run_replay(workload, options)
     paged, prefix = result.runs[1], result.runs[2]

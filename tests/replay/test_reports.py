@@ -16,7 +16,7 @@ from kvsim.replay.run import run_replay
 from kvsim.replay.options import ReplayOptions
 from kvsim.replay.records import STEP_COLUMNS, AllocatorRun, ReplayResult
 from kvsim.replay.reports import requests_frame, summary_records, write_reports
-from kvsim.workload.spec import load_workload
+from kvsim.workload.spec import SchedulerConfig, load_workload
 
 from tests.replay.test_replay import write_tiny
 
@@ -40,7 +40,8 @@ def hand_result() -> ReplayResult:
         num_cached_tokens=np.array([0, 16, 0]), rejected_reason=[None, None, "too long"],
         prefix_query_tokens=40, prefix_hit_tokens=10,
     )
-    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32, max_model_len=25)
+    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32, max_model_len=25,
+                               scheduler=SchedulerConfig())
     return ReplayResult(
         workload=workload, model_name="m", hardware_name="g", budget_bytes=100, device="none",
         options=ReplayOptions(tensors=False), arrival_s=np.array([0.0, 0.5, 0.7]),
@@ -58,6 +59,7 @@ def test_summary_figures_by_hand():
     assert rec["shared_saved_pct"] == pytest.approx(24 / 4)
     assert rec["mean_running"] == pytest.approx((1 + 9) / 4) and rec["peak_running"] == 3
     assert rec["num_steps"] == 5 and rec["preemptions"] == 2
+    assert rec["async_scheduling"] is True  # the loop that ran: a workload's default, vllm serve's
     assert rec["finished"] == 2 and rec["rejected"] == 1 and rec["sim_time_s"] == 4.0
     # Output tokens of finished requests: 4, and 8 capped at max_model_len 25 - prompt 20 = 5 (as vLLM caps it).
     assert rec["throughput_tokens_per_s"] == pytest.approx((4 + 5) / 4.0)

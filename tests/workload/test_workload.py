@@ -381,3 +381,15 @@ def test_prefix_cache_retention_interval_defaults_to_vllms_0_null_is_dense_and_b
         with pytest.raises(KvsimError, match=r"w\.yaml: allocators\[0\]\.prefix_cache_retention_interval") as err:
             load_workload(write(tmp_path, data))
         assert says in str(err.value) or bad == "dense", str(err.value)
+
+
+def test_async_scheduling_is_on_unless_the_file_turns_it_off(tmp_path):
+    """vllm serve 0.33 schedules asynchronously by default (`--async-scheduling`); a workload does too, and
+    `scheduler: {async_scheduling: false}` keeps the synchronous loop."""
+    assert load_workload(write(tmp_path, BASE)).scheduler.async_scheduling is True
+    assert SchedulerConfig().async_scheduling is True
+    assert load_workload(write(tmp_path, with_change("scheduler", {"max_num_seqs": 8}))).scheduler.async_scheduling is True
+    sync = load_workload(write(tmp_path, with_change("scheduler", {"async_scheduling": False})))
+    assert sync.scheduler.async_scheduling is False and sync.scheduler.max_num_seqs == 256
+    with pytest.raises(KvsimError, match="scheduler.async_scheduling"):
+        load_workload(write(tmp_path, with_change("scheduler", {"async_scheduling": "sometimes"})))
