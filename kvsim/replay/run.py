@@ -75,6 +75,9 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
                          "tokens, from its config.json)", source=source, field="max_model_len")
     with _workload_field(source, "hardware"):
         gpu = get_gpu(workload.hardware)
+    # what the file leaves out, as vllm serve sets it for this model on this GPU (hybrid models: prefix caching
+    # on, mamba_cache_mode align, with the GPU's prefill checkpoint alignment)
+    workload = replace(workload, allocators=serve_defaults(workload.allocators, model, gpu.key, source))
     if workload.kv_budget_bytes is not None:
         budget = workload.kv_budget_bytes
     else:
@@ -130,7 +133,7 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
     if workload.offload is not None:
         _check_offload(workload, ctx, options)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
-        pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
+        pool = ctx.spec(config.block_size, config).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
             from kvsim.engine.paged.kv_cache_manager import check_prefix_caching
 
@@ -158,6 +161,19 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         ep=ep,
     )
     return result, ctx, requests, options
+
+
+def serve_defaults(configs, model, gpu_key: str, source: str) -> tuple:
+    """Each allocator configuration with vllm serve's defaults for `model` on `gpu_key` where the file leaves
+    them out (`AllocatorConfig.with_serve_defaults`); a mistake names the file and the allocator."""
+    out = []
+    for i, config in enumerate(configs):
+        try:
+            out.append(config.with_serve_defaults(model, gpu_key))
+        except KvsimError as exc:
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source,
+                             field=f"allocators[{i}].{exc.field}") from None
+    return tuple(out)
 
 
 def _deployment(workload, options: ReplayOptions) -> tuple[int, int, str, str]:
@@ -204,7 +220,7 @@ def _check_num_blocks(workload, ctx: ReplayContext, source: str) -> None:
     for config in workload.allocators:
         if config.kind != "paged":
             continue
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         page, num_blocks = bytes_per_block(spec), num_gpu_blocks(spec, ctx.budget_bytes)
         if num_blocks > MAX_NUM_BLOCKS:
             raise KvsimError(
@@ -227,7 +243,7 @@ def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None
                          f"({options.max_host_bytes:,} B): raise --max-host-memory or replay with --no-tensors",
                          field="--max-host-memory")
     for config in workload.allocators:
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
         connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx), ctx.tp,
                              ctx.gpu, ctx.source)
@@ -239,7 +255,7 @@ def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> N
     from kvsim.units import format_bytes
 
     for config in configs:
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         num_slots = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len).num_slots
         nbytes = 2 * options.num_layers * num_slots * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
         if nbytes > options.max_host_bytes:

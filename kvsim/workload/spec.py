@@ -430,9 +430,10 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
             config = AllocatorConfig(
                 "paged",
                 block_size=block_size,
-                prefix_caching=a.bool("prefix_caching", False),
+                prefix_caching=a.bool("prefix_caching", False) if a.has("prefix_caching") else None,  # None: vllm serve's
                 watermark=watermark,
                 prefix_cache_retention_interval=_retention_interval(a, block_size),
+                mamba_checkpoint_alignment=a.int("mamba_checkpoint_alignment", None, min=0),
             )
         a.done()
         if any(c.label == config.label for c in configs):
