@@ -24,7 +24,7 @@ def _streams() -> tuple[Stream, ...]:
         "parallel-sampling", "gemma3-parallel-sampling",  # n samples a prompt: child requests sharing it by prefix caching
         # hybrid models as vllm serve runs them: prefix caching in mamba_cache_mode align (chunks end on block
         # boundaries, one cached state a hit, prefill checkpoints)
-        "qwen3-next-prefix-pressure",
+        "qwen3-next-prefix-pressure", "qwen3-next-prefix-dense", "qwen3-next-prefix-triton", "nemotron-h-prefix-pressure",
     ]
     as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in sync]
