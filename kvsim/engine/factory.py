@@ -27,7 +27,7 @@ class AllocatorConfig:
     block_size: int = 16
     reserve: Reserve = "max"
     placement: Placement = "first-fit"
-    prefix_caching: bool | None = False
+    prefix_caching: bool | None = None  # None: vllm serve's for the model (`with_serve_defaults`)
     watermark: float = 0.0
     # vLLM's `prefix_cache_retention_interval` (its default 0: a sliding-window group caches only the blocks a
     # replay of the prompt or a shared-prefix junction can hit; None: every full block; k: every k tokens too)

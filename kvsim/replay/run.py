@@ -29,7 +29,7 @@ def run_replay(
     figures are the same either way.
     """
     result, ctx, requests, options = resolve_replay(workload, options)
-    configs = list(workload.allocators)
+    configs = list(result.workload.allocators)  # with vllm serve's defaults for the model
     device = result.device
     if workers is None:
         alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
@@ -173,6 +173,11 @@ def serve_defaults(configs, model, gpu_key: str, source: str) -> tuple:
         except KvsimError as exc:
             raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source,
                              field=f"allocators[{i}].{exc.field}") from None
+        first = next((j for j, c in enumerate(out[:-1]) if c.label == out[-1].label), None)
+        if first is not None:
+            raise KvsimError(f"is allocators[{first}] ({out[-1].label}) under vllm serve's defaults for {model.name} "
+                             "(prefix caching on for a hybrid model): set prefix_caching on one of them",
+                             source=source, field=f"allocators[{i}]")
     return tuple(out)
 
 
