@@ -135,7 +135,8 @@ class Workload:
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
-        assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
+        # unique labels, once vllm serve's defaults are known (prefix_caching None: not yet)
+        assert self.allocators and len({(a.label, a.prefix_caching is None) for a in self.allocators}) == len(self.allocators)
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
@@ -436,7 +437,9 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
                 mamba_checkpoint_alignment=a.int("mamba_checkpoint_alignment", None, min=0),
             )
         a.done()
-        if any(c.label == config.label for c in configs):
+        # one left to vllm serve's default (prefix_caching None) and one set may differ for the model: the replay
+        # checks those once the defaults are known
+        if any(c.label == config.label and (c.prefix_caching is None) == (config.prefix_caching is None) for c in configs):
             raise KvsimError(f"duplicates an earlier allocator ({config.label})", source=a.source, field=a.prefix)
         configs.append(config)
     return tuple(configs)
