@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.paged.kv_cache_utils import block_hashes
@@ -152,3 +154,81 @@ def test_align_mode_runs_no_decode_runs():
 def test_the_state_group_block_follows_the_mode(caching):
     alloc = HybridPagedAllocator(SPEC, 17 * 64, max_model_len=64, enable_prefix_caching=caching)
     assert alloc.mamba_block_size == (4 if caching else 0)
+
+
+# Two state groups and a full group, as a random sequence of admissions (with shared prefixes), chunks of any
+# length (the allocator's side of align mode takes them all), settled steps and frees.
+POOL3 = PoolSpec((PoolGroupSpec("state", 2, 4, 32, 32), PoolGroupSpec("state", 2, 4, 32, 32),
+                  PoolGroupSpec("full", 2, 4, 32, 32)), group_size=2)
+SPEC3 = KVCacheSpec(
+    groups=(KVCacheGroupSpec("state", 4, state_bytes=128), KVCacheGroupSpec("full", 2, bytes_per_token=16)),
+    block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=2, num_attention_layers=2, pool=POOL3,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(6, 60),
+    alignment=st.sampled_from([0, 1, 2, 4]),
+    retention=st.sampled_from([0, None]),
+    ops=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 24), st.integers(0, 9999)), min_size=1, max_size=30),
+)
+def test_random_operations_keep_ref_counts_free_counts_cache_keys_and_bytes(num_blocks, alignment, retention, ops):
+    """A block is held by exactly the table entries that name it (its ref count), the free count is the rest,
+    every cached block is under its own key, a request's held count is its real blocks, a state table holds at
+    most a hit, a checkpoint, the previous and the new running state, and everything comes back at the end."""
+    alloc = HybridPagedAllocator(SPEC3, num_blocks * 64, max_model_len=48, enable_prefix_caching=True,
+                                 prefix_cache_retention_interval=retention, mamba_checkpoint_alignment=alignment)
+    null = alloc.pool.null_block
+    live: dict[int, Sequence] = {}
+
+    def check():
+        held = {}
+        for s in live.values():
+            req = alloc._reqs[s]
+            for g, table in enumerate(req.tables):
+                real = [b for b in table if b is not null]
+                assert req.held[g] == len(real)
+                if POOL3.groups[g].kind == "state":
+                    assert len(real) <= 4, table
+                for b in real:
+                    held[b.block_id] = held.get(b.block_id, 0) + 1
+        assert all(b.ref_count == held.get(b.block_id, 0) for b in alloc.pool.blocks[1:])
+        assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
+        for key, block in alloc.pool.cached_block_hash_to_block.items():
+            assert block.block_hash == key
+        b = alloc.breakdown()
+        assert b.free_bytes >= 0 and min(b.token_states_bytes, b.reservation_bytes) >= 0
+
+    for i, (op, a, c) in enumerate(ops):
+        for s in [s for s in live.values() if s.num_computed_tokens >= s.num_final_tokens]:
+            alloc.free(live.pop(s.seq_id))
+        if op == 0:  # admit a prompt of `a` tokens, sharing up to 4 * (c % 7) of one of 3 prefixes
+            output = c % 16
+            ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
+            shared = min(a, 4 * (c % 7))
+            ids[:shared] = 1_000 * (c % 3 + 1) + np.arange(shared)
+            s = Sequence(i, a, output, token_ids=ids)
+            if c % 2:
+                alloc.new_step_starts()
+            hit = alloc.allocate(s, 1 + c % a)
+            if hit is not None:
+                assert hit % 4 == 0 and hit < a
+                live[i] = s
+                s.num_computed_tokens = hit + min(1 + c % a, a - hit)
+        elif op in (1, 2) and live:  # a chunk of up to `a` tokens, one step in flight half the time
+            s = live[sorted(live)[c % len(live)]]
+            n = max(1, min(a, s.num_final_tokens - s.num_computed_tokens))
+            s.num_in_flight_tokens = c % 2
+            if alloc.append_slots(s, n):
+                s.num_computed_tokens += n
+                alloc.cache_blocks(s, s.num_computed_tokens - s.num_in_flight_tokens)
+            else:
+                alloc.free(live.pop(s.seq_id))
+        elif op == 3 and live:
+            alloc.free(live.pop(sorted(live)[c % len(live)]))
+        check()
+    for s in list(live.values()):
+        alloc.free(s)
+    assert alloc.num_free_blocks == alloc.pool.num_usable_blocks
+    assert all(b.ref_count == 0 for b in alloc.pool.blocks[1:])
