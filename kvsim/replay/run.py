@@ -77,6 +77,12 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         gpu = get_gpu(workload.hardware)
     # what the file leaves out, as vllm serve sets it for this model on this GPU (hybrid models: prefix caching
     # on, mamba_cache_mode align, with the GPU's prefill checkpoint alignment)
+    serve_note = None
+    if any(c.kind == "paged" and c.prefix_caching is None for c in workload.allocators):
+        from kvsim.size.vllm_settings import serve_mamba_defaults
+
+        mode, _, text = serve_mamba_defaults(model, gpu.key)
+        serve_note = text if mode == "align" else None  # said as `kvsim size` says it
     workload = replace(workload, allocators=serve_defaults(workload.allocators, model, gpu.key, source))
     if workload.kv_budget_bytes is not None:
         budget = workload.kv_budget_bytes
@@ -127,7 +133,7 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
                        "at the last read's µs per context token")  # fmt: skip
             note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
-    note = "; ".join(n for n in (note, clock_note) if n) or None
+    note = "; ".join(n for n in (note, clock_note, serve_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp,
                         offload=workload.offload, gpu=gpu, source=source)
     if workload.offload is not None:
