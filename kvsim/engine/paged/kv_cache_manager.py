@@ -198,7 +198,7 @@ class HybridPagedAllocator(KVAllocator):
         computed = seq.num_computed_tokens
         total = computed + num_new_tokens
         settled = computed - seq.num_in_flight_tokens
-        if total <= req.quiet_until and settled < req.next_skip and not self.mamba_align:
+        if total <= req.quiet_until and settled < req.next_skip:
             return True
         return self._grow(req, max(0, settled), min(total, self.max_model_len), computed)
 
@@ -395,7 +395,11 @@ class HybridPagedAllocator(KVAllocator):
         req.next_skip = next_skip
 
     def _set_quiet(self, req: HybridRequest) -> None:
-        """`quiet_until`: the most tokens an append serves without a new block or a block to cache."""
+        """`quiet_until`: the most tokens an append serves without a new block or a block to cache (align mode:
+        none, as every append may free a state block)."""
+        if self.mamba_align:
+            req.quiet_until = -1
+            return
         req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
         if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
             req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
