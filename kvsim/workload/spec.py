@@ -428,10 +428,17 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
             if watermark >= 1:
                 raise a.error("watermark", f"must be < 1 (a fraction of the blocks), got {watermark:g}")
             block_size = a.int("block_size", 16, min=1)
+            caching = a.bool("prefix_caching", False) if a.has("prefix_caching") else None  # None: vllm serve's
+            if a.has("mamba_cache_mode"):  # vLLM's name for it on a hybrid model: align is prefix caching on
+                mode = a.choice("mamba_cache_mode", ("none", "align"))
+                if caching is not None and caching != (mode == "align"):
+                    raise a.error("mamba_cache_mode", f"{mode} contradicts prefix_caching: {str(caching).lower()} "
+                                  "(align is prefix caching on, none off)")
+                caching = mode == "align"
             config = AllocatorConfig(
                 "paged",
                 block_size=block_size,
-                prefix_caching=a.bool("prefix_caching", False) if a.has("prefix_caching") else None,  # None: vllm serve's
+                prefix_caching=caching,
                 watermark=watermark,
                 prefix_cache_retention_interval=_retention_interval(a, block_size),
                 mamba_checkpoint_alignment=a.int("mamba_checkpoint_alignment", None, min=0),
