@@ -65,12 +65,16 @@ def resolve(stream: Stream) -> ResolvedStream:
     config = paged[0]
     model = resolve_model(workload.model)
     gpu = get_gpu(workload.hardware)
+    from kvsim.replay.run import serve_defaults
+
+    workload = replace(workload, allocators=serve_defaults(workload.allocators, model, gpu.key, source))
+    config = workload.allocators[0]
     weights = weight_bytes(model)
     spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=config.block_size)
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=spec.bytes_per_token)
     sc = workload.scheduler
     ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed)
-    kv_spec = ctx.spec(config.block_size)  # a mixed model: vLLM's groups (a KvsimError where vLLM builds none)
+    kv_spec = ctx.spec(config.block_size, config)  # a mixed model: vLLM's groups (a KvsimError where vLLM builds none)
     pool = kv_spec.pool
     num_gpu_blocks = vllm_num_gpu_blocks(kv_spec, workload.kv_budget_bytes)
     setup = EngineSetup(
@@ -85,11 +89,13 @@ def resolve(stream: Stream) -> ResolvedStream:
         max_num_batched_tokens=sc.max_num_batched_tokens,
         watermark=config.watermark,
         reserve_full_isl=sc.scheduler_reserve_full_isl,
-        enable_prefix_caching=config.prefix_caching,
+        enable_prefix_caching=bool(config.prefix_caching),
         async_scheduling=sc.async_scheduling,  # the stream's, else the workload's
         model=None if pool is None else model,
         kv_budget_bytes=workload.kv_budget_bytes,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        mamba_cache_mode=config.mamba_cache_mode if pool is not None and kv_spec.state_bytes_per_sequence else "none",
+        mamba_checkpoint_alignment=config.mamba_checkpoint_alignment or 0,
     )
     if workload.deployment.replicas > 1:  # a fleet: the requests its router sent this replica
         from kvsim.deployment.streams import replica_streams

@@ -22,6 +22,9 @@ def _streams() -> tuple[Stream, ...]:
         # default prefix_cache_retention_interval 0: sparse sliding-window blocks)
         "gpt-oss-prefix-dense", "gemma3-prefix-dense",  # ... the same under retention None (every block cached)
         "parallel-sampling", "gemma3-parallel-sampling",  # n samples a prompt: child requests sharing it by prefix caching
+        # hybrid models as vllm serve runs them: prefix caching in mamba_cache_mode align (chunks end on block
+        # boundaries, one cached state a hit, prefill checkpoints)
+        "qwen3-next-prefix-pressure", "qwen3-next-prefix-dense", "qwen3-next-prefix-triton", "nemotron-h-prefix-pressure",
     ]
     as_written = ["block-32-long"]  # the file's own `scheduler: {async_scheduling: true}`, on both sides
     # Each stream twice: the synchronous loop (vLLM's Scheduler) and async scheduling (vllm serve's default).

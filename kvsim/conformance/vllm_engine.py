@@ -41,6 +41,10 @@ class EngineSetup:
     kv_budget_bytes: int = 0
     # CacheConfig.prefix_cache_retention_interval: vLLM's default 0 (sparse), None (dense) or a block multiple
     prefix_cache_retention_interval: int | None = 0
+    # a hybrid model: vLLM's mamba_cache_mode (align with prefix caching) and its state layers' prefill
+    # checkpoint alignment (0: none)
+    mamba_cache_mode: str = "none"
+    mamba_checkpoint_alignment: int = 0
 
 
 def build_scheduler(setup: EngineSetup):
@@ -66,7 +70,8 @@ def build_scheduler(setup: EngineSetup):
     # cache_config.block_size after start-up: the smallest group's (a hybrid mamba model's raised block)
     block_size = setup.block_size if hybrid_config is None else min(g.kv_cache_spec.block_size for g in hybrid_config.kv_cache_groups)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=setup.enable_prefix_caching,
-                               prefix_cache_retention_interval=setup.prefix_cache_retention_interval)
+                               prefix_cache_retention_interval=setup.prefix_cache_retention_interval,
+                               mamba_cache_mode=setup.mamba_cache_mode)
     cache_config.num_gpu_blocks = setup.num_gpu_blocks
     concurrent_batches = 2 if setup.async_scheduling else 1  # VllmConfig.max_concurrent_batches, pp = 1
     # The VllmConfig fields the scheduler reads, nothing else (a missing one fails loudly).
@@ -125,10 +130,13 @@ def hybrid_kv_cache_config(setup: EngineSetup):
 
     v = vllm_modules()
     spec = kv_cache_spec(setup.model, kv_dtype=setup.kv_dtype, block_size=setup.block_size)
-    settings = VllmSettings(max_num_batched_tokens=setup.max_num_batched_tokens, async_scheduling=setup.async_scheduling)
+    settings = VllmSettings(max_num_batched_tokens=setup.max_num_batched_tokens, async_scheduling=setup.async_scheduling,
+                            mamba_cache_mode=setup.mamba_cache_mode, mamba_checkpoint_alignment=setup.mamba_checkpoint_alignment)
     report = {
         "tp": 1, "block_size": setup.block_size, "kv_dtype": setup.kv_dtype, "context_tokens": setup.max_model_len,
         "state_bytes_per_sequence": spec.state_bytes_per_sequence,
+        "vllm_mamba_cache_mode": setup.mamba_cache_mode,
+        "vllm_mamba_checkpoint_alignment": setup.mamba_checkpoint_alignment,
     }
     hybrid = hybrid_pages(vllm_layers(setup.model, spec), setup.block_size, settings)
     if hybrid is not None:  # the raised attention block and the state page padded to its page
@@ -174,7 +182,7 @@ class VllmEngine:
         if setup.enable_prefix_caching:  # as EngineCore.__init__ builds it
             hash_fn = hashing.get_hash_fn_by_name(self.scheduler.cache_config.prefix_caching_hash_algo)
             kvu.init_none_hash(hash_fn)
-            self._block_hasher = kvu.get_request_block_hasher(setup.block_size, hash_fn)
+            self._block_hasher = kvu.get_request_block_hasher(self.scheduler.hash_block_size, hash_fn)
         self._Request = import_vllm("vllm.v1.request").Request
         self._SamplingParams = import_vllm("vllm.sampling_params").SamplingParams
         self._ModelRunnerOutput = import_vllm("vllm.v1.outputs").ModelRunnerOutput

@@ -64,7 +64,7 @@ def replay_fleet(workload, options: ReplayOptions = ReplayOptions(tensors=False)
     router = router if router is not None else workload.router
     result, ctx, requests, options = resolve_replay(workload, options)
     fleet = FleetResult(result=result, num_replicas=num, router=router, context=ctx, requests=requests)
-    for config in workload.allocators:
+    for config in result.workload.allocators:  # with vllm serve's defaults for the model
         fleet.fleets.append(replay_config(config, requests, ctx, options, num, router))
     result.runs = [f.deployment for f in fleet.fleets]
     return fleet

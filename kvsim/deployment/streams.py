@@ -20,6 +20,6 @@ def replica_streams(workload, *, allocator: int = 0) -> tuple[list, list[list]]:
     if num < 2:
         raise KvsimError(f"names no fleet (deployment.replicas is {num})", source=str(workload.path), field="deployment.replicas")
     result, ctx, requests, options = resolve_replay(workload, ReplayOptions(tensors=False))
-    config = workload.allocators[allocator]
+    config = result.workload.allocators[allocator]
     run = replay_config(config, requests, ctx, replace(options, tensors=False), num, workload.router)
     return requests, [[requests[i] for i in range(len(requests)) if run.replica_of[i] == k] for k in range(num)]

@@ -78,6 +78,11 @@ class KVAllocator(ABC):
     prefix_hit_tokens: int = 0  # of those, tokens found cached
     enable_prefix_caching: bool = False  # False: `cache_blocks` caches nothing
     decode_frees_blocks: bool = False  # True: decoding returns blocks (a sliding or chunked window's), so free memory grows
+    # vLLM's mamba_cache_mode align (a hybrid model with prefix caching): the block size a prefill chunk must end
+    # on (`Scheduler._mamba_block_aligned_split`; 0: chunks end anywhere), and the state layers' prefill
+    # checkpoint alignment (0: they export none)
+    mamba_block_size: int = 0
+    mamba_checkpoint_alignment: int = 0
 
     @abstractmethod
     def allocate(
@@ -119,6 +124,19 @@ class KVAllocator(ABC):
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (finished or preempted)."""
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM's `KVCacheManager.new_step_starts`)."""
+
+    def get_computed_blocks(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """The prefix-cache hit `allocate` would find for `seq` within `num_tokens`, and where a longer shared
+        prefix some KV cache group caches ends (vLLM's `shared_prefix_boundary`, else 0), in tokens, changing
+        nothing. Without a prefix cache: (0, 0)."""
+        return 0, 0
+
+    def shared_prefix_boundary(self, seq: Sequence) -> int:
+        """vLLM's `Request.shared_prefix_boundary` of admitted `seq` (0: none)."""
+        return 0
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's `KVCacheManager.cache_blocks`,

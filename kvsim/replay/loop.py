@@ -73,7 +73,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     """
     from kvsim.workload.requests import make_token_ids
 
-    spec = ctx.spec(config.block_size)
+    spec = ctx.spec(config.block_size, config)
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
     cache = None
     if options.tensors:

@@ -96,16 +96,21 @@ class ReplayContext:
     gpu: object | None = None  # kvsim.models.hardware.GPUSpec (the CPU tier's host link)
     source: str = ""  # the workload file (errors about `offload` name it)
 
-    def spec(self, block_size: int) -> KVCacheSpec:
+    def spec(self, block_size: int, config=None) -> KVCacheSpec:
         """One rank's cache spec; a mixed model's carries vLLM's KV cache groups for this budget (`pool`),
-        sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)."""
+        sized with the scheduler's token budget and async scheduling setting (the tokens a window keeps in flight)
+        and, for a hybrid model, the allocator `config`'s mamba_cache_mode (align with prefix caching: the state
+        groups take the attention block size, raised to a multiple of the checkpoint alignment)."""
         from kvsim.size.sizing import kv_cache_spec
         from kvsim.size.vllm import VllmSettings
         from kvsim.size.vllm_pool import with_pool
 
         spec = kv_cache_spec(self.model, kv_dtype=self.kv_dtype, block_size=block_size, tp=self.tp)
         sc = self.scheduler_config
-        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=sc.async_scheduling)
+        align = config is not None and config.mamba_cache_mode == "align" and spec.state_bytes_per_sequence > 0
+        settings = VllmSettings(max_num_batched_tokens=sc.max_num_batched_tokens, async_scheduling=sc.async_scheduling,
+                                mamba_cache_mode="align" if align else "none",
+                                mamba_checkpoint_alignment=(config.mamba_checkpoint_alignment or 0) if align else 0)
         return with_pool(self.model, spec, self.budget_bytes, self.max_model_len, settings, self.tp)
 
 

@@ -29,7 +29,7 @@ def run_replay(
     figures are the same either way.
     """
     result, ctx, requests, options = resolve_replay(workload, options)
-    configs = list(workload.allocators)
+    configs = list(result.workload.allocators)  # with vllm serve's defaults for the model
     device = result.device
     if workers is None:
         alone = options.tensors and (device.startswith("cuda") or options.timing == "measured")
@@ -75,6 +75,15 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
                          "tokens, from its config.json)", source=source, field="max_model_len")
     with _workload_field(source, "hardware"):
         gpu = get_gpu(workload.hardware)
+    # what the file leaves out, as vllm serve sets it for this model on this GPU (hybrid models: prefix caching
+    # on, mamba_cache_mode align, with the GPU's prefill checkpoint alignment)
+    serve_note = None
+    if any(c.kind == "paged" and c.prefix_caching is None for c in workload.allocators):
+        from kvsim.size.vllm_settings import serve_mamba_defaults
+
+        mode, _, text = serve_mamba_defaults(model, gpu.key)
+        serve_note = text if mode == "align" else None  # said as `kvsim size` says it
+    workload = replace(workload, allocators=serve_defaults(workload.allocators, model, gpu.key, source))
     if workload.kv_budget_bytes is not None:
         budget = workload.kv_budget_bytes
     else:
@@ -124,13 +133,13 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
                        "at the last read's µs per context token")  # fmt: skip
             note = f"{note}; {sampled}" if note else sampled
         options = replace(options, device=device, read_every=read_every)
-    note = "; ".join(n for n in (note, clock_note) if n) or None
+    note = "; ".join(n for n in (note, clock_note, serve_note) if n) or None
     ctx = ReplayContext(model, workload.kv_dtype, budget, workload.max_model_len, roofline, workload.scheduler, workload.seed, clock, tp=tp,
                         offload=workload.offload, gpu=gpu, source=source)
     if workload.offload is not None:
         _check_offload(workload, ctx, options)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
-        pool = ctx.spec(config.block_size).pool if config.kind == "paged" and config.prefix_caching else None
+        pool = ctx.spec(config.block_size, config).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
             from kvsim.engine.paged.kv_cache_manager import check_prefix_caching
 
@@ -158,6 +167,24 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         ep=ep,
     )
     return result, ctx, requests, options
+
+
+def serve_defaults(configs, model, gpu_key: str, source: str) -> tuple:
+    """Each allocator configuration with vllm serve's defaults for `model` on `gpu_key` where the file leaves
+    them out (`AllocatorConfig.with_serve_defaults`); a mistake names the file and the allocator."""
+    out = []
+    for i, config in enumerate(configs):
+        try:
+            out.append(config.with_serve_defaults(model, gpu_key))
+        except KvsimError as exc:
+            raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source,
+                             field=f"allocators[{i}].{exc.field}") from None
+        first = next((j for j, c in enumerate(out[:-1]) if c.label == out[-1].label), None)
+        if first is not None:
+            raise KvsimError(f"is allocators[{first}] ({out[-1].label}) under vllm serve's defaults for {model.name} "
+                             "(prefix caching on for a hybrid model): set prefix_caching on one of them",
+                             source=source, field=f"allocators[{i}]")
+    return tuple(out)
 
 
 def _deployment(workload, options: ReplayOptions) -> tuple[int, int, str, str]:
@@ -204,7 +231,7 @@ def _check_num_blocks(workload, ctx: ReplayContext, source: str) -> None:
     for config in workload.allocators:
         if config.kind != "paged":
             continue
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         page, num_blocks = bytes_per_block(spec), num_gpu_blocks(spec, ctx.budget_bytes)
         if num_blocks > MAX_NUM_BLOCKS:
             raise KvsimError(
@@ -227,7 +254,7 @@ def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None
                          f"({options.max_host_bytes:,} B): raise --max-host-memory or replay with --no-tensors",
                          field="--max-host-memory")
     for config in workload.allocators:
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
         connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx), ctx.tp,
                              ctx.gpu, ctx.source)
@@ -239,7 +266,7 @@ def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> N
     from kvsim.units import format_bytes
 
     for config in configs:
-        spec = ctx.spec(config.block_size)
+        spec = ctx.spec(config.block_size, config)
         num_slots = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len).num_slots
         nbytes = 2 * options.num_layers * num_slots * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
         if nbytes > options.max_host_bytes:

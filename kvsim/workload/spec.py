@@ -135,7 +135,8 @@ class Workload:
 
     def __post_init__(self) -> None:
         assert (self.kv_budget_bytes is None) != (self.gpu_memory_utilization is None)
-        assert self.allocators and len({a.label for a in self.allocators}) == len(self.allocators)
+        # unique labels, once vllm serve's defaults are known (prefix_caching None: not yet)
+        assert self.allocators and len({(a.label, a.prefix_caching is None) for a in self.allocators}) == len(self.allocators)
 
 
 WORKLOAD_FIELDS = ("name", "description", "seed", "model", "kv_dtype", "hardware", "kv_budget", "gpu_memory_utilization",
@@ -427,15 +428,25 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
             if watermark >= 1:
                 raise a.error("watermark", f"must be < 1 (a fraction of the blocks), got {watermark:g}")
             block_size = a.int("block_size", 16, min=1)
+            caching = a.bool("prefix_caching", False) if a.has("prefix_caching") else None  # None: vllm serve's
+            if a.has("mamba_cache_mode"):  # vLLM's name for it on a hybrid model: align is prefix caching on
+                mode = a.choice("mamba_cache_mode", ("none", "align"))
+                if caching is not None and caching != (mode == "align"):
+                    raise a.error("mamba_cache_mode", f"{mode} contradicts prefix_caching: {str(caching).lower()} "
+                                  "(align is prefix caching on, none off)")
+                caching = mode == "align"
             config = AllocatorConfig(
                 "paged",
                 block_size=block_size,
-                prefix_caching=a.bool("prefix_caching", False),
+                prefix_caching=caching,
                 watermark=watermark,
                 prefix_cache_retention_interval=_retention_interval(a, block_size),
+                mamba_checkpoint_alignment=a.int("mamba_checkpoint_alignment", None, min=0),
             )
         a.done()
-        if any(c.label == config.label for c in configs):
+        # one left to vllm serve's default (prefix_caching None) and one set may differ for the model: the replay
+        # checks those once the defaults are known
+        if any(c.label == config.label and (c.prefix_caching is None) == (config.prefix_caching is None) for c in configs):
             raise KvsimError(f"duplicates an earlier allocator ({config.label})", source=a.source, field=a.prefix)
         configs.append(config)
     return tuple(configs)

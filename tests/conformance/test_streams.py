@@ -96,6 +96,37 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     assert c.differs and c.first_step is not None
 
 
+def test_align_streams_run_vllms_mamba_align_and_kvsim_without_the_chunk_split_or_the_same_step_refusal_differs(
+        vllm_loaded, monkeypatch):
+    """qwen3-next-prefix-pressure runs vLLM's scheduler in mamba_cache_mode align as vllm serve does on an H200
+    (block 576, FlashInfer's checkpoints every 64 tokens, chunks split at block boundaries) and agrees with
+    kvsim's replay, prefix hits included. kvsim's replay whose chunks ignore the state boundaries, or whose
+    requests may hit a state cached in the same step, differs."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.conformance.vllm_engine import build_scheduler
+    from kvsim.engine.paged.single_type_kv_cache_manager import MambaManager
+    from kvsim.replay.sched.scheduler import Scheduler
+
+    rs = resolve(next(s for s in STREAMS if s.name == "qwen3-next-prefix-pressure"))
+    sched = build_scheduler(rs.setup)
+    assert sched.need_mamba_block_aligned_split and (sched.block_size, sched.hash_block_size) == (576, 576)
+    assert sched.mamba_has_prefill_checkpoint_blocks and sched.mamba_prefill_checkpoint_alignment == 64
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    assert [type(m).__name__ for m in managers] == ["MambaManager"] * 3 + ["FullAttentionManager"]
+    assert all(m.mamba_cache_mode == "align" for m in managers[:3])
+    kvsim, vllm = run_kvsim(rs), run_vllm(rs)
+    assert compare(kvsim, vllm).differing_steps == 0 and sum(r.prefix_hit_tokens for r in kvsim.steps) > 0
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "_mamba_block_aligned_split", lambda self, seq, start, n, junction: n)
+        assert compare(run_kvsim(rs), vllm).differs
+    get_num = MambaManager.get_num_blocks_to_allocate
+    monkeypatch.setattr(MambaManager, "get_num_blocks_to_allocate",
+                        lambda self, *a, **kw: get_num(self, *a, **{**kw, "cached_this_step": None}))
+    assert compare(run_kvsim(rs), vllm).differs
+
+
 def test_a_preemption_in_a_call_that_schedules_nothing_is_counted_on_vllms_side(vllm_loaded, monkeypatch):
     """block-32-long (async, 32-token blocks, prompts near max_model_len): vLLM's scheduler once preempts in a
     call that schedules no token. The harness counts it with the next step, as kvsim does (dropped: 15 vs 16)."""

@@ -105,13 +105,20 @@ def test_sliding_blocks_are_cached_before_they_become_null_blocks_and_stay_evict
     assert alloc.num_free_blocks == 29 - (2 + 2 + 8)  # 8 blocks a group, 6 of each sliding group null
 
 
-def test_factory_enables_it_for_sliding_and_full_groups_and_refuses_state_groups():
+def test_factory_enables_it_for_sliding_and_full_groups_and_refuses_mismatched_or_chunked_groups():
+    """State groups take part in align mode, where they share the attention block size; a state group of
+    max_model_len tokens (mamba_cache_mode none's) cannot, and chunked-local hits are not built."""
     alloc = make_allocator(AllocatorConfig("paged", block_size=4, prefix_caching=True), SPEC, 20 * 64, max_model_len=64)
     assert isinstance(alloc, HybridPagedAllocator) and alloc.enable_prefix_caching
     state = PoolSpec((VllmGroup("state", 1, 64, 64, 64, blocks_per_request=1), VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16)), group_size=2, bytes_per_block=64)  # 16 = cdiv(64, 4); 2 x 32 B
-    with pytest.raises(KvsimError, match="state"):
+    with pytest.raises(KvsimError, match="one block size"):
         HybridPagedAllocator(
             SPEC.__class__(**{**SPEC.__dict__, "pool": state}), 20 * 64, max_model_len=64, enable_prefix_caching=True
+        )
+    chunked = PoolSpec((VllmGroup("chunked", 1, 4, 32, 32, blocks_per_request=16, window=8), VllmGroup("full", 2, 4, 32, 32, blocks_per_request=16)), group_size=2, bytes_per_block=64)
+    with pytest.raises(KvsimError, match="chunked"):
+        HybridPagedAllocator(
+            SPEC.__class__(**{**SPEC.__dict__, "pool": chunked}), 20 * 64, max_model_len=64, enable_prefix_caching=True
         )
 
 

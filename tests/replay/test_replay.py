@@ -507,8 +507,9 @@ def test_a_max_model_len_past_the_models_own_is_refused_as_vllm_does(tmp_path):
 
 
 def test_prefix_caching_on_a_mixed_model_replays_where_modelled_and_is_refused_naming_file_and_allocator_where_not(tmp_path):
-    """Sliding-window groups cache prefixes (gpt-oss); state groups do not yet (qwen3-next): refused before
-    anything runs, naming the file and the allocator, with the engine's own reason (it was `prefix_caching: ...`)."""
+    """Sliding-window groups cache prefixes (gpt-oss), state groups in mamba_cache_mode align (qwen3-next);
+    chunked-local groups do not yet (llama-4-scout): refused before anything runs, naming the file and the
+    allocator, with the engine's own reason (it was `prefix_caching: ...`)."""
     from kvsim.errors import KvsimError
 
     path = write_tiny(tmp_path)
@@ -516,12 +517,33 @@ def test_prefix_caching_on_a_mixed_model_replays_where_modelled_and_is_refused_n
     path.write_text(text.replace("model: tiny-model.json", "model: gpt-oss-120b"))
     runs = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
     assert [run.label for run in runs][2].endswith("+prefix") and runs[2].prefix_query_tokens > 0
+    text = text.replace("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, prefix_caching: false}")
     path.write_text(text.replace("model: tiny-model.json", "model: qwen3-next-80b-a3b"))
+    runs = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert [run.label for run in runs][1:] == ["paged-16", "paged-16+prefix"] and runs[2].prefix_query_tokens > 0
+    path.write_text(text.replace("model: tiny-model.json", "model: llama-4-scout"))
     with pytest.raises(KvsimError) as err:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
-    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: qwen3-next-80b-a3b: prefix caching is not modelled for "
-                              "models with state layer groups (mamba align mode and chunked-local hits are not built); "
+    assert str(err.value) == (f"{path}: allocators[2].prefix_caching: llama-4-scout: prefix caching is not modelled for "
+                              "models with chunked layer groups (chunked-local hits are not built); "
                               "drop prefix_caching for it")
+
+
+def test_a_hybrid_model_replays_with_vllm_serves_prefix_caching_unless_the_file_turns_it_off(tmp_path):
+    """vllm serve runs a hybrid model with prefix caching (mamba_cache_mode align); a workload that leaves
+    `prefix_caching` out gets it, and two allocators that vllm serve's defaults make the same are refused."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB").replace("model: tiny-model.json", "model: qwen3-next-80b-a3b")
+    path.write_text(text)
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (f"{path}: allocators[2]: is allocators[1] (paged-16+prefix) under vllm serve's defaults for "
+                              "qwen3-next-80b-a3b (prefix caching on for a hybrid model): set prefix_caching on one of them")
+    path.write_text(text.replace("  - {kind: paged, block_size: 16, prefix_caching: true}\n", ""))
+    runs = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert [run.label for run in runs] == ["flat-oracle", "paged-16+prefix"] and runs[1].prefix_query_tokens > 0
 
 
 def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_flag_replay_lacks(tmp_path):

@@ -393,3 +393,16 @@ def test_async_scheduling_is_on_unless_the_file_turns_it_off(tmp_path):
     assert sync.scheduler.async_scheduling is False and sync.scheduler.max_num_seqs == 256
     with pytest.raises(KvsimError, match="scheduler.async_scheduling"):
         load_workload(write(tmp_path, with_change("scheduler", {"async_scheduling": "sometimes"})))
+
+
+def test_prefix_caching_left_out_is_vllm_serves_and_mamba_cache_mode_is_its_vllm_name(tmp_path):
+    """Absent, `prefix_caching` is None (vllm serve's default for the model, resolved by the replay);
+    `mamba_cache_mode` align / none is prefix caching on / off, and contradicting `prefix_caching` is refused."""
+    data = with_change("scheduler", {"watermark": 0.0})
+    data["allocators"] = [{"kind": "paged"}, {"kind": "paged", "mamba_cache_mode": "none"},
+                          {"kind": "paged", "block_size": 32, "mamba_cache_mode": "align", "mamba_checkpoint_alignment": 64}]
+    w = load_workload(write(tmp_path, data))
+    assert [(a.prefix_caching, a.mamba_checkpoint_alignment) for a in w.allocators] == [(None, None), (False, None), (True, 64)]
+    data["allocators"] = [{"kind": "paged", "mamba_cache_mode": "none", "prefix_caching": True}]
+    with pytest.raises(KvsimError, match=r"allocators\[0\]\.mamba_cache_mode: none contradicts prefix_caching: true"):
+        load_workload(write(tmp_path, data))

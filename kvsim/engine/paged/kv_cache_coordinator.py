@@ -25,12 +25,22 @@ class HybridCoordinator:
     window are looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
-    def __init__(self, pool_spec: PoolSpec, pool: BlockPool, prefix_cache_retention_interval: int | None = 0):
+    def __init__(self, pool_spec: PoolSpec, pool: BlockPool, prefix_cache_retention_interval: int | None = 0, *,
+                 mamba_align: bool = False, mamba_checkpoint_alignment: int = 0):
         self.pool = pool
-        # vLLM's `prefix_cache_retention_interval`: which sliding-window blocks are cached (None: every one)
+        # vLLM's `prefix_cache_retention_interval`: which sliding-window and state blocks are cached (None: every one)
         self.retention_interval = prefix_cache_retention_interval
-        self.managers: list[SingleTypeManager] = [make_manager(g, pool) for g in pool_spec.groups]
+        self.managers: list[SingleTypeManager] = [
+            make_manager(g, pool, mamba_align=mamba_align, mamba_checkpoint_alignment=mamba_checkpoint_alignment)
+            for g in pool_spec.groups
+        ]
         self.groups = groups = pool_spec.groups
+        # mamba_cache_mode align: state groups cache their block-boundary states and take part in hits; the
+        # keys of the states cached in the current step (vLLM's `cached_blocks_this_step`), which a new request
+        # cannot hit before the next step
+        self.mamba_align = mamba_align and any(g.kind == "state" for g in groups)
+        self.cacheable_kinds = CACHEABLE_KINDS + (("state",) if self.mamba_align else ())
+        self.cached_this_step: set = set()
         kinds: dict[tuple, list[int]] = {}
         for g, group in enumerate(groups):
             kinds.setdefault((group.kind in FULL_KINDS, group.kind, group.window, group.block_size), []).append(g)
@@ -38,7 +48,11 @@ class HybridCoordinator:
         self.spec_groups = sorted(kinds.items(), key=lambda kv: not kv[0][0])
 
     def new_tables(self) -> list[list[Block]]:
-        return [[] for _ in self.managers]
+        return [m.new_table() for m in self.managers]
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins: the states cached in the last one may be hit (`new_step_starts`)."""
+        self.cached_this_step.clear()
 
     def get_num_blocks_to_allocate(
         self,
@@ -47,9 +61,29 @@ class HybridCoordinator:
         apply_admission_cap: bool = False,
         new_computed_blocks: list[list[Block]] | None = None,
         num_computed_tokens: int = 0,
+        *,
+        query_start: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """Blocks every group together needs to hold `num_tokens` tokens (`get_num_blocks_to_allocate`), a new
-        request's prefix-cache hit (`new_computed_blocks`, `num_computed_tokens` long) included."""
+        request's prefix-cache hit (`new_computed_blocks`, `num_computed_tokens` long) included. Align-mode state
+        groups also read where this chunk starts (`query_start`, the computed tokens) and where the request's
+        prefill ends (`prefill_end`; under dense retention every chunk may export a checkpoint: 0)."""
+        if self.mamba_align:
+            if self.retention_interval != 0:
+                prefill_end = 0
+            need = 0
+            for g, (m, t) in enumerate(zip(self.managers, tables)):
+                hit = None if new_computed_blocks is None else new_computed_blocks[g]
+                if self.groups[g].kind == "state":
+                    need += m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap, hit, num_computed_tokens,
+                                                         query_start=query_start, prefill_end=prefill_end,
+                                                         cached_this_step=self.cached_this_step)
+                elif hit is None:
+                    need += m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap)
+                else:
+                    need += m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap, hit, num_computed_tokens)
+            return need
         if new_computed_blocks is None:
             return sum(m.get_num_blocks_to_allocate(t, num_tokens, apply_admission_cap) for m, t in zip(self.managers, tables))
         return sum(
@@ -100,6 +134,8 @@ class HybridCoordinator:
                     continue
                 if is_full:
                     blocks, curr = self._full_hit(hashes, curr, ids, bs)
+                elif kind == "state":
+                    blocks, curr = self._mamba_hit(hashes, curr, ids, bs)
                 else:
                     blocks, curr = self._sliding_hit(hashes, curr, ids, bs, window)
                 for g, b in zip(ids, blocks):
@@ -138,6 +174,16 @@ class HybridCoordinator:
                 out.append(b)
         return blocks, len(blocks[0]) * bs
 
+    def _mamba_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[Block]], int]:
+        """From the right, the first block whose state every group in `ids` caches; the blocks before it are null
+        blocks (`MambaManager.find_longest_cache_hit`: a state needs no blocks before it)."""
+        null = self.pool.null_block
+        for i in range(max_length // bs - 1, -1, -1):
+            cached = self._get(hashes[i], ids)
+            if cached is not None:
+                return [[null] * i + [b] for b in cached], (i + 1) * bs
+        return [[] for _ in ids], 0
+
     def _sliding_hit(
         self, hashes: list[int], max_length: int, ids: list[int], bs: int, window: int
     ) -> tuple[list[list[Block]], int]:
@@ -173,10 +219,14 @@ class HybridCoordinator:
         are cached before they leave the window, only those its manager's `reachable_block_mask` keeps under
         the retention interval (`reachable_boundaries`: token positions a later hit can resume at)."""
         pool, null = self.pool, self.pool.null_block
+        cacheable = self.cacheable_kinds
         for g, table in enumerate(tables):
-            if self.groups[g].kind not in CACHEABLE_KINDS:
+            kind = self.groups[g].kind
+            if kind not in cacheable:
                 continue
             mask = self.managers[g].reachable_block_mask(start, end, self.retention_interval, reachable_boundaries)
             for i, (block, h) in enumerate(zip(table[start:end], hashes[start:end])):
                 if block is not null and block.block_hash is None and (mask is None or mask[i]):
                     pool.cache_full_block(block, (h, g))
+                    if kind == "state":
+                        self.cached_this_step.add((h, g))

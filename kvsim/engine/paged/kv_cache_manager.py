@@ -22,7 +22,8 @@ from kvsim.errors import KvsimError
 class HybridRequest:
     """The allocator's state for one admitted request: a block table per group, real blocks held per group."""
 
-    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit", "boundaries")
+    __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit", "boundaries",
+                 "shared_prefix_boundary", "prefill_end")
 
     def __init__(self, seq: Sequence, tables: list[list[Block]], hashes: list[int] | None = None):
         self.seq = seq
@@ -33,6 +34,8 @@ class HybridRequest:
         # token positions a later request can resume a hit at, whose sliding-window tails are cached under
         # sparse retention: the prompt's last token, and a shared-prefix junction found at admission
         self.boundaries: tuple[int, ...] = (seq.num_prompt_tokens - 1,)
+        self.shared_prefix_boundary = 0  # vLLM's `Request.shared_prefix_boundary`: that junction, or 0
+        self.prefill_end = seq.num_prompt_tokens  # where this admission's prefill ends (vLLM's `prefill_end`)
         self.held = [0] * len(tables)  # blocks of each table that are not the null block
         self.quiet_until = -1  # an append up to this many computed + new tokens needs no block
         self.next_skip = 0  # an append at this many computed tokens may null a block of a window group
@@ -66,6 +69,7 @@ class HybridPagedAllocator(KVAllocator):
         watermark: float = 0.0,
         enable_prefix_caching: bool = False,
         prefix_cache_retention_interval: int | None = 0,
+        mamba_checkpoint_alignment: int = 0,
     ):
         if not 0.0 <= watermark < 1.0:
             raise KvsimError(f"watermark must be in [0, 1), got {watermark}", field="watermark")
@@ -95,7 +99,15 @@ class HybridPagedAllocator(KVAllocator):
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
         self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
-        self.coordinator = HybridCoordinator(pool_spec, self.pool, prefix_cache_retention_interval)
+        # vLLM's mamba_cache_mode: align (state groups cache their block-boundary states; prefill chunks end on
+        # block boundaries) with prefix caching, as vllm serve runs hybrid models; none without
+        has_state = any(g.kind == "state" for g in self.groups)
+        self.mamba_align = enable_prefix_caching and has_state
+        self.mamba_block_size = self.block_size if self.mamba_align else 0
+        self.mamba_checkpoint_alignment = mamba_checkpoint_alignment if self.mamba_align else 0
+        self.coordinator = HybridCoordinator(pool_spec, self.pool, prefix_cache_retention_interval,
+                                             mamba_align=self.mamba_align,
+                                             mamba_checkpoint_alignment=self.mamba_checkpoint_alignment)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, HybridRequest] = {}
@@ -103,11 +115,15 @@ class HybridPagedAllocator(KVAllocator):
         self._num_token_groups = sum(g.kind != "state" for g in self.groups)
         windows = [g.window for g in self.groups if g.kind == "sliding"]
         self._max_run_by_window = 2 * min(windows) - 1 if windows else None
-        self.decode_frees_blocks = any(g.kind in ("sliding", "chunked") for g in self.groups)
+        self.decode_frees_blocks = self.mamba_align or any(g.kind in ("sliding", "chunked") for g in self.groups)
         # breakdown(): bytes one token occupies in a group's block, and the padding of each of its blocks
         self._token_bytes = [g.num_layers * g.layer_page_bytes // g.block_size for g in self.groups]
         self._pad_bytes = [bpb - g.num_layers * g.layer_page_bytes for g in self.groups]
         self._windowed = [i for i, g in enumerate(self.groups) if g.kind in ("sliding", "chunked")]
+        # groups that null blocks before each allocation, in group order: windows, and align-mode states
+        self._skipping = [i for i, g in enumerate(self.groups)
+                          if g.kind in ("sliding", "chunked") or (self.mamba_align and g.kind == "state")]
+        self._state_groups = [i for i, g in enumerate(self.groups) if g.kind == "state"] if self.mamba_align else []
 
     # --- the KVAllocator protocol -------------------------------------------------------------------------
 
@@ -144,17 +160,22 @@ class HybridPagedAllocator(KVAllocator):
             query = min(num_tokens, seq.num_final_tokens)
             hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
+        prefill_end = max(seq.num_prompt_tokens, num_tokens - 1)  # num_tokens: vLLM's request.num_tokens
         if full_sequence_must_fit:
             full = min(num_tokens, self.max_model_len)
-            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit)
+            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit, query_start=hit,
+                                                          prefill_end=prefill_end)
             if need + watermark > free:
                 return None
         total = min(hit + min(num_new_tokens, num_tokens - hit), self.max_model_len)
-        if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit) + watermark > free:
+        if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit, query_start=hit,
+                                                  prefill_end=prefill_end) + watermark > free:
             return None
         req = HybridRequest(seq, tables, hashes)
+        req.prefill_end = prefill_end
         if uncached:  # vLLM's `shared_prefix_boundary`: where the longest single group's hit ends
             req.boundaries += (hit + uncached,)
+            req.shared_prefix_boundary = hit + uncached
         self._reqs[seq] = req
         if hit:
             coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit)
@@ -164,7 +185,7 @@ class HybridPagedAllocator(KVAllocator):
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._grow(req, hit, total)
+        self._grow(req, hit, total, hit)
         return hit
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -179,11 +200,28 @@ class HybridPagedAllocator(KVAllocator):
         settled = computed - seq.num_in_flight_tokens
         if total <= req.quiet_until and settled < req.next_skip:
             return True
-        return self._grow(req, max(0, settled), min(total, self.max_model_len))
+        return self._grow(req, max(0, settled), min(total, self.max_model_len), computed)
 
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`, group by group, each table's tail first."""
         self.coordinator.free(self._reqs.pop(seq).tables)
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    def get_computed_blocks(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """The prefix-cache hit `allocate` would find for `seq` now and vLLM's `shared_prefix_boundary` (where
+        the longest single group's hit ends, when longer; else 0), in tokens, changing nothing: what vLLM's
+        scheduler splits an align-mode prefill chunk by before it allocates."""
+        if not self.enable_prefix_caching or seq.token_ids is None:
+            return 0, 0
+        hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        _, hit, uncached = self.coordinator.find_longest_cache_hit(hashes, min(num_tokens, seq.num_final_tokens) - 1)
+        return hit, hit + uncached if uncached else 0
+
+    def shared_prefix_boundary(self, seq: Sequence) -> int:
+        """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
+        return self._reqs[seq].shared_prefix_boundary
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
@@ -226,6 +264,8 @@ class HybridPagedAllocator(KVAllocator):
         """Each of `num_seqs` requests opens at most ceil((k - 1) / block_size) blocks in every token group in a
         run of k steps; and the run's first step must still own its block when the run grows its requests to its
         middle step first (nulling what left a sliding window there): middle step < the smallest window."""
+        if self.mamba_align:  # a state block is freed the step after the next one opens: no run keeps the ids
+            return 1
         k = self.pool.num_free_blocks // num_seqs // self._num_token_groups * self.spec.block_size + 1
         return k if self._max_run_by_window is None else min(k, self._max_run_by_window)
 
@@ -290,7 +330,8 @@ class HybridPagedAllocator(KVAllocator):
                         if b.ref_count > 1 and b.block_id not in seen:
                             seen.add(b.block_id)
                             extra = b.ref_count - 1  # a shared block is full and computed for every holder
-                            token -= extra * groups[g].block_size * token_bytes[g]
+                            kept = self.bytes_per_block - pad_bytes[g] if groups[g].kind == "state" else groups[g].block_size * token_bytes[g]
+                            token -= extra * kept  # a shared state block holds one state
                             padding -= extra * pad_bytes[g]
                             saved += extra * self.bytes_per_block
         unusable = self.budget_bytes - self.pool.num_usable_blocks * self.bytes_per_block
@@ -307,19 +348,23 @@ class HybridPagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _grow(self, req: HybridRequest, computed: int, total: int) -> bool:
+    def _grow(self, req: HybridRequest, computed: int, total: int, query_start: int = 0) -> bool:
         """Null what left each window at `computed` (settled) tokens, then give every group room for `total`
-        tokens, or False."""
+        tokens, or False. `query_start`: where the chunk starts (align-mode state groups' checkpoint)."""
         coordinator, tables = self.coordinator, req.tables
-        for g in self._windowed:  # the other groups skip nothing
+        for g in self._skipping:  # the other groups skip nothing
             req.held[g] -= coordinator.managers[g].remove_skipped_blocks(tables[g], computed)
-        if coordinator.get_num_blocks_to_allocate(tables, total) > self.pool.num_free_blocks:
+        need = coordinator.get_num_blocks_to_allocate(tables, total, query_start=query_start, prefill_end=req.prefill_end)
+        if need > self.pool.num_free_blocks:
             self._refresh(req, computed)
             return False
         before = [len(t) for t in tables]
         coordinator.allocate_new_blocks(tables, total)
         for g, table in enumerate(tables):
             req.held[g] += len(table) - before[g]
+        null = self.pool.null_block
+        for g in self._state_groups:  # align mode pads a table with null blocks before its new states
+            req.held[g] = sum(b is not null for b in tables[g])
         if req.hashes is not None:
             self._register(req, total)
         self._refresh(req, computed)
@@ -350,7 +395,11 @@ class HybridPagedAllocator(KVAllocator):
         req.next_skip = next_skip
 
     def _set_quiet(self, req: HybridRequest) -> None:
-        """`quiet_until`: the most tokens an append serves without a new block or a block to cache."""
+        """`quiet_until`: the most tokens an append serves without a new block or a block to cache (align mode:
+        none, as every append may free a state block)."""
+        if self.mamba_align:
+            req.quiet_until = -1
+            return
         req.quiet_until = min(len(t) * g.block_size for t, g in zip(req.tables, self.groups))
         if req.hashes is not None and req.num_cached < len(req.hashes):  # the next block to cache fills then
             req.quiet_until = min(req.quiet_until, (req.num_cached + 1) * self.block_size - 1)
@@ -372,13 +421,13 @@ def check_retention_interval(interval: int | None, groups) -> None:
 
 
 def check_prefix_caching(groups) -> None:
-    """Prefix caching is modelled for full-attention and sliding-window groups of one block size; a model with
-    state or chunked-local groups (vLLM: mamba align mode, chunked hits) is a user error here."""
-    unsupported = sorted({g.kind for g in groups if g.kind not in CACHEABLE_KINDS})
+    """Prefix caching is modelled for full-attention, sliding-window and state groups (mamba align mode) of one
+    block size; a model with chunked-local groups (vLLM: chunked hits) is a user error here."""
+    unsupported = sorted({g.kind for g in groups if g.kind not in CACHEABLE_KINDS + ("state",)})
     if unsupported:
         raise KvsimError(
             f"prefix caching is not modelled for models with {' or '.join(unsupported)} layer groups "
-            "(mamba align mode and chunked-local hits are not built)",
+            "(chunked-local hits are not built)",
             field="prefix_caching",
         )
     if len({g.block_size for g in groups}) != 1:

@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections import deque
 
 from kvsim.engine.allocator import KVAllocator
+from kvsim.engine.paged.single_type_kv_cache_manager import (
+    is_mamba_prefill_checkpoint_valid,
+    mamba_prefill_checkpoint_position,
+)
 from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 # Longest run of identical decode steps one `schedule()` may cover (one row of the step records).
@@ -73,6 +77,8 @@ class Scheduler:
         self.make_token_ids = make_token_ids  # SchedSeq -> (prompt + max_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
+        # mamba_cache_mode align: prefill chunks end where a state must be cached (0: off)
+        self.mamba_block_size = allocator.mamba_block_size
         self.waiting: deque[SchedSeq] = deque()
         self.swapped: deque[SchedSeq] = deque()
         self.running: list[SchedSeq] = []  # in admission order: the tail is preempted first
@@ -124,6 +130,8 @@ class Scheduler:
         alloc = self.allocator
         running = self.running
         decodes = out.decodes
+        alloc.new_step_starts()
+        split = self.mamba_block_size > 0
 
         # 1. Running requests, in order (vLLM's running loop).
         i = 0
@@ -157,6 +165,11 @@ class Scheduler:
                 if n <= 0:
                     i += 1
                     continue
+                if split:
+                    n = self._mamba_block_aligned_split(seq, computed, n, alloc.shared_prefix_boundary(seq))
+                    if n == 0:  # no block-aligned chunk fits the budget
+                        i += 1
+                        continue
                 if alloc.append_slots(seq, n):
                     self._book(out, seq, n)
                     budget -= n
@@ -205,9 +218,15 @@ class Scheduler:
                         # leaving free what the prefills in flight still need (vLLM's reserved_blocks)
                         load = {"num_external_computed_tokens": ext, "delay_cache_blocks": True,
                                 "reserved_blocks": self._inflight_prefill_reserved_blocks(out)}
+                num_new = budget
+                if split and not ext:  # vLLM looks the prefix up, then ends the chunk where a state is cached
+                    start, junction = alloc.get_computed_blocks(seq, num_tokens)
+                    num_new = self._mamba_block_aligned_split(seq, start, min(num_tokens - start, budget), junction)
+                    if num_new == 0:
+                        break
                 hit = alloc.allocate(
                     seq,
-                    0 if ext else budget,
+                    0 if ext else num_new,
                     num_tokens=num_tokens,
                     full_sequence_must_fit=self.reserve_full_isl,
                     apply_watermark=bool(running),
@@ -227,7 +246,7 @@ class Scheduler:
                 seq.prefill_target = num_tokens
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = hit
-                n = min(budget, num_tokens - hit)
+                n = min(num_new, num_tokens - hit)
                 assert n > 0, (seq, hit)
                 running.append(seq)
                 out.admitted.append(seq)
@@ -248,6 +267,41 @@ class Scheduler:
         if self.connector is not None:  # connector: flushes, stores and finishes at the end of schedule()
             self._build_connector_meta(out)
         return out, rejected
+
+    def _mamba_block_aligned_split(self, seq: SchedSeq, start: int, n: int, junction: int) -> int:
+        """Clip a prefill chunk of `n` tokens from `start` so it ends where a state must be cached (vLLM's
+        `Scheduler._mamba_block_aligned_split` in mamba_cache_mode align, hashes at the block size, no EAGLE):
+        a state is written only at a chunk's end, so a chunk before the prefill's last one ends on a block
+        boundary, and stops at the last block boundary before the request's end (the prompt's reusable state)
+        unless the state layers export that checkpoint from inside the chunk, and at a shared-prefix
+        `junction` inside it. 0: no block-aligned chunk fits.
+
+            block 576, prompt 1,000, budget 2,048:
+            checkpoints (gated delta net, FlashInfer):  [0, 1,000)              the 576 state exported inside
+            none (Triton's kernel):                     [0, 576) then [576, 1,000)
+        """
+        bs = self.mamba_block_size
+        num_tokens = seq.num_tokens
+        prefill_end = max(seq.num_prompt_tokens, num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        last_cache_position = mamba_prefill_checkpoint_position(num_tokens, bs)
+        end = start + n
+        internal = end >= prefill_end and is_mamba_prefill_checkpoint_valid(
+            start, end, mamba_prefill_checkpoint_position(prefill_end, bs), bs, self.allocator.mamba_checkpoint_alignment)
+        if internal:
+            last_cache_position = 0
+        if end < prefill_end:
+            aligned_end = end // bs * bs
+            if aligned_end > start or bs <= self.max_num_batched_tokens:
+                end = aligned_end
+        stops = (
+            (start // bs + 1) * bs if start % bs and not internal else 0,
+            last_cache_position,
+            start + (junction - start) // bs * bs if start < junction < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
 
     def _one_token(self, seq: SchedSeq) -> bool:
         """Async scheduling: the general branch of the running loop would schedule exactly one token of decoding
