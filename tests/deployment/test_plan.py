@@ -4,6 +4,8 @@ plan.json and its chart, and bad input as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +14,8 @@ from typer.testing import CliRunner
 from kvsim.cli import app
 from kvsim.deployment.plan import Plan, Slo, parse_slo, plan_tasks
 from kvsim.errors import KvsimError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, count=120, rate=40.0):
@@ -69,13 +73,23 @@ def test_plan_cli_finds_the_fewest_replicas_and_writes_plan_json(tmp_path):
     result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", "h100", "--tp", "1", "--replicas", "1,2,4",
                                       "--slo", "ttft_p99=0.5s", "--timing", "roofline", "--workers", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    plans = json.loads((out / "plan.json").read_text())["plans"]
-    assert [p["replicas"] for p in plans] == [1, 2, 4]
-    meets = [p["meets_slo"] for p in plans]
-    assert meets == sorted(meets)  # more replicas never hurt here; the cheapest is the first that meets
-    cheapest = plans[meets.index(True)]
+    document = json.loads((out / "plan.json").read_text())
+    plans = document["plans"]
+    # the search stops at the first replica count that meets: the rest are listed as not replayed
+    assert [p["meets_slo"] for p in plans] == [False] * (len(plans) - 1) + [True]
+    cheapest = plans[-1]
+    assert [p["replicas"] for p in plans] + [p["replicas"] for p in document["pruned"]] == [1, 2, 4]
+    assert all(p["reason"] == f"more GPUs than the cheapest h100 plan ({cheapest['gpus']})" for p in document["pruned"])
     assert f"h100: {cheapest['replicas']} x tp 1 = {cheapest['gpus']} GPUs" in result.output
     assert (out / "plan.png").exists()
+    full = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", "h100", "--tp", "1", "--replicas", "1,2,4",
+                                    "--slo", "ttft_p99=0.5s", "--timing", "roofline", "--workers", "1", "--out",
+                                    str(tmp_path / "full"), "--exhaustive"])
+    assert full.exit_code == 0, full.output
+    every = json.loads((tmp_path / "full" / "plan.json").read_text())
+    assert [p["replicas"] for p in every["plans"]] == [1, 2, 4] and every["pruned"] == []
+    assert {p["status"] for p in every["plans"]} == {"replayed"}
+    assert min((p for p in every["plans"] if p["meets_slo"]), key=lambda p: p["gpus"]) == cheapest
 
 
 def test_an_slo_nobody_meets_names_the_closest_and_exits_2(tmp_path):
@@ -99,3 +113,71 @@ def test_unknown_router_and_roofline_refusal(tmp_path, monkeypatch):
     assert refused.exit_code == 2
     assert "the kernels-db clock does not cover qwen3-0.6b on h100 at tp 1" in refused.output
     assert "--timing roofline" in refused.output
+
+
+def mooncake_slice(tmp_path, count=200):
+    """The first `count` requests of the shipped Mooncake slice on Llama-3.1-8B, as `kvsim plan` replays a trace."""
+    data = {"name": "plan-mooncake", "model": "llama-3.1-8b", "gpu_memory_utilization": 0.9, "max_model_len": 131072,
+            "requests": {"trace": {"path": str(REPO / "workloads" / "traces" / "mooncake-conversation-500.jsonl"), "limit": count}},
+            "allocators": [{"kind": "paged", "block_size": 16, "prefix_caching": True}]}
+    path = tmp_path / "mooncake.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_pruned_search_finds_the_exhaustive_searchs_plan(tmp_path):
+    """Every shortcut taken on a small trace (a replay cut short, a pool that cannot hold the longest request, a
+    deployment not replayed), and the same cheapest plan, next smaller one and verdict as replaying everything.
+    L4s hold 30k tokens of Llama-3.1-8B at tp 1, less than the slice's longest request (121k)."""
+    from kvsim.deployment.plan import run_plan
+    from kvsim.deployment.plan_view import verdict
+
+    slo = parse_slo("ttft_p99=5s")
+    tasks, _, _ = plan_tasks(str(mooncake_slice(tmp_path)), model=None, gpus=["h100", "l4"], tps=[1, 2],
+                             replicas=[1, 2, 4], timing="roofline", router=None)
+    full = run_plan(tasks, slo, workers=1, ray=None, exhaustive=True)
+    fast = run_plan(tasks, slo, workers=1, ray=None)
+    assert len(full.rows) == len(tasks) and full.pruned == [] and not any(r["cut_short"] for r in full.rows)
+    for gpu in ("h100", "l4"):
+        assert fast.cheapest(gpu) == full.cheapest(gpu)
+        assert fast.next_smaller(gpu) == full.next_smaller(gpu)
+    assert verdict(fast, ["h100"]) == verdict(full, ["h100"]) == [
+        "h100: 2 x tp 2 = 4 GPUs (ttft_p99 3.20 s, tpot_p99 106 ms)",  # 4 x tp 1 meets too, at 4.55 s: the tie goes to 3.20 s
+        "  the next smaller, 1 x tp 2 = 2 GPUs, fails: ttft_p99 5.88 s > 5.00 s",
+    ]
+    assert fast.cheapest("l4") is None
+    by_point = {r["point"]: r for r in full.rows}
+    for row in fast.rows:
+        whole = by_point[row["point"]]
+        if row["cut_short"]:  # the verdict was certain: the whole replay misses, above the bound it stopped at
+            assert not full.meets(whole) and whole["ttft_p99_s"] >= row["ttft_p99_s"] > 5.0
+        elif row.get("never_fits"):
+            assert (row["gpu"], row["tp"]) == ("l4", 1) and row["unfinished"] == whole["unfinished"] > 0
+        else:
+            assert row == whole
+    kinds = Counter("cut" if r["cut_short"] else "pool" if r.get("never_fits") else "replayed" for r in fast.rows)
+    assert kinds["cut"] >= 3 and kinds["pool"] == 3 and kinds["replayed"] == 3
+    assert [(p["gpu"], p["tp"], p["replicas"]) for p in fast.pruned] == [("h100", 2, 4)]
+
+
+def test_the_watch_is_certain_exactly_when_the_percentile_must_exceed_the_target():
+    """numpy's p99 of n values exceeds T once n - _lowest_index(99, n) of them do, whatever the others are."""
+    import numpy as np
+
+    from kvsim.deployment.slo_watch import SloWatch, _lowest_index
+
+    for n in range(1, 400):
+        k = n - _lowest_index(99, n)
+        values = np.zeros(n)
+        values[:k] = 1.0 + 1e-9
+        assert np.percentile(values, 99) > 1.0
+        if 99 * (n - 1) % 100:  # and no sooner, where the position has a fraction (else one value later, to be safe)
+            values[k - 1] = 0.0
+            assert np.percentile(values, 99) <= 1.0
+    watch = SloWatch((("ttft_p99_s", 1.0), ("tpot_p99_s", 0.05)), np.zeros(100))  # needs 100 - floor(98.01) = 2
+    assert watch.checks[0][2] == 2
+    watch.served[:99] = b"\x01" * 99
+    assert not watch.certain_miss(5.0)  # one request late of 100: the p99 may still be under 1 s
+    watch2 = SloWatch((("ttft_p99_s", 1.0),), np.zeros(100))
+    assert not watch2.certain_miss(1.0)  # waited exactly the target: not over it
+    assert watch2.certain_miss(1.5) and (watch2.metric, watch2.lower_bound, watch2.cut_at_s) == ("ttft_p99_s", 1.5, 1.5)
