@@ -6,7 +6,10 @@ and a deployment meets the SLO only if all N requests finish. Sorted, x[0] <= ..
 between x[f] and x[f+1] with f = floor(0.99 (N - 1)), so it is at least x[f]: if N - f requests have a TTFT
 over the target T, so has x[f], and so has the p99. A request routed before t whose last prompt chunk was not
 in a row scheduled before t gets its first token at the end of a row scheduled at t or later, so its TTFT is at
-least t - arrival: once that exceeds T it is late for good, whatever the rest of the replay does.
+least t - arrival: once that exceeds T it is late for good, whatever the rest of the replay does. (A request
+the scheduler rejects never gets one either: it counts as late, and rightly, since a deployment that leaves a
+request unfinished misses anyway; the lower bound below is then one on the p99 had every request finished.
+`kvsim plan` replays no deployment whose pool rejects a request at arrival.)
 
     arrivals:  a0  a1   a2 ...        t (every row scheduled before t has run)
     served?    y   n    y   n         late: not served and t - arrival > T  ->  TTFT > T, certainly
