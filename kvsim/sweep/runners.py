@@ -1,5 +1,7 @@
 """Where a sweep's tasks run: here, in local worker processes, or as Ray tasks. Each runner yields
-(task, row) as results arrive; the rows themselves come from `task.run_task` whichever runs them."""
+(task, row) as results arrive; the rows themselves come from `task.run_task` whichever runs them. The pools
+under them (`open_pool`) also take tasks one at a time, for a search that picks its next task from the rows
+so far (`kvsim plan`)."""
 
 from __future__ import annotations
 
