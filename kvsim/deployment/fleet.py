@@ -74,9 +74,9 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
                   watch=None) -> FleetRun | None:
     """One allocator config on `num_replicas` engines: route every request at its arrival, then run them out.
 
-    With `watch` (a `kvsim.deployment.slo_watch.SloWatch`), it is asked before each arrival is routed and before
-    each row after the last arrival, when every row scheduled before then has run; once it calls the SLO
-    certainly missed, the replay stops there and returns None (the watch says when and why)."""
+    With `watch` (a `kvsim.deployment.slo_watch.SloWatch`), it sees every row and is asked before each arrival
+    is routed and before each row after the last arrival, when every row scheduled before then has run; once it
+    calls the SLO certainly missed, the replay stops there and returns None (the watch says when and why)."""
     queues = [Arrivals(closed=False) for _ in range(num_replicas)]
     on_schedule = watch.on_schedule if watch is not None else None
     engines = [engine_rows(config, requests, ctx, options, q, on_schedule=on_schedule) for q in queues]
@@ -97,6 +97,8 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
             if key != keys[k]:
                 continue  # a stale entry
             keys[k] = next(engines[k])
+            if watch is not None:
+                watch.resumed(k, keys[k])
             if keys[k] != math.inf:
                 heapq.heappush(heap, (keys[k], k))
         if watch is not None and watch.certain_miss(t):
@@ -120,6 +122,7 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
                 return _stop(engines)
             heapq.heappop(heap)
             keys[k] = next(engines[k])
+            watch.resumed(k, keys[k])
             if keys[k] != math.inf:
                 heapq.heappush(heap, (keys[k], k))
     runs = []

@@ -129,7 +129,7 @@ def run_plan_task(task: PlanTask) -> dict:
     from kvsim.deployment.reports import fleet_metrics
     from kvsim.deployment.slo_watch import SloWatch
     from kvsim.replay.options import ReplayOptions
-    from kvsim.replay.reports import summary_records
+    from kvsim.replay.reports import output_tokens, summary_records
     from kvsim.replay.run import resolve_replay
     from kvsim.workload.spec import workload_from_mapping
 
@@ -137,7 +137,7 @@ def run_plan_task(task: PlanTask) -> dict:
     try:
         workload = workload_from_mapping(task.workload_mapping(), task.workload_path, sha256="plan")
         result, ctx, requests, options = resolve_replay(workload, ReplayOptions(tensors=False, timing=task.timing))
-        watch = SloWatch(task.targets, result.arrival_s)
+        watch = SloWatch(task.targets, result.arrival_s, output_tokens(result))
         run = replay_config(workload.allocators[0], requests, ctx, options, task.replicas, workload.router,
                             watch=watch if watch.active else None)
         row["clock"] = result.clock

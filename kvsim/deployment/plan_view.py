@@ -88,7 +88,7 @@ def search_notes(plan: Plan) -> list[str]:
     lines = []
     cut = [r for r in plan.rows if r.get("cut_short")]
     if cut:
-        lines.append(f"cut short: {len(cut)} replay(s) stopped once a TTFT target was certainly missed "
+        lines.append(f"cut short: {len(cut)} replay(s) stopped once a target was certainly missed "
                      "(>=: a lower bound; the other figures unknown)")
     never = [r for r in plan.rows if r.get("never_fits")]
     if never:
@@ -131,6 +131,11 @@ def pareto_chart(plan: Plan, path: Path, *, title: str) -> Path:
                        zorder=3, marker="^" if cut else "o")
             ax.annotate(f"tp{r['tp']}" + (" (cut short)" if cut else ""), (r["gpus"], r["ttft_p99_s"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
+        for r in plan.rows:  # cut short on another target: no TTFT figure; a cross on the x axis
+            if r["gpu"] == gpu and r.get("cut_short") and r.get("ttft_p99_s") is None:
+                ax.scatter(r["gpus"], 0.03, color=color, marker="x", s=30, zorder=3, transform=ax.get_xaxis_transform())
+                ax.annotate(f"tp{r['tp']} (cut short: {r['cut_metric'][:-2]})", (r["gpus"], 0.03), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points", xycoords=ax.get_xaxis_transform())
         front, best = [], math.inf
         for r in rows:  # the lowest p99 TTFT reached with at most this many GPUs (a bound is not a reached figure)
             if not r.get("cut_short") and r["ttft_p99_s"] < best:
@@ -143,10 +148,15 @@ def pareto_chart(plan: Plan, path: Path, *, title: str) -> Path:
     if bound is not None:
         ax.axhline(bound, color="grey", ls="--", lw=1, label=f"SLO ttft_p99 {_dur(bound)}")
     ax.set_yscale("log")
+    gpus = [r["gpus"] for r in plan.rows]
+    if gpus:  # every deployment searched, those drawn on the x axis included
+        ax.set_xlim(min(gpus) - 0.5, max(gpus) + 0.5 + 0.15 * (max(gpus) - min(gpus) + 1))
     ax.set_xlabel("GPUs (replicas x tp)")
     ax.set_ylabel("p99 TTFT (s)")
     if any(r.get("cut_short") and r.get("ttft_p99_s") is not None for r in plan.rows):
         ax.scatter([], [], marker="^", facecolors="none", color="grey", label="cut short: p99 TTFT at least this")
+    if any(r.get("cut_short") and r.get("ttft_p99_s") is None for r in plan.rows):
+        ax.scatter([], [], marker="x", color="grey", label="cut short on another target (no TTFT figure)")
     ax.legend()
     titles(fig, "Fewest GPUs for the SLO: each deployment's p99 TTFT (filled: meets every target)", title)
     return save(fig, path)

@@ -1,84 +1,125 @@
-"""An early verdict on a fleet replay: once more requests have waited past a TTFT target without their first
-token than the target's percentile allows, the deployment certainly misses it, and `kvsim plan` stops there.
+"""An early verdict on a fleet replay: once more requests are certainly over a TTFT or TPOT target than the
+target's percentile allows, the deployment certainly misses it, and `kvsim plan` stops there.
 
-Why the verdict is certain. The summary's p99 TTFT is numpy's linear percentile over every finished request,
-and a deployment meets the SLO only if all N requests finish. Sorted, x[0] <= .. <= x[N-1], the p99 lies
-between x[f] and x[f+1] with f = floor(0.99 (N - 1)), so it is at least x[f]: if N - f requests have a TTFT
-over the target T, so has x[f], and so has the p99. A request routed before t whose last prompt chunk was not
-in a row scheduled before t gets its first token at the end of a row scheduled at t or later, so its TTFT is at
-least t - arrival: once that exceeds T it is late for good, whatever the rest of the replay does. (A request
-the scheduler rejects never gets one either: it counts as late, and rightly, since a deployment that leaves a
-request unfinished misses anyway; the lower bound below is then one on the p99 had every request finished.
-`kvsim plan` replays no deployment whose pool rejects a request at arrival.)
+Why the verdict is certain. The summary's percentiles are numpy's linear ones over the finished requests (TPOT:
+those of two or more output tokens), and a deployment meets the SLO only if all N requests finish. Sorted,
+x[0] <= .. <= x[N-1], the p99 lies between x[f] and x[f+1] with f = floor(0.99 (N - 1)), so it is at least
+x[f]: if N - f requests are over the target T, so is x[f], and so is the p99. The fleet asks at times t when
+every row scheduled before t has run (before routing each arrival; after the last, before each row):
+
+- TTFT. A request routed before t whose last prompt chunk was in no row scheduled before t gets its first token
+  at the end of a row scheduled at t or later: its TTFT is at least t - arrival, late for good once that is
+  over T.
+- TPOT. (finished - first token) / (output tokens - 1). The first token comes at the end of the row that
+  completes the prompt; the engine's next-but-one row is scheduled no earlier than that end (synchronous: its
+  next; async: the next row's last step starts no earlier), so that key U bounds the first token from above. A
+  request not finished at t (its last output not yet processed) finishes at t or later (async: at the end of
+  the row that sampled it, whose successor is not yet scheduled). So its TPOT is at least
+  (t - U) / (output tokens - 1), late for good once that is over T.
 
     arrivals:  a0  a1   a2 ...        t (every row scheduled before t has run)
     served?    y   n    y   n         late: not served and t - arrival > T  ->  TTFT > T, certainly
+
+A request the scheduler rejects never gets a first token and counts as late, rightly: a deployment that leaves
+a request unfinished misses anyway (the lower bound is then one had every request finished). `kvsim plan`
+replays no deployment whose pool rejects a request at arrival.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
 
-# The margin by which t - arrival must exceed a target before a request counts as late: far above the rounding
-# of numpy's interpolation between two neighbours (a few ulps), far below any latency one would state.
+# The margin by which a wait must exceed a target before a request counts as late: far above the rounding of
+# numpy's interpolation between two neighbours (a few ulps), far below any latency one would state.
 _MARGIN = 1e-9
 
 
 class SloWatch:
-    """Follows a fleet replay row by row (`on_schedule`, given to every replica's engine) and says, at a time
-    every row scheduled before it has run (`certain_miss(t)`), whether a TTFT target is already missed.
+    """Follows a fleet replay (`on_schedule`, given to every replica's engine; `resumed(k, key)`, told each
+    time replica k's engine has run a row and yields its next) and says, at a time every row scheduled before it
+    has run (`certain_miss(t)`), whether a TTFT or TPOT target is already certainly missed.
 
-    After a miss: `cut_at_s` (the simulated time of the verdict), `metric` (`ttft_p99_s`), and `lower_bound`:
-    the percentile is at least this many seconds (the smallest of the late requests' waits that the percentile
-    must be at least, as above).
+    After a miss: `cut_at_s` (the simulated time of the verdict), `metric` (`ttft_p99_s`, ...) and
+    `lower_bound`: the percentile is at least this many seconds.
     """
 
-    def __init__(self, targets, arrival_s: np.ndarray):
+    def __init__(self, targets, arrival_s: np.ndarray, output_tokens: np.ndarray):
         self.arrival = [float(a) for a in arrival_s]
+        self.output_tokens = [int(o) for o in output_tokens]  # (num_requests,): each one's, as the summary counts
         n = len(self.arrival)
+        num_decoding = sum(o > 1 for o in self.output_tokens)  # the requests TPOT percentiles are over
         self.served = bytearray(n)  # 1 once a row scheduled so far completes the request's prompt
-        self.checks = []  # [metric, target, needed, next request to look at, [(request, when found late)]]
+        self.ttft = []  # [metric, target, needed, next request to look at, [(request, lower bound)]]
+        self.tpot = []  # [metric, target, needed, heap of (late from, request, seq, U), [(request, lower bound)]]
         for metric, bound in targets:
-            if metric.startswith("ttft_p"):
-                q = int(metric[len("ttft_p"):-len("_s")])
-                self.checks.append([metric, float(bound), n - _lowest_index(q, n), 0, []])
+            kind, q = metric[:4], int(metric[len("ttft_p"):-len("_s")])
+            if kind == "ttft":
+                self.ttft.append([metric, float(bound), n - _lowest_index(q, n), 0, []])
+            elif kind == "tpot" and num_decoding:
+                self.tpot.append([metric, float(bound), num_decoding - _lowest_index(q, num_decoding), [], []])
+        self._fresh: list = []  # prompts completed in the row running now
+        self._completed: dict[int, list] = {}  # per replica: prompts completed in its last row (U not known yet)
         self.cut_at_s: float | None = None
         self.metric: str | None = None
         self.lower_bound: float | None = None
 
     @property
     def active(self) -> bool:
-        return bool(self.checks)
+        return bool(self.ttft or self.tpot)
 
     def on_schedule(self, out, sched) -> None:
-        """A row was scheduled: the requests whose last prompt chunk it holds get their first token at its end
-        (the replay's own rule for first_token_s)."""
+        """A row was scheduled: the requests whose last prompt chunk it holds for the first time get their first
+        token at its end (the replay's own rule for first_token_s)."""
         served = self.served
         for seq, start, num in out.prefills:
-            if start + num >= seq.num_prompt_tokens:
+            if start + num >= seq.num_prompt_tokens and not served[seq.index]:
                 served[seq.index] = 1
+                if self.tpot and self.output_tokens[seq.index] > 1:
+                    self._fresh.append(seq)
+
+    def resumed(self, k: int, key: float) -> None:
+        """Replica k's engine ran a row (or an empty round) and will schedule its next at `key`: the first token
+        of a prompt completed the row before came no later than `key` (see the module's docstring)."""
+        if not self.tpot:
+            return
+        earlier, self._completed[k], self._fresh = self._completed.get(k, []), self._fresh, []
+        if key == math.inf:
+            return  # idle: what it completed finished too (one output token are not in `fresh`)
+        for seq in earlier:
+            decodes = self.output_tokens[seq.index] - 1
+            for check in self.tpot:
+                heapq.heappush(check[3], (key + check[1] * decodes * (1 + _MARGIN), seq.index, seq, key))
 
     def certain_miss(self, t: float) -> bool:
-        """True once, at time `t` (every row scheduled before `t` has run), some TTFT target is certainly missed."""
+        """True once, at time `t` (every row scheduled before `t` has run), some target is certainly missed."""
         arrival, served = self.arrival, self.served
         n = len(arrival)
-        for check in self.checks:
+        for check in self.ttft:
             metric, bound, needed, p, late = check
             limit = bound * (1 + _MARGIN)
             while p < n and t - arrival[p] > limit:
                 if not served[p]:
-                    late.append((p, t))
+                    late.append((p, t - arrival[p]))
                 p += 1
             check[3] = p
+            if len(late) >= needed:  # a late request still unserved now waits until t at least
+                return self._miss(t, metric, needed, [t - arrival[j] if not served[j] else w for j, w in late])
+        for metric, bound, needed, heap, late in self.tpot:
+            while heap and heap[0][0] < t:
+                _, j, seq, first_by = heapq.heappop(heap)
+                if seq.num_output_tokens < seq.max_tokens:  # not finished: it finishes at t or later
+                    late.append((j, (t - first_by) / (self.output_tokens[j] - 1)))
             if len(late) >= needed:
-                self.cut_at_s, self.metric = t, metric
-                # Each late request waits at least until it was found late, or until t if still not served.
-                waits = sorted(((t if not served[j] else found) - arrival[j] for j, found in late), reverse=True)
-                self.lower_bound = waits[needed - 1]
-                return True
+                return self._miss(t, metric, needed, [w for _, w in late])
         return False
+
+    def _miss(self, t: float, metric: str, needed: int, waits: list[float]) -> bool:
+        self.cut_at_s, self.metric = t, metric
+        self.lower_bound = sorted(waits, reverse=True)[needed - 1]
+        return True
 
 
 def _lowest_index(q: int, n: int) -> int:

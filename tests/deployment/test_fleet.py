@@ -183,13 +183,14 @@ def test_a_watch_that_never_calls_a_miss_leaves_the_fleet_as_it_was_and_one_that
     replica to its end, which changes nothing; a target every request misses stops the replay early."""
     from kvsim.deployment.fleet import replay_config
     from kvsim.deployment.slo_watch import SloWatch
+    from kvsim.replay.reports import output_tokens
 
     workload = load_workload(write(tmp_path, router={"policy": "prefix-precise"}, async_scheduling=async_scheduling,
                                    budget="320MiB", rate=200.0))
     result, ctx, requests, options = resolve_replay(workload, OPTIONS)
     config = workload.allocators[0]
     plain = replay_config(config, requests, ctx, options, 4, workload.router)
-    watch = SloWatch((("ttft_p99_s", 1e6),), result.arrival_s)
+    watch = SloWatch((("ttft_p99_s", 1e6), ("tpot_p99_s", 1e6)), result.arrival_s, output_tokens(result))
     watched = replay_config(config, requests, ctx, options, 4, workload.router, watch=watch)
     assert watch.cut_at_s is None and watch.served == bytearray([1]) * len(requests)  # every request was served
     np.testing.assert_array_equal(plain.replica_of, watched.replica_of)
@@ -201,7 +202,13 @@ def test_a_watch_that_never_calls_a_miss_leaves_the_fleet_as_it_was_and_one_that
             np.testing.assert_array_equal(a.steps[name], b.steps[name])
     ttft = plain.deployment.first_token_s - result.arrival_s
     target = float(np.percentile(ttft, 50)) / 2  # half the requests wait longer: a certain miss before the end
-    strict = SloWatch((("ttft_p99_s", target),), result.arrival_s)
+    strict = SloWatch((("ttft_p99_s", target),), result.arrival_s, output_tokens(result))
     assert replay_config(config, requests, ctx, options, 4, workload.router, watch=strict) is None
     assert strict.metric == "ttft_p99_s" and target < strict.lower_bound <= float(np.percentile(ttft, 99))
     assert strict.cut_at_s < float(np.nanmax(plain.deployment.finished_s))
+    tpot = (plain.deployment.finished_s - plain.deployment.first_token_s) / (output_tokens(result) - 1)
+    target = float(np.nanpercentile(tpot, 50)) / 2
+    by_tpot = SloWatch((("ttft_p99_s", 1e6), ("tpot_p99_s", target)), result.arrival_s, output_tokens(result))
+    assert replay_config(config, requests, ctx, options, 4, workload.router, watch=by_tpot) is None
+    assert by_tpot.metric == "tpot_p99_s" and target < by_tpot.lower_bound <= float(np.nanpercentile(tpot, 99))
+    assert by_tpot.cut_at_s < float(np.nanmax(plain.deployment.finished_s))
