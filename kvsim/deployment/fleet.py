@@ -74,8 +74,8 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
                   watch=None) -> FleetRun | None:
     """One allocator config on `num_replicas` engines: route every request at its arrival, then run them out.
 
-    With `watch` (a `kvsim.deployment.slo_watch.SloWatch`), it sees every row and is asked before each arrival
-    is routed and before each row after the last arrival, when every row scheduled before then has run; once it
+    With `watch` (a `kvsim.deployment.slo_watch.SloWatch`), it sees every row and is asked before each row and
+    before each arrival is routed, when every row scheduled before then has run; once it
     calls the SLO certainly missed, the replay stops there and returns None (the watch says when and why)."""
     queues = [Arrivals(closed=False) for _ in range(num_replicas)]
     on_schedule = watch.on_schedule if watch is not None else None
@@ -96,6 +96,8 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
             key, k = heapq.heappop(heap)
             if key != keys[k]:
                 continue  # a stale entry
+            if watch is not None and watch.certain_miss(key):
+                return _stop(engines)
             keys[k] = next(engines[k])
             if watch is not None:
                 watch.resumed(k, keys[k])

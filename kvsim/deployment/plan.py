@@ -36,7 +36,7 @@ class Slo:
             out.append(f"{row['unfinished']} request(s) never finish")
         if row.get("cut_short"):
             metric = row["cut_metric"]
-            out.append(f"{metric[:-2]} >= {_dur(row[metric])} > {_dur(dict(self.targets)[metric])} "
+            out.append(f"{metric[:-2]} >= {_dur(row[metric], 1)} > {_dur(dict(self.targets)[metric])} "
                        f"(cut short at {_dur(row['cut_at_s'])} simulated)")
             return out
         for metric, bound in self.targets:
@@ -303,7 +303,7 @@ def run_plan(tasks: list[PlanTask], slo: Slo, *, workers: int | None, ray: str |
     return Plan(slo, rows, list(skipped), pruned)
 
 
-def _dur(value) -> str:
+def _dur(value, ms_digits: int = 0) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value * 1e3:.{ms_digits}f} ms" if value < 1 else f"{value:.2f} s"

@@ -110,7 +110,7 @@ def plan_table(plan: Plan) -> Table:
         tput = r.get("throughput_tokens_per_s")
         figures = {m: _dur(r.get(m)) for m in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s")}
         if r.get("cut_short"):
-            figures[r["cut_metric"]] = ">= " + figures[r["cut_metric"]]
+            figures[r["cut_metric"]] = ">= " + _dur(r[r["cut_metric"]], 1)
         table.add_row(r["gpu"], str(r["tp"]), str(r["replicas"]), str(r["gpus"]), figures["ttft_p50_s"],
                       figures["ttft_p99_s"], figures["tpot_p99_s"], "-" if tput is None else f"{tput:,.0f}", meets)
     return table

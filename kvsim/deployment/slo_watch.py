@@ -5,14 +5,15 @@ Why the verdict is certain. The summary's percentiles are numpy's linear ones ov
 those of two or more output tokens), and a deployment meets the SLO only if all N requests finish. Sorted,
 x[0] <= .. <= x[N-1], the p99 lies between x[f] and x[f+1] with f = floor(0.99 (N - 1)), so it is at least
 x[f]: if N - f requests are over the target T, so is x[f], and so is the p99. The fleet asks at times t when
-every row scheduled before t has run (before routing each arrival; after the last, before each row):
+every row scheduled before t has run (before each row, and before routing each arrival):
 
 - TTFT. A request routed before t whose last prompt chunk was in no row scheduled before t gets its first token
   at the end of a row scheduled at t or later: its TTFT is at least t - arrival, late for good once that is
   over T.
 - TPOT. (finished - first token) / (output tokens - 1). The first token comes at the end of the row that
-  completes the prompt; the engine's next-but-one row is scheduled no earlier than that end (synchronous: its
-  next; async: the next row's last step starts no earlier), so that key U bounds the first token from above. A
+  completes the prompt, and the engine's next key (synchronous: the next row's time) is that end; async, the
+  next key is when that row started (the next row is scheduled while it runs), and the one after it is when the
+  next row's last step starts, no earlier than that end. That key U bounds the first token from above. A
   request not finished at t (its last output not yet processed) finishes at t or later (async: at the end of
   the row that sampled it, whose successor is not yet scheduled). So its TPOT is at least
   (t - U) / (output tokens - 1), late for good once that is over T.
@@ -60,8 +61,9 @@ class SloWatch:
                 self.ttft.append([metric, float(bound), n - _lowest_index(q, n), 0, []])
             elif kind == "tpot" and num_decoding:
                 self.tpot.append([metric, float(bound), num_decoding - _lowest_index(q, num_decoding), [], []])
-        self._fresh: list = []  # prompts completed in the row running now
-        self._completed: dict[int, list] = {}  # per replica: prompts completed in its last row (U not known yet)
+        self._fresh: list = []  # prompts completed in the row running now (synchronous engines)
+        self._fresh_async: list = []  # the same, async engines: U is the key after the next
+        self._completed: dict[int, list] = {}  # per async replica: prompts completed in its last row
         self.cut_at_s: float | None = None
         self.metric: str | None = None
         self.lower_bound: float | None = None
@@ -78,17 +80,20 @@ class SloWatch:
             if start + num >= seq.num_prompt_tokens and not served[seq.index]:
                 served[seq.index] = 1
                 if self.tpot and self.output_tokens[seq.index] > 1:
-                    self._fresh.append(seq)
+                    (self._fresh_async if sched.async_scheduling else self._fresh).append(seq)
 
     def resumed(self, k: int, key: float) -> None:
         """Replica k's engine ran a row (or an empty round) and will schedule its next at `key`: the first token
         of a prompt completed the row before came no later than `key` (see the module's docstring)."""
         if not self.tpot:
             return
-        earlier, self._completed[k], self._fresh = self._completed.get(k, []), self._fresh, []
+        bounded = self._fresh + self._completed.pop(k, [])
+        if self._fresh_async:
+            self._completed[k] = self._fresh_async
+        self._fresh, self._fresh_async = [], []
         if key == math.inf:
-            return  # idle: what it completed finished too (one output token are not in `fresh`)
-        for seq in earlier:
+            return  # idle: what it completed has finished (requests of one output token are never listed)
+        for seq in bounded:
             decodes = self.output_tokens[seq.index] - 1
             for check in self.tpot:
                 heapq.heappush(check[3], (key + check[1] * decodes * (1 + _MARGIN), seq.index, seq, key))
