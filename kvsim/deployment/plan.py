@@ -36,8 +36,8 @@ class Slo:
             out.append(f"{row['unfinished']} request(s) never finish")
         if row.get("cut_short"):
             metric = row["cut_metric"]
-            out.append(f"{metric[:-2]} >= {_dur(row[metric], 1)} > {_dur(dict(self.targets)[metric])} "
-                       f"(cut short at {_dur(row['cut_at_s'])} simulated)")
+            out.append(f"{metric[:-2]} > {_dur(dict(self.targets)[metric])}, certainly (cut short at "
+                       f"{_dur(row['cut_at_s'])} simulated, {metric[:-2]} >= {_dur(row[metric], 1)})")
             return out
         for metric, bound in self.targets:
             value = row.get(metric)
