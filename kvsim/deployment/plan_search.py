@@ -7,8 +7,9 @@ Three shortcuts, each exact (the cheapest plan of every GPU kind is the one an e
   Deployments with as many GPUs are still replayed, since the tie goes to the lower p99 TTFT.
 - A (GPU, tp) whose pool cannot hold some request is not replayed: the scheduler rejects that request at
   arrival at any replica count, so it never finishes and the deployment misses (asked of the scheduler itself).
-- A replay stops once a TTFT target is certainly missed (`slo_watch.py`); its row says so, with the lower
-  bound it reached. It missed, so it is never a plan; its figures are bounds, not latencies.
+- A replay stops once a target is certainly missed (`slo_watch.py`); its row says so, with the lower bound it
+  reached. It missed, so it is never a plan; its figures are bounds, not latencies. When no deployment meets
+  the SLO, the largest cut short of each GPU kind is replayed to its end, so that the closest has figures.
 
 With several workers a deployment may start before the one that makes it unnecessary has finished; its row
 is dropped at the end, so the rows (and plan.json) are those of the search done one deployment at a time.
@@ -39,6 +40,17 @@ def search_plan(tasks: list, slo, pool, *, exhaustive: bool = False, on_row=None
         if on_row is not None:
             on_row(row)
 
+    def run_out(again) -> None:
+        """Replay `again` (tasks without targets) to the end, their rows replacing those cut short."""
+        for task in again:
+            pool.submit(task)
+        while pool.num_running:
+            for task, row in pool.wait():
+                rows[:] = [r for r in rows if r["point"] != task.point]
+                row.setdefault("gpus", task.gpus)
+                row.setdefault("gpu", task.gpu)
+                take(row)
+
     try:
         while order or pool.num_running:
             while order and pool.num_running < pool.slots:
@@ -54,6 +66,12 @@ def search_plan(tasks: list, slo, pool, *, exhaustive: bool = False, on_row=None
                     row.setdefault("gpus", task.gpus)  # a row from a worker that died has only its head
                     row.setdefault("gpu", task.gpu)
                     take(row)
+        if not exhaustive and not fewest:  # no plan: the largest cut short of each kind, to the end, to name the closest
+            cut = {r["point"] for r in rows if r.get("cut_short")}
+            largest = {}
+            for task in sorted((t for t in tasks if t.point in cut), key=lambda t: (t.gpus, t.tp)):
+                largest[task.gpu] = task  # the last of each kind: the most GPUs (then the highest tp)
+            run_out(largest.values())
     finally:
         pool.close()
     if exhaustive:

@@ -97,6 +97,7 @@ def test_an_slo_nobody_meets_names_the_closest_and_exits_2(tmp_path):
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
     assert line.startswith("kvsim: error: --slo: no searched deployment meets ttft_p99 <= 1 ms; closest: 2 x h100 tp 1")
+    assert "certainly" not in line  # every replay was cut short; the largest was then replayed to its end
 
 
 def test_unknown_router_and_roofline_refusal(tmp_path, monkeypatch):
