@@ -307,12 +307,13 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print plan.json on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict.")] = False,
     async_scheduling: Annotated[Optional[bool], typer.Option("--async-scheduling/--no-async-scheduling", help="vLLM's async scheduling (vllm serve's default, and a workload's) or the synchronous loop in every deployment.", show_default=False)] = None,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Replay every deployment to its end (by default the search skips deployments with more GPUs than a plan already found and stops a replay once a TTFT target is certainly missed; the answer is the same).")] = False,
 ) -> None:
     """The fewest GPUs for a workload or trace under latency targets: replicas x tp x GPU, each a fleet replay."""
     from kvsim.deployment.plan_view import show_plan
 
     show_plan(target, model=model, gpus=gpu, tps=tp, replicas=replicas, slo=slo, router=router, timing=timing,
-              workers=workers, ray=ray, out=out_option(out), json_out=json_out, quiet=quiet, async_scheduling=async_scheduling)
+              workers=workers, ray=ray, out=out_option(out), json_out=json_out, quiet=quiet, async_scheduling=async_scheduling, exhaustive=exhaustive)
 
 
 def _workload_replicas(path: str) -> int:

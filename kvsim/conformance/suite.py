@@ -31,9 +31,11 @@ def _streams() -> tuple[Stream, ...]:
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml", async_scheduling=False) for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
-    # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides (sync).
-    streams += [Stream(f"fleet-prefix-pressure/r{k}", STREAMS_DIR / "fleet-prefix-pressure.yaml", async_scheduling=False,
-                       replica=k) for k in range(4)]
+    # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides; the
+    # file says async_scheduling: false, and +async routes and replays them with it on (both sides).
+    fleet = STREAMS_DIR / "fleet-prefix-pressure.yaml"
+    streams += [Stream(f"fleet-prefix-pressure/r{k}", fleet, replica=k) for k in range(4)]
+    streams += [Stream(f"fleet-prefix-pressure/r{k}+async", fleet, async_scheduling=True, replica=k) for k in range(4)]
     return tuple(streams)
 
 

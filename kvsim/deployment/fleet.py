@@ -70,10 +70,16 @@ def replay_fleet(workload, options: ReplayOptions = ReplayOptions(tensors=False)
     return fleet
 
 
-def replay_config(config, requests: list, ctx, options: ReplayOptions, num_replicas: int, router) -> FleetRun:
-    """One allocator config on `num_replicas` engines: route every request at its arrival, then run them out."""
+def replay_config(config, requests: list, ctx, options: ReplayOptions, num_replicas: int, router, *,
+                  watch=None) -> FleetRun | None:
+    """One allocator config on `num_replicas` engines: route every request at its arrival, then run them out.
+
+    With `watch` (a `kvsim.deployment.slo_watch.SloWatch`), it sees every row and is asked before each row and
+    before each arrival is routed, when every row scheduled before then has run; once it
+    calls the SLO certainly missed, the replay stops there and returns None (the watch says when and why)."""
     queues = [Arrivals(closed=False) for _ in range(num_replicas)]
-    engines = [engine_rows(config, requests, ctx, options, q) for q in queues]
+    on_schedule = watch.on_schedule if watch is not None else None
+    engines = [engine_rows(config, requests, ctx, options, q, on_schedule=on_schedule) for q in queues]
     keys = [next(e) for e in engines]  # each yields the time its next row is scheduled at (inf: idle)
     prompt_tokens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
     views = [ReplicaView(q.scheduler, config.block_size, q.queue, prompt_tokens) for q in queues]
@@ -90,9 +96,15 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
             key, k = heapq.heappop(heap)
             if key != keys[k]:
                 continue  # a stale entry
+            if watch is not None and watch.certain_miss(key):
+                return _stop(engines)
             keys[k] = next(engines[k])
+            if watch is not None:
+                watch.resumed(k, keys[k])
             if keys[k] != math.inf:
                 heapq.heappush(heap, (keys[k], k))
+        if watch is not None and watch.certain_miss(t):
+            return _stop(engines)
         hashes = prompt_block_hashes(request, ctx.seed, config.block_size) if hashes_needed else None
         k = policy.pick(i, request.num_prompt_tokens, hashes)
         replica_of[i] = k
@@ -100,6 +112,21 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
         if keys[k] == math.inf:  # idle: wakes at this arrival
             keys[k] = t
             heapq.heappush(heap, (t, k))
+    if watch is not None:  # run the rows out in time order, asking the watch before each
+        for q in queues:
+            q.next_unrouted_s = math.inf
+        while heap:
+            key, k = heap[0]
+            if key != keys[k]:
+                heapq.heappop(heap)  # a stale entry
+                continue
+            if watch.certain_miss(key):
+                return _stop(engines)
+            heapq.heappop(heap)
+            keys[k] = next(engines[k])
+            watch.resumed(k, keys[k])
+            if keys[k] != math.inf:
+                heapq.heappush(heap, (keys[k], k))
     runs = []
     for q, engine in zip(queues, engines):
         q.closed, q.next_unrouted_s = True, math.inf
@@ -111,6 +138,13 @@ def replay_config(config, requests: list, ctx, options: ReplayOptions, num_repli
     for k, run in enumerate(runs):
         run.label = f"{config.label}/r{k}"
     return FleetRun(config.label, runs, replica_of, merge_runs(config.label, runs, replica_of))
+
+
+def _stop(engines) -> None:
+    """End every replica's generator where it stands (the replay was cut short)."""
+    for engine in engines:
+        engine.close()
+    return None
 
 
 def merge_runs(label: str, runs: list[AllocatorRun], replica_of: np.ndarray) -> AllocatorRun:

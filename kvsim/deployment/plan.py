@@ -1,13 +1,14 @@
 """`kvsim plan`: the fewest GPUs for a trace under latency targets. Every (GPU, tp, replicas) point is a fleet
 replay, run through the sweep's runners (local processes or Ray); a point meets the SLO when every request
-finishes and each p99 target holds. The cheapest plan per GPU kind is the one with the fewest GPUs (then the
-lowest p99 TTFT); the plan beside it says why the next smaller deployment fails."""
+finishes and each target holds. The cheapest plan per GPU kind is the one with the fewest GPUs (then the
+lowest p99 TTFT); the plan beside it says why the next smaller deployment fails. The search itself (which
+deployments it replays, and which it need not) is `plan_search.py`'s."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvsim.errors import KvsimError
@@ -24,12 +25,21 @@ class Slo:
     targets: tuple[tuple[str, float], ...]
 
     def misses(self, row: dict) -> list[str]:
-        """The targets `row` misses, in words ("ttft_p99 3.1 s > 2 s"); unfinished requests miss everything."""
+        """The targets `row` misses, in words ("ttft_p99 3.1 s > 2 s"); unfinished requests miss everything. A
+        replay cut short names the target it certainly missed, with the lower bound it reached ("ttft_p99 >
+        2.00 s, certainly (cut short at 41 s simulated, ttft_p99 >= 2.01 s)")."""
         if row.get("error"):
             return [row["error"]]
+        if row.get("never_fits"):
+            return [row["never_fits"]]
         out = []
         if row.get("unfinished", 0):
             out.append(f"{row['unfinished']} request(s) never finish")
+        if row.get("cut_short"):
+            metric = row["cut_metric"]
+            out.append(f"{metric[:-2]} > {_dur(dict(self.targets)[metric])}, certainly (cut short at "
+                       f"{_dur(row['cut_at_s'])} simulated, {metric[:-2]} >= {_dur(row[metric], 1)})")
+            return out
         for metric, bound in self.targets:
             value = row.get(metric)
             if value is None or (isinstance(value, float) and math.isnan(value)) or value > bound:
@@ -37,9 +47,12 @@ class Slo:
         return out
 
     def excess(self, row: dict) -> float:
-        """How far `row` is from meeting the SLO: the largest value / bound (inf for an error)."""
-        if row.get("error") or row.get("unfinished", 0):
+        """How far `row` is from meeting the SLO: the largest value / bound (inf for an error; for a replay cut
+        short, a lower bound)."""
+        if row.get("error") or row.get("never_fits") or row.get("unfinished", 0):
             return math.inf
+        if row.get("cut_short"):
+            return row[row["cut_metric"]] / dict(self.targets)[row["cut_metric"]]
         return max((row.get(m) or math.inf) / b for m, b in self.targets)
 
 
@@ -77,7 +90,8 @@ def parse_ints(text: str, field_name: str) -> list[int]:
 @dataclass(frozen=True)
 class PlanTask:
     """One deployment to replay: what the sweep's runners hand a worker (`point`, `allocator_index`,
-    `axis_values`, `allocator`, `search` are what they read)."""
+    `axis_values`, `allocator`, `search` are what they read). With `targets` (the SLO's), the replay stops as
+    soon as a TTFT target is certainly missed (`kvsim.deployment.slo_watch`)."""
 
     point: int
     gpu: str
@@ -89,35 +103,59 @@ class PlanTask:
     allocator: str = ""
     allocator_index: int = 0
     search: None = None
+    targets: tuple = ()
 
     @property
     def axis_values(self) -> tuple:
         return (("gpu", self.gpu), ("tp", self.tp), ("replicas", self.replicas))
 
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.replicas
+
+    def workload_mapping(self) -> dict:
+        """The workload of this deployment: its GPU, tp and replicas set."""
+        import copy
+
+        mapping = copy.deepcopy(self.workload)
+        mapping["hardware"] = self.gpu
+        mapping["deployment"] = {**mapping.get("deployment", {}), "tp": self.tp, "replicas": self.replicas}
+        return mapping
+
 
 def run_plan_task(task: PlanTask) -> dict:
-    """The deployment's row: its p50/p99 latencies and throughput, or the error that stopped it."""
-    import copy
-
-    from kvsim.deployment.fleet import replay_fleet
-    from kvsim.deployment.reports import fleet_records
+    """The deployment's row: its p50/p99 latencies and throughput, or where its replay was cut short and the
+    target it certainly misses, or the error that stopped it."""
+    from kvsim.deployment.fleet import FleetResult, replay_config
+    from kvsim.deployment.reports import fleet_metrics
+    from kvsim.deployment.slo_watch import SloWatch
     from kvsim.replay.options import ReplayOptions
+    from kvsim.replay.reports import output_tokens, summary_records
+    from kvsim.replay.run import resolve_replay
     from kvsim.workload.spec import workload_from_mapping
 
-    row = {"point": task.point, "gpu": task.gpu, "tp": task.tp, "replicas": task.replicas, "gpus": task.tp * task.replicas}
-    mapping = copy.deepcopy(task.workload)
-    mapping["hardware"] = task.gpu
-    mapping["deployment"] = {**mapping.get("deployment", {}), "tp": task.tp, "replicas": task.replicas}
+    row = {"point": task.point, "gpu": task.gpu, "tp": task.tp, "replicas": task.replicas, "gpus": task.gpus}
     try:
-        workload = workload_from_mapping(mapping, task.workload_path, sha256="plan")
-        fleet = replay_fleet(workload, ReplayOptions(tensors=False, timing=task.timing))
-        dep = next(r for r in fleet_records(fleet) if r["replica"] == "all")
-        row.update({k: dep[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_per_s",
-                                          "num_requests", "finished", "rejected", "load_imbalance", "fleet_hit_rate")})
-        row["unfinished"] = int(dep["num_requests"] - dep["finished"])
-        row["clock"] = fleet.result.clock
+        workload = workload_from_mapping(task.workload_mapping(), task.workload_path, sha256="plan")
+        result, ctx, requests, options = resolve_replay(workload, ReplayOptions(tensors=False, timing=task.timing))
+        watch = SloWatch(task.targets, result.arrival_s, output_tokens(result))
+        run = replay_config(workload.allocators[0], requests, ctx, options, task.replicas, workload.router,
+                            watch=watch if watch.active else None)
+        row["clock"] = result.clock
         row["async_scheduling"] = workload.scheduler.async_scheduling
         row["error"] = None
+        if run is None:
+            row.update({"cut_short": True, "cut_at_s": watch.cut_at_s, "cut_metric": watch.metric,
+                        watch.metric: watch.lower_bound, "num_requests": len(requests)})
+        else:
+            fleet = FleetResult(result=result, num_replicas=task.replicas, router=workload.router, context=ctx,
+                                requests=requests, fleets=[run])
+            (dep,) = summary_records(replace(result, runs=[run.deployment]), kernels=False)
+            dep.update(fleet_metrics(fleet, run, bounds=False))  # the LRU bounds: not a plan's figures
+            row.update({k: dep[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "throughput_tokens_per_s",
+                                              "num_requests", "finished", "rejected", "load_imbalance", "fleet_hit_rate")})
+            row["unfinished"] = int(dep["num_requests"] - dep["finished"])
+            row["cut_short"] = False
     except KvsimError as exc:
         row["error"] = str(exc)
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
@@ -130,6 +168,7 @@ class Plan:
     slo: Slo
     rows: list[dict]
     skipped: list[str] = field(default_factory=list)  # (gpu, tp) pairs that cannot hold the model, in words
+    pruned: list[dict] = field(default_factory=list)  # deployments not replayed: {gpu, tp, replicas, gpus, reason}
 
     def meets(self, row: dict) -> bool:
         return not self.slo.misses(row)
@@ -139,21 +178,37 @@ class Plan:
         return min(ok, key=lambda r: (r["gpus"], r["ttft_p99_s"], r["tp"])) if ok else None
 
     def next_smaller(self, gpu: str) -> dict | None:
-        """The largest deployment of `gpu` with fewer GPUs than its cheapest (the one just below it)."""
+        """The largest deployment of `gpu` with fewer GPUs than its cheapest (the one just below it; of those,
+        one replayed to its end before one cut short, then the nearest to the SLO)."""
         best = self.cheapest(gpu)
         if best is None:
             return None
         smaller = [r for r in self.rows if r["gpu"] == gpu and r["gpus"] < best["gpus"]]
-        return max(smaller, key=lambda r: (r["gpus"], -self.slo.excess(r))) if smaller else None
+        return max(smaller, key=lambda r: (r["gpus"], not r.get("cut_short"), -self.slo.excess(r))) if smaller else None
 
     def closest(self) -> dict:
-        return min(self.rows, key=lambda r: (self.slo.excess(r), r["gpus"]))
+        """The nearest to the SLO, of those replayed to their end first (a cut-short figure is only a bound)."""
+        return min(self.rows, key=lambda r: (bool(r.get("cut_short")), self.slo.excess(r), r["gpus"]))
 
     def plans_json(self) -> list[dict]:
+        """plan.json's `plans`: one per deployment replayed (`status` replayed, or cut short: its
+        `cut_metric` figure is then a lower bound, reached at `cut_at_s` simulated, and the others are null) or
+        known to miss without a replay (`status` never fits)."""
         keys = ("gpu", "tp", "replicas", "gpus", "ttft_p99_s", "tpot_p99_s", "ttft_p50_s", "tpot_p50_s",
                 "throughput_tokens_per_s", "fleet_hit_rate", "async_scheduling", "error")
-        return [{**{k: r.get(k) for k in keys[:4]}, "meets_slo": self.meets(r), **{k: r.get(k) for k in keys[4:]}}
+        return [{**{k: r.get(k) for k in keys[:4]}, "meets_slo": self.meets(r), "status": status(r),
+                 **{k: r.get(k) for k in keys[4:]},
+                 **({"cut_metric": r["cut_metric"], "cut_at_s": r["cut_at_s"]} if r.get("cut_short") else {})}
                 for r in sorted(self.rows, key=lambda r: (r["gpu"], r["gpus"], r["tp"]))]
+
+
+def status(row: dict) -> str:
+    """replayed, cut short, never fits or error."""
+    if row.get("error"):
+        return "error"
+    if row.get("never_fits"):
+        return "never fits"
+    return "cut short" if row.get("cut_short") else "replayed"
 
 
 def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int], replicas: list[int], timing: str,
@@ -241,26 +296,19 @@ def check_clock(tasks: list[PlanTask], timing: str) -> None:
                              field="--gpu") from None
 
 
-def run_plan(tasks: list[PlanTask], slo: Slo, *, workers: int | None, ray: str | None, skipped=(), on_row=None) -> Plan:
-    """Replay every deployment through the sweep's runners; the `Plan` of their rows."""
-    from kvsim.sweep.runners import run_local, run_ray
+def run_plan(tasks: list[PlanTask], slo: Slo, *, workers: int | None, ray: str | None, skipped=(), on_row=None,
+             exhaustive: bool = False) -> Plan:
+    """Search the deployments through the sweep's runners (`plan_search.search_plan`); the `Plan` of their
+    rows. `exhaustive` replays every deployment to its end."""
+    from kvsim.deployment.plan_search import search_plan
+    from kvsim.sweep.runners import open_pool
 
-    rows_iter = run_ray(tasks, ray, run=run_plan_task) if ray else run_local(tasks, workers, run=run_plan_task)
-    rows = []
-    try:
-        for task, row in rows_iter:
-            row.setdefault("gpus", task.tp * task.replicas)  # a row from a worker that died has only its head
-            row.setdefault("gpu", task.gpu)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
-    finally:
-        getattr(rows_iter, "close", lambda: None)()
-    rows.sort(key=lambda r: r["point"])
-    return Plan(slo, rows, list(skipped))
+    pool = open_pool(workers, ray, run_plan_task)
+    rows, pruned = search_plan(tasks, slo, pool, exhaustive=exhaustive, on_row=on_row)
+    return Plan(slo, rows, list(skipped), pruned)
 
 
-def _dur(value) -> str:
+def _dur(value, ms_digits: int = 0) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value * 1e3:.{ms_digits}f} ms" if value < 1 else f"{value:.2f} s"

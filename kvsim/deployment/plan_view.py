@@ -1,6 +1,6 @@
-"""`kvsim plan`'s output: the table of every deployment, the cheapest plan per GPU kind and why the next
-smaller one fails, plan.json (`plans: [{gpu, tp, replicas, gpus, meets_slo, ttft_p99_s, tpot_p99_s}]`) and
-the Pareto chart (GPUs vs p99 TTFT)."""
+"""`kvsim plan`'s output: the table of every deployment searched, the cheapest plan per GPU kind and why the
+next smaller one fails, plan.json (`plans: [{gpu, tp, replicas, gpus, meets_slo, status, ttft_p99_s,
+tpot_p99_s, ...}]`, and `pruned`: the deployments not replayed) and the Pareto chart (GPUs vs p99 TTFT)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvsim.deployment.plan import Plan, _dur
+from kvsim.deployment.plan import Plan, _dur, status
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_dir
 
 
 def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: str, slo: str, router: str | None,
               timing: str, workers: int | None, ray: str | None, out: Path | None, json_out: bool, quiet: bool,
-              async_scheduling: bool | None = None) -> Plan:
+              async_scheduling: bool | None = None, exhaustive: bool = False) -> Plan:
     """Run the plan and report it; exit 2 (a KvsimError) when no searched deployment meets the SLO."""
     from kvsim.deployment.plan import check_clock, parse_ints, parse_slo, plan_tasks, run_plan
 
@@ -40,14 +40,17 @@ def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: 
         console.print(f"plan: {len(tasks)} deployments of {Path(target).name} ({timing} clock)", markup=False)
         for line in skipped:
             console.print(f"skipped: {line}", markup=False, style="dim")
-    plan = run_plan(tasks, targets, workers=workers, ray=ray, skipped=skipped)
+    plan = run_plan(tasks, targets, workers=workers, ray=ray, skipped=skipped, exhaustive=exhaustive)
     out_dir = output_dir(out_dir)
-    (out_dir / "plan.json").write_text(json.dumps({"slo": dict(targets.targets), "plans": plan.plans_json()}, indent=2) + "\n")
+    document = {"slo": dict(targets.targets), "plans": plan.plans_json(), "pruned": plan.pruned}
+    (out_dir / "plan.json").write_text(json.dumps(document, indent=2) + "\n")
     pareto_chart(plan, out_dir / "plan.png", title=Path(target).name)
     if json_out:
-        print(json.dumps({"slo": dict(targets.targets), "plans": plan.plans_json()}, indent=2))
+        print(json.dumps(document, indent=2))
     elif not quiet:
         Console().print(plan_table(plan))
+        for line in search_notes(plan):
+            console.print(line, markup=False, style="dim")
     lines = verdict(plan, gpu_names)
     if all(plan.cheapest(g) is None for g in gpu_names):
         raise KvsimError(lines[-1], field="--slo")
@@ -81,15 +84,36 @@ def verdict(plan: Plan, gpus: list[str]) -> list[str]:
     return lines
 
 
+def search_notes(plan: Plan) -> list[str]:
+    """What the search did not replay to the end, in words."""
+    lines = []
+    cut = [r for r in plan.rows if r.get("cut_short")]
+    if cut:
+        lines.append(f"cut short: {len(cut)} replay(s) stopped once a target was certainly missed "
+                     "(>=: a lower bound; the other figures unknown)")
+    never = [r for r in plan.rows if r.get("never_fits")]
+    if never:
+        lines.append(f"no (pool): {len(never)} deployment(s) not replayed: a request can never fit one replica's pool, "
+                     "so it is rejected at arrival and never finishes")
+    if plan.pruned:
+        kinds = sorted({p["gpu"] for p in plan.pruned})
+        lines.append(f"not replayed: {len(plan.pruned)} deployment(s) with more GPUs than their kind's cheapest plan "
+                     f"({', '.join(kinds)}); --exhaustive replays them")
+    return lines
+
+
 def plan_table(plan: Plan) -> Table:
     table = Table(title="deployments searched")
     for name in ("gpu", "tp", "replicas", "GPUs", "TTFT p50", "TTFT p99", "TPOT p99", "tok/s", "meets SLO"):
         table.add_column(name, justify="left" if name == "gpu" else "right")
     for r in sorted(plan.rows, key=lambda r: (r["gpu"], r["gpus"], r["tp"])):
-        meets = "yes" if plan.meets(r) else ("error" if r.get("error") else "no")
+        meets = "yes" if plan.meets(r) else {"error": "error", "never fits": "no (pool)"}.get(status(r), "no")
         tput = r.get("throughput_tokens_per_s")
-        table.add_row(r["gpu"], str(r["tp"]), str(r["replicas"]), str(r["gpus"]), _dur(r.get("ttft_p50_s")),
-                      _dur(r.get("ttft_p99_s")), _dur(r.get("tpot_p99_s")), "-" if tput is None else f"{tput:,.0f}", meets)
+        figures = {m: _dur(r.get(m)) for m in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s")}
+        if r.get("cut_short"):
+            figures[r["cut_metric"]] = ">= " + _dur(r[r["cut_metric"]], 1)
+        table.add_row(r["gpu"], str(r["tp"]), str(r["replicas"]), str(r["gpus"]), figures["ttft_p50_s"],
+                      figures["ttft_p99_s"], figures["tpot_p99_s"], "-" if tput is None else f"{tput:,.0f}", meets)
     return table
 
 
@@ -102,12 +126,20 @@ def pareto_chart(plan: Plan, path: Path, *, title: str) -> Path:
     for j, gpu in enumerate(sorted({r["gpu"] for r in plan.rows})):
         rows = sorted((r for r in plan.rows if r["gpu"] == gpu and r.get("ttft_p99_s") is not None), key=lambda r: r["gpus"])
         color = f"C{j}"
-        for r in rows:
-            ax.scatter(r["gpus"], r["ttft_p99_s"], color=color, facecolors=color if plan.meets(r) else "none", s=36, zorder=3)
-            ax.annotate(f"tp{r['tp']}", (r["gpus"], r["ttft_p99_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for r in rows:  # a replay cut short: an upward triangle at its lower bound (the p99 is at least there)
+            cut = bool(r.get("cut_short"))
+            ax.scatter(r["gpus"], r["ttft_p99_s"], color=color, facecolors=color if plan.meets(r) else "none", s=36,
+                       zorder=3, marker="^" if cut else "o")
+            ax.annotate(f"tp{r['tp']}" + (" (cut short)" if cut else ""), (r["gpus"], r["ttft_p99_s"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        for r in plan.rows:  # cut short on another target: no TTFT figure; a cross on the x axis
+            if r["gpu"] == gpu and r.get("cut_short") and r.get("ttft_p99_s") is None:
+                ax.scatter(r["gpus"], 0.03, color=color, marker="x", s=30, zorder=3, transform=ax.get_xaxis_transform())
+                ax.annotate(f"tp{r['tp']} (cut short: {r['cut_metric'][:-2]})", (r["gpus"], 0.03), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points", xycoords=ax.get_xaxis_transform())
         front, best = [], math.inf
-        for r in rows:  # the lowest p99 TTFT reached with at most this many GPUs
-            if r["ttft_p99_s"] < best:
+        for r in rows:  # the lowest p99 TTFT reached with at most this many GPUs (a bound is not a reached figure)
+            if not r.get("cut_short") and r["ttft_p99_s"] < best:
                 best = r["ttft_p99_s"]
                 front.append((r["gpus"], best))
         if front:
@@ -117,8 +149,15 @@ def pareto_chart(plan: Plan, path: Path, *, title: str) -> Path:
     if bound is not None:
         ax.axhline(bound, color="grey", ls="--", lw=1, label=f"SLO ttft_p99 {_dur(bound)}")
     ax.set_yscale("log")
+    gpus = [r["gpus"] for r in plan.rows]
+    if gpus:  # every deployment searched, those drawn on the x axis included
+        ax.set_xlim(min(gpus) - 0.5, max(gpus) + 0.5 + 0.15 * (max(gpus) - min(gpus) + 1))
     ax.set_xlabel("GPUs (replicas x tp)")
     ax.set_ylabel("p99 TTFT (s)")
+    if any(r.get("cut_short") and r.get("ttft_p99_s") is not None for r in plan.rows):
+        ax.scatter([], [], marker="^", facecolors="none", color="grey", label="cut short: p99 TTFT at least this")
+    if any(r.get("cut_short") and r.get("ttft_p99_s") is None for r in plan.rows):
+        ax.scatter([], [], marker="x", color="grey", label="cut short on another target (no TTFT figure)")
     ax.legend()
     titles(fig, "Fewest GPUs for the SLO: each deployment's p99 TTFT (filled: meets every target)", title)
     return save(fig, path)

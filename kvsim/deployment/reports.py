@@ -42,20 +42,22 @@ def fleet_records(fleet: FleetResult) -> list[dict]:
     return records
 
 
-def fleet_metrics(fleet: FleetResult, run: FleetRun) -> dict:
-    """Load imbalance, the fleet's hit rate and the two bounds beside it (NaN without prefix caching)."""
+def fleet_metrics(fleet: FleetResult, run: FleetRun, *, bounds: bool = True) -> dict:
+    """Load imbalance, the fleet's hit rate and the two bounds beside it (NaN without prefix caching, or when
+    not `bounds`: the exact curve is a pass over every request's blocks, which `kvsim plan` does without)."""
     computed = np.array([float(r.steps["num_prefill_tokens"].sum() + r.steps["num_decode_tokens"].sum()) for r in run.replicas])
     imbalance = float(computed.max() / computed.mean()) if computed.mean() > 0 else math.nan
     prompt = fleet.result.num_prompt_tokens
     out = {"load_imbalance": imbalance, "fleet_hit_rate": math.nan, "hit_rate_bound": math.nan, "hit_rate_ideal": math.nan}
     config = run.deployment.config
     if getattr(config, "prefix_caching", False):
+        out["fleet_hit_rate"] = float(run.deployment.num_cached_tokens.sum() / max(prompt.sum(), 1))
+    if getattr(config, "prefix_caching", False) and bounds:
         from kvsim.cache_curve.view import cache_curve_of
 
         bs = config.block_size
         curve = cache_curve_of(fleet.requests, block_size=bs)
         blocks = sum(max(r.budget_bytes // _block_bytes(fleet, bs), 1) - 1 for r in run.replicas)
-        out["fleet_hit_rate"] = float(run.deployment.num_cached_tokens.sum() / max(prompt.sum(), 1))
         out["hit_rate_bound"] = float(curve.hit_rate(np.array([blocks * bs]))[0])
         out["hit_rate_ideal"] = float(curve.ideal_hit_rate)
     return out

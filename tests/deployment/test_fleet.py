@@ -26,7 +26,8 @@ from kvsim.workload.spec import Router, load_workload
 OPTIONS = ReplayOptions(tensors=False)
 
 
-def write(tmp_path, *, replicas=4, router=None, count=240, rate=60.0, groups=6, prefix_caching=True, budget="160MiB"):
+def write(tmp_path, *, replicas=4, router=None, count=240, rate=60.0, groups=6, prefix_caching=True, budget="160MiB",
+          async_scheduling=None):
     data = {
         "name": "fleet", "seed": 3, "model": "qwen3-0.6b", "hardware": "h100-80gb", "kv_budget": budget,
         "max_model_len": 4096,
@@ -39,14 +40,18 @@ def write(tmp_path, *, replicas=4, router=None, count=240, rate=60.0, groups=6, 
     }
     if router is not None:
         data["router"] = router
+    if async_scheduling is not None:
+        data["scheduler"] = {"async_scheduling": async_scheduling}
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix-approx", "prefix-precise"])
-def test_a_replicas_stream_replayed_alone_takes_the_steps_it_took_in_the_fleet(tmp_path, policy):
-    workload = load_workload(write(tmp_path, router={"policy": policy}))
+def test_a_replicas_stream_replayed_alone_takes_the_steps_it_took_in_the_fleet(tmp_path, policy, async_scheduling):
+    workload = load_workload(write(tmp_path, router={"policy": policy}, async_scheduling=async_scheduling))
+    assert workload.scheduler.async_scheduling is async_scheduling
     fleet = replay_fleet(workload, OPTIONS)
     (run,) = fleet.fleets
     _, ctx, requests, options = resolve_replay(workload, OPTIONS)
@@ -170,3 +175,40 @@ def test_cli_refuses_zero_replicas_and_one_replica_is_the_plain_replay(tmp_path)
     one = runner.invoke(app, ["replay", str(path), "--no-tensors", "--replicas", "1", "--out", str(tmp_path / "one"), "-q"])
     assert one.exit_code == 0, one.output
     assert "replica" not in pd.read_csv(tmp_path / "one" / "summary.csv").columns
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_watch_that_never_calls_a_miss_leaves_the_fleet_as_it_was_and_one_that_does_stops_it(tmp_path, async_scheduling):
+    """`kvsim plan`'s watch: the rows after the last arrival run one at a time in time order instead of each
+    replica to its end, which changes nothing; a target every request misses stops the replay early."""
+    from kvsim.deployment.fleet import replay_config
+    from kvsim.deployment.slo_watch import SloWatch
+    from kvsim.replay.reports import output_tokens
+
+    workload = load_workload(write(tmp_path, router={"policy": "prefix-precise"}, async_scheduling=async_scheduling,
+                                   budget="320MiB", rate=200.0))
+    result, ctx, requests, options = resolve_replay(workload, OPTIONS)
+    config = workload.allocators[0]
+    plain = replay_config(config, requests, ctx, options, 4, workload.router)
+    watch = SloWatch((("ttft_p99_s", 1e6), ("tpot_p99_s", 1e6)), result.arrival_s, output_tokens(result))
+    watched = replay_config(config, requests, ctx, options, 4, workload.router, watch=watch)
+    assert watch.cut_at_s is None and watch.served == bytearray([1]) * len(requests)  # every request was served
+    np.testing.assert_array_equal(plain.replica_of, watched.replica_of)
+    for a, b in zip(plain.replicas, watched.replicas):
+        for name in ("admitted_s", "first_token_s", "finished_s", "num_cached_tokens", "num_preemptions"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a.steps.keys() == b.steps.keys()
+        for name in a.steps:
+            np.testing.assert_array_equal(a.steps[name], b.steps[name])
+    ttft = plain.deployment.first_token_s - result.arrival_s
+    target = float(np.percentile(ttft, 50)) / 2  # half the requests wait longer: a certain miss before the end
+    strict = SloWatch((("ttft_p99_s", target),), result.arrival_s, output_tokens(result))
+    assert replay_config(config, requests, ctx, options, 4, workload.router, watch=strict) is None
+    assert strict.metric == "ttft_p99_s" and target < strict.lower_bound <= float(np.percentile(ttft, 99))
+    assert strict.cut_at_s < float(np.nanmax(plain.deployment.finished_s))
+    tpot = (plain.deployment.finished_s - plain.deployment.first_token_s) / (output_tokens(result) - 1)
+    target = float(np.nanpercentile(tpot, 50)) / 2
+    by_tpot = SloWatch((("ttft_p99_s", 1e6), ("tpot_p99_s", target)), result.arrival_s, output_tokens(result))
+    assert replay_config(config, requests, ctx, options, 4, workload.router, watch=by_tpot) is None
+    assert by_tpot.metric == "tpot_p99_s" and target < by_tpot.lower_bound <= float(np.nanpercentile(tpot, 99))
+    assert by_tpot.cut_at_s < float(np.nanmax(plain.deployment.finished_s))

@@ -4,6 +4,7 @@ plan.json and its chart, and bad input as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +13,8 @@ from typer.testing import CliRunner
 from kvsim.cli import app
 from kvsim.deployment.plan import Plan, Slo, parse_slo, plan_tasks
 from kvsim.errors import KvsimError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, count=120, rate=40.0):
@@ -69,13 +72,23 @@ def test_plan_cli_finds_the_fewest_replicas_and_writes_plan_json(tmp_path):
     result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", "h100", "--tp", "1", "--replicas", "1,2,4",
                                       "--slo", "ttft_p99=0.5s", "--timing", "roofline", "--workers", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    plans = json.loads((out / "plan.json").read_text())["plans"]
-    assert [p["replicas"] for p in plans] == [1, 2, 4]
-    meets = [p["meets_slo"] for p in plans]
-    assert meets == sorted(meets)  # more replicas never hurt here; the cheapest is the first that meets
-    cheapest = plans[meets.index(True)]
+    document = json.loads((out / "plan.json").read_text())
+    plans = document["plans"]
+    # the search stops at the first replica count that meets: the rest are listed as not replayed
+    assert [p["meets_slo"] for p in plans] == [False] * (len(plans) - 1) + [True]
+    cheapest = plans[-1]
+    assert [p["replicas"] for p in plans] + [p["replicas"] for p in document["pruned"]] == [1, 2, 4]
+    assert all(p["reason"] == f"more GPUs than the cheapest h100 plan ({cheapest['gpus']})" for p in document["pruned"])
     assert f"h100: {cheapest['replicas']} x tp 1 = {cheapest['gpus']} GPUs" in result.output
     assert (out / "plan.png").exists()
+    full = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", "h100", "--tp", "1", "--replicas", "1,2,4",
+                                    "--slo", "ttft_p99=0.5s", "--timing", "roofline", "--workers", "1", "--out",
+                                    str(tmp_path / "full"), "--exhaustive"])
+    assert full.exit_code == 0, full.output
+    every = json.loads((tmp_path / "full" / "plan.json").read_text())
+    assert [p["replicas"] for p in every["plans"]] == [1, 2, 4] and every["pruned"] == []
+    assert {p["status"] for p in every["plans"]} == {"replayed"}
+    assert min((p for p in every["plans"] if p["meets_slo"]), key=lambda p: p["gpus"]) == cheapest
     assert {p["async_scheduling"] for p in plans} == {True}  # vllm serve's default: the file says nothing
 
 
@@ -99,6 +112,7 @@ def test_an_slo_nobody_meets_names_the_closest_and_exits_2(tmp_path):
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
     assert line.startswith("kvsim: error: --slo: no searched deployment meets ttft_p99 <= 1 ms; closest: 2 x h100 tp 1")
+    assert "certainly" not in line  # every replay was cut short; the largest was then replayed to its end
 
 
 def test_unknown_router_and_roofline_refusal(tmp_path, monkeypatch):
@@ -114,3 +128,80 @@ def test_unknown_router_and_roofline_refusal(tmp_path, monkeypatch):
     assert refused.exit_code == 2
     assert "the kernels-db clock does not cover qwen3-0.6b on h100 at tp 1" in refused.output
     assert "--timing roofline" in refused.output
+
+
+def mooncake_slice(tmp_path, count=200):
+    """The first `count` requests of the shipped Mooncake slice on Llama-3.1-8B, as `kvsim plan` replays a trace."""
+    data = {"name": "plan-mooncake", "model": "llama-3.1-8b", "gpu_memory_utilization": 0.9, "max_model_len": 131072,
+            "requests": {"trace": {"path": str(REPO / "workloads" / "traces" / "mooncake-conversation-500.jsonl"), "limit": count}},
+            "allocators": [{"kind": "paged", "block_size": 16, "prefix_caching": True}]}
+    path = tmp_path / "mooncake.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("slo_text, cut_on, lines", [
+    ("ttft_p99=5s", {"ttft_p99_s"}, ["h100: 2 x tp 2 = 4 GPUs (ttft_p99 3.20 s, tpot_p99 106 ms)",  # 4 x tp 1 meets too, at 4.55 s
+                                     "  the next smaller, 1 x tp 2 = 2 GPUs, fails: ttft_p99 5.88 s > 5.00 s"]),
+    ("ttft_p99=60s,tpot_p99=80ms", {"tpot_p99_s"},
+     ["h100: 4 x tp 1 = 4 GPUs (ttft_p99 4.55 s, tpot_p99 74 ms)",
+      "  the next smaller, 1 x tp 2 = 2 GPUs, fails: tpot_p99 100 ms > 80 ms"]),
+], ids=["ttft", "ttft-and-tpot"])
+def test_the_pruned_search_finds_the_exhaustive_searchs_plan(tmp_path, slo_text, cut_on, lines):
+    """Every shortcut taken on a small trace (replays cut short on TTFT and on TPOT, a pool that cannot hold the
+    longest request, a deployment not replayed), and the same cheapest plan, next smaller one and verdict as
+    replaying everything. L4s hold 30k tokens of Llama-3.1-8B at tp 1, less than the slice's longest request
+    (121k)."""
+    from kvsim.deployment.plan import run_plan
+    from kvsim.deployment.plan_view import verdict
+
+    slo = parse_slo(slo_text)
+    tasks, _, _ = plan_tasks(str(mooncake_slice(tmp_path)), model=None, gpus=["h100", "l4"], tps=[1, 2],
+                             replicas=[1, 2, 4], timing="roofline", router=None)
+    full = run_plan(tasks, slo, workers=1, ray=None, exhaustive=True)
+    fast = run_plan(tasks, slo, workers=1, ray=None)
+    assert len(full.rows) == len(tasks) and full.pruned == [] and not any(r["cut_short"] for r in full.rows)
+    for gpu in ("h100", "l4"):
+        assert fast.cheapest(gpu) == full.cheapest(gpu)
+    # the next smaller: as many GPUs, and a miss; where two of that size were both cut short, either may be named
+    smaller, whole = fast.next_smaller("h100"), full.next_smaller("h100")
+    assert smaller["gpus"] == whole["gpus"] and not full.meets(next(r for r in full.rows if r["point"] == smaller["point"]))
+    assert smaller == whole or smaller["cut_short"]
+    assert verdict(full, ["h100"]) == lines and verdict(fast, ["h100"])[0] == lines[0]
+    assert fast.cheapest("l4") is None
+    by_point = {r["point"]: r for r in full.rows}
+    for row in fast.rows:
+        whole = by_point[row["point"]]
+        if row["cut_short"]:  # the verdict was certain: the whole replay misses, above the bound it stopped at
+            metric = row["cut_metric"]
+            assert not full.meets(whole) and whole[metric] >= row[metric] > dict(slo.targets)[metric]
+        elif row.get("never_fits"):
+            assert (row["gpu"], row["tp"]) == ("l4", 1) and row["unfinished"] == whole["unfinished"] > 0
+        else:
+            assert row == whole
+    assert cut_on <= {r["cut_metric"] for r in fast.rows if r["cut_short"]}
+    assert sum(bool(r.get("never_fits")) for r in fast.rows) == 3
+    assert [(p["gpu"], p["tp"], p["replicas"]) for p in fast.pruned] == [("h100", 2, 4)]
+
+
+def test_the_watch_is_certain_exactly_when_the_percentile_must_exceed_the_target():
+    """numpy's p99 of n values exceeds T once n - _lowest_index(99, n) of them do, whatever the others are."""
+    import numpy as np
+
+    from kvsim.deployment.slo_watch import SloWatch, _lowest_index
+
+    for n in range(1, 400):
+        k = n - _lowest_index(99, n)
+        values = np.zeros(n)
+        values[:k] = 1.0 + 1e-9
+        assert np.percentile(values, 99) > 1.0
+        if 99 * (n - 1) % 100:  # and no sooner, where the position has a fraction (else one value later, to be safe)
+            values[k - 1] = 0.0
+            assert np.percentile(values, 99) <= 1.0
+    watch = SloWatch((("ttft_p99_s", 1.0), ("tpot_p99_s", 0.05)), np.zeros(100), np.full(100, 8))  # 100 - floor(98.01)
+    assert watch.ttft[0][2] == watch.tpot[0][2] == 2
+    watch.served[:99] = b"\x01" * 99
+    assert not watch.certain_miss(5.0)  # one request late of 100: the p99 may still be under 1 s
+    watch2 = SloWatch((("ttft_p99_s", 1.0),), np.zeros(100), np.full(100, 8))
+    assert not watch2.certain_miss(1.0)  # waited exactly the target: not over it
+    assert watch2.certain_miss(1.5) and (watch2.metric, watch2.lower_bound, watch2.cut_at_s) == ("ttft_p99_s", 1.5, 1.5)
