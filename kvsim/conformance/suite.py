@@ -34,7 +34,7 @@ def _streams() -> tuple[Stream, ...]:
     # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides; the
     # file says async_scheduling: false, and +async routes and replays them with it on (both sides).
     fleet = STREAMS_DIR / "fleet-prefix-pressure.yaml"
-    streams += [Stream(f"fleet-prefix-pressure/r{k}", fleet, replica=k) for k in range(4)]
+    streams += [Stream(f"fleet-prefix-pressure/r{k}", fleet, async_scheduling=False, replica=k) for k in range(4)]
     streams += [Stream(f"fleet-prefix-pressure/r{k}+async", fleet, async_scheduling=True, replica=k) for k in range(4)]
     return tuple(streams)
 

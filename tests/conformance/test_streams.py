@@ -185,7 +185,7 @@ def test_sync_streams_run_vllms_synchronous_scheduler_though_a_workload_defaults
         rs = resolve(by_name[name])
         assert rs.workload.scheduler.async_scheduling is expected and rs.setup.async_scheduling is expected
         assert type(build_scheduler(rs.setup)).__name__ == kind
-    assert sum(s.async_scheduling is False for s in STREAMS) == sum(s.async_scheduling is True for s in STREAMS) + 4  # + fleet
+    assert sum(s.async_scheduling is False for s in STREAMS) == sum(s.async_scheduling is True for s in STREAMS)  # each sync stream has its +async twin
 
 
 def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vllm_loaded, monkeypatch):
