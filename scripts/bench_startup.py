@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="compile kvsim's modules at every run (PYTHONDONTWRITEBYTECODE=1 with no cache yet), "
                         "as a fresh source tree does; by default their bytecode is cached once, as pip install does")
+    parser.add_argument("--no-data-cache", action="store_true",
+                        help="kvsim's parsed cache of its data files off (KVSIM_DATA_CACHE=off): PyYAML parses at every run")
     parser.add_argument("--instructions", action="store_true",
                         help="count the instructions each command executes under valgrind (callgrind) instead of timing it")
     parser.add_argument("--against", type=Path, help="another checkout of kvsim to time in the same runs")
@@ -94,6 +96,9 @@ def main() -> None:
         else:  # kvsim's bytecode written once, outside the tree, gone afterwards (the libraries' cached there too)
             env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
             env.pop("PYTHONDONTWRITEBYTECODE", None)
+        # the data files' parsed cache (kvsim.models.parsed_cache) filled by the warm-up run, as by a user's first;
+        # --no-data-cache: off, every run parses with PyYAML
+        env["KVSIM_DATA_CACHE"] = "off" if args.no_data_cache else str(Path(tmp) / "data-cache")
         app = Path(tmp) / "two_commands.py"
         app.write_text(TYPER_APP)
         kvsim_cmd = [sys.executable, "-m", "kvsim", *args.kvsim_args]

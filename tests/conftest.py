@@ -23,6 +23,13 @@ def no_hugging_face_hub(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf-hub-cache")))
 
 
+@pytest.fixture(autouse=True)
+def parsed_data_cache(tmp_path_factory, monkeypatch):
+    """The data files' parsed cache (kvsim.models.parsed_cache) in a folder of the test session's, never this
+    user's ~/.cache; the tests' subprocesses inherit it."""
+    monkeypatch.setenv("KVSIM_DATA_CACHE", str(tmp_path_factory.getbasetemp() / "kvsim-data-cache"))
+
+
 @pytest.fixture
 def cli():
     """Invoke the kvsim CLI in-process: cli(["size", "--model", "qwen3-0.6b"]) -> click Result."""

@@ -29,12 +29,18 @@ def test_importing_the_cli_imports_no_heavy_module():
     assert not modules & set(HEAVY), modules & set(HEAVY)
 
 
-def test_size_command_imports_no_heavy_module():
-    modules, proc = imported_modules(["-m", "kvsim", "size", "--model", "gemma-2-9b", "--gpu", "h100-80gb", "--layout", "--num-blocks", "4"])
+def test_size_command_imports_no_heavy_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSIM_DATA_CACHE", str(tmp_path / "cache"))
+    args = ["-m", "kvsim", "size", "--model", "gemma-2-9b", "--gpu", "h100-80gb", "--layout", "--num-blocks", "4"]
+    modules, proc = imported_modules(args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Maximum concurrency for 8,192 tokens per request" in proc.stdout
-    assert "yaml" in modules and "rich" in modules
+    assert "yaml" in modules and "rich" in modules  # a first run: the data files parsed (and their parse cached)
     assert not modules & set(HEAVY), modules & set(HEAVY)
+    again, proc_again = imported_modules(args)  # a later run: the model and the GPU from the parsed cache
+    assert proc_again.stdout == proc.stdout
+    assert "yaml" not in again and "rich" in again
+    assert not again & set(HEAVY), again & set(HEAVY)
 
 
 def test_help_imports_no_heavy_module():
@@ -44,9 +50,10 @@ def test_help_imports_no_heavy_module():
     assert not modules & set(HEAVY), modules & set(HEAVY)
 
 
-def test_size_json_imports_no_table_and_no_hub_step():
+def test_size_json_imports_no_table_and_no_hub_step(monkeypatch):
     """--json prints no table: rich stays unloaded; a catalogue name never reaches the Hub's step (kvsim.models.hub,
     which loads logging), the CPU tier without --cpu-offload, nor another command's modules."""
+    monkeypatch.setenv("KVSIM_DATA_CACHE", "off")  # PyYAML parses: the imports seen are those of a first run
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvsim", "size", "--model", "llama-3.1-8b",
                            "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

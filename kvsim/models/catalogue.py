@@ -80,7 +80,7 @@ def catalogue_entry(name: str) -> dict:
 def _by_repository_id() -> dict[str, str]:
     """Short name by lower-case repository id: each entry's hf_id and its aliases (instruct / chat variants)."""
     ids: dict[str, str] = {}
-    for short, fields in entries_fields(_texts(), "hf_id", "aliases").items():  # those lines, not whole entries
+    for short, fields in entries_fields(_texts(), "hf_id", "aliases", file=CATALOGUE_FILE).items():  # those lines, not whole entries
         for repo in [fields["hf_id"], *fields.get("aliases", [])]:
             assert repo.lower() not in ids, f"repository id {repo} names two catalogue entries"
             ids[repo.lower()] = short

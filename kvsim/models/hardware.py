@@ -68,7 +68,7 @@ def _gpu(key: str) -> GPUSpec:
 def _aliases() -> dict[str, str]:
     """GPU key by key and by alias (lower case), from each entry's `aliases:` line."""
     table = {}
-    for key, fields in entries_fields(_texts(), "aliases").items():
+    for key, fields in entries_fields(_texts(), "aliases", file=HARDWARE_FILE).items():
         table[key] = key
         for alias in fields.get("aliases", []):
             table[str(alias).lower()] = key
@@ -78,7 +78,7 @@ def _aliases() -> dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def gpu_key_by_name(name: str) -> str | None:
     """The catalogue key of the GPU whose `name` (GPUSpec.name, e.g. "NVIDIA H100 80GB SXM") is `name`, or None."""
-    for key, fields in entries_fields(_texts(), "name").items():
+    for key, fields in entries_fields(_texts(), "name", file=HARDWARE_FILE).items():
         if fields.get("name") == name:
             return key
     return None

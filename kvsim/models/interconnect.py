@@ -27,10 +27,10 @@ class Interconnect:
 @functools.lru_cache(maxsize=1)
 def interconnects() -> dict[str, Interconnect]:
     """Every entry of the file, by GPU key (hardware.yaml's keys)."""
-    import yaml
+    from kvsim.models.yaml_entries import load_yaml
 
     text = resources.files("kvsim.models").joinpath("data/interconnect.yaml").read_text()
-    raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    raw = load_yaml(text, INTERCONNECT_FILE)
     table = {}
     for key, entry in raw.items():
         bandwidth = float(entry["bandwidth_bytes_per_s"])

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import re
 
+from kvsim.models.parsed_cache import cached_parse
+
 # A new top-level line: a newline followed by neither whitespace nor a comment.
 _TOP_LEVEL_LINE = re.compile(r"\n(?=[^\s#])")
 
 
-def load_yaml(text: str):
-    """`text` parsed by PyYAML's safe loader (its C parser where built)."""
+def load_yaml(text: str, file: str | None = None):
+    """`text` parsed by PyYAML's safe loader (its C parser where built); a text of data file `file` from the parsed
+    cache where it holds it (kvsim.models.parsed_cache: PyYAML then stays unloaded)."""
+    if file is not None:
+        return cached_parse(text, file, load_yaml)
     import yaml
 
     return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -37,14 +42,14 @@ def entry_texts(text: str, file: str) -> dict[str, str]:
 
 def parse_entry(name: str, text: str, file: str) -> dict:
     """One entry's fields (its YAML text parsed alone)."""
-    parsed = load_yaml(text)
+    parsed = load_yaml(text, file)
     assert isinstance(parsed, dict) and len(parsed) == 1, f"{file}: entry {name}"
     return next(iter(parsed.values()))
 
 
-def entries_fields(texts: dict[str, str], *fields: str) -> dict[str, dict]:
+def entries_fields(texts: dict[str, str], *fields: str, file: str | None = None) -> dict[str, dict]:
     """Every entry's one-line fields `fields` (`  hf_id: ...`, `  aliases: [...]`) by entry name, parsed as one
-    document of those lines only."""
+    document of those lines only (from data file `file`'s parsed cache where it holds them)."""
     import json
 
     heads = tuple(f"  {field}:" for field in fields)
@@ -52,5 +57,5 @@ def entries_fields(texts: dict[str, str], *fields: str) -> dict[str, dict]:
     for name, text in texts.items():
         lines.append(f"{json.dumps(name)}:")  # a quoted key: any name is one
         lines += [line.rstrip() for line in text.splitlines() if line.startswith(heads)]
-    parsed = load_yaml("\n".join(lines)) or {}
+    parsed = load_yaml("\n".join(lines), file) or {}
     return {name: parsed.get(name) or {} for name in texts}
