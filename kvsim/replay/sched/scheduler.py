@@ -107,7 +107,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None or self.loading)
+        # connector: vLLM's has_requests() keeps the engine stepping while requests finished since the last step
+        # are not yet handed to the connector, or while its transfers are in flight (has_pending_push_work)
+        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None or self.loading
+                    or (self.connector is not None and (self._finished_for_connector or self.connector.has_jobs())))
 
     @property
     def has_in_flight(self) -> bool:
