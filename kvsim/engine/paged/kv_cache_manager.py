@@ -185,6 +185,19 @@ class HybridPagedAllocator(KVAllocator):
         """Return every block of `seq`, group by group, each table's tail first."""
         self.coordinator.free(self._reqs.pop(seq).tables)
 
+    def pop_blocks_for_free(self, seq: Sequence) -> list:
+        """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""
+        null, blocks = self.pool.null_block, []
+        for table in self._reqs.pop(seq).tables:
+            start = 0
+            while start < len(table) and table[start] is null:
+                start += 1
+            blocks += table[start:]
+        return blocks
+
+    def free_popped_blocks(self, blocks: list) -> None:
+        self.pool.free_blocks(reversed(blocks))
+
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""

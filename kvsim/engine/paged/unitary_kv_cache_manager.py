@@ -202,6 +202,15 @@ class PagedAllocator(KVAllocator):
         self._set_cap(req, 0)
         self.pool.free_blocks(reversed(req.table))
 
+    def pop_blocks_for_free(self, seq: Sequence) -> list:
+        """Forget `seq`; its blocks, not yet returned."""
+        req = self._reqs.pop(seq)
+        self._set_cap(req, 0)
+        return list(req.table)
+
+    def free_popped_blocks(self, blocks: list) -> None:
+        self.pool.free_blocks(reversed(blocks))
+
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
