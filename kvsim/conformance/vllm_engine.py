@@ -202,7 +202,8 @@ class VllmEngine:
         kvu = import_vllm("vllm.v1.core.kv_cache_utils")
         hashing = import_vllm("vllm.utils.hashing")
         self._block_hasher = None
-        if setup.enable_prefix_caching:  # as EngineCore.__init__ builds it
+        if setup.enable_prefix_caching or setup.offload is not None:  # as EngineCore.__init__ builds it (a KV
+            # connector needs the block hashes too)
             hash_fn = hashing.get_hash_fn_by_name(self.scheduler.cache_config.prefix_caching_hash_algo)
             kvu.init_none_hash(hash_fn)
             self._block_hasher = kvu.get_request_block_hasher(setup.block_size, hash_fn)

@@ -118,7 +118,8 @@ class PagedAllocator(KVAllocator):
 
         A CPU tier's hit (`num_external_computed_tokens`, past the prefix-cache hit) takes blocks too; with
         `delay_cache_blocks` (an asynchronous load) the blocks past the prefix-cache hit are cached only once the
-        load is done (`cache_blocks`), as vLLM's `allocate_slots`; `reserved_blocks` stay free for other requests.
+        load is done (`cache_blocks`), as vLLM's `allocate_slots`; `reserved_blocks` stay free for other requests
+        (checked against this allocation, not against the whole sequence of `full_sequence_must_fit`).
 
         As vLLM's `KVCacheManager.allocate_slots` for a waiting request: the blocks it needs (for all
         `num_tokens` when `full_sequence_must_fit`, else for the hit plus this chunk), counting revived cached
@@ -142,11 +143,14 @@ class PagedAllocator(KVAllocator):
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
         revived = sum(1 for b in hit_blocks if b.ref_count == 0)
-        checked = -(-min(num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else num_blocks
-        new_blocks = max(checked, num_blocks) - len(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
-        if new_blocks + revived + watermark + reserved_blocks > self.pool.num_free_blocks:
-            return None
+        free = self.pool.num_free_blocks
+        if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
+            full = -(-min(num_tokens, self.max_model_len) // bs)
+            if max(full, num_blocks) - len(hit_blocks) + revived + watermark > free:
+                return None
+        if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
+            return None  # leaving `reserved_blocks` free
 
         if hashes is not None:
             hashes = chain_block_hashes(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once

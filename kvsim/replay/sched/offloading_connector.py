@@ -87,7 +87,9 @@ class OffloadingConnector:
         self._req_status: dict[int, RequestOffloadState] = {}
         self._jobs: dict[int, TransferJob] = {}
         self._unsubmitted: list[TransferJob] = []
-        self._chunks_being_loaded: set = set()
+        # the chunks loads in flight read, tracked only with a GPU prefix cache (vLLM's `_chunks_being_loaded` is
+        # None without one: a request then loads a chunk another load is reading, into its own blocks)
+        self._chunks_being_loaded: set | None = set() if allocator is None or allocator.enable_prefix_caching else None
         self._job_counter = 0
         self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
         self._flush: list[TransferJob] = []
@@ -198,7 +200,8 @@ class OffloadingConnector:
         status.transfer_jobs.add(job.job_id)
         status.load_ready = False
         status.load_start_s = self.now
-        self._chunks_being_loaded.update(keys)
+        if self._chunks_being_loaded is not None:
+            self._chunks_being_loaded.update(keys)
         self.cpu_hit_tokens += num_external_tokens
         self.row_hit_tokens += num_external_tokens
         self.row_gpu_hit_tokens += local
@@ -313,7 +316,8 @@ class OffloadingConnector:
                 self.manager.complete_store(job.keys, status.req_context)
             else:
                 self.manager.complete_load(job.keys, status.req_context)
-                self._chunks_being_loaded.difference_update(job.keys)
+                if self._chunks_being_loaded:
+                    self._chunks_being_loaded.difference_update(job.keys)
                 status.load_ready = True
                 self.load_wait_s += job.finish_s - status.load_start_s
             del self._jobs[job.job_id]
