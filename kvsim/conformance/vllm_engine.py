@@ -324,11 +324,14 @@ class VllmEngine:
             self._record_jobs(meta)
         if so.total_num_scheduled_tokens == 0:
             end = now
-            if self.worker is not None:  # the engine idles until a transfer ends (or a request arrives)
-                self.worker.execute(meta, now, 0.0)
-                if self.worker.has_jobs():
+            if self.worker is not None:  # an empty step runs after the one in flight (async), taking no time;
+                # with none in flight, the engine idles in it until a transfer ends (or a request arrives)
+                end = max(now, self._gpu_free_at)
+                self.worker.execute(meta, end, 0.0)
+                if self.worker.has_jobs() and self._gpu_free_at <= now:
                     next_arrival = self.requests[self._next].arrival_time if self._next < len(self.requests) else float("inf")
-                    end = max(now, min(self.worker.next_finish_s(), next_arrival))
+                    end = max(end, min(self.worker.next_finish_s(), next_arrival))
+                self._gpu_free_at = end
             return so, self._model_output([], {}, end), end, None
         step = len(self.trace.steps)
         chunks, sampled = [], {}

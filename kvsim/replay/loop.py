@@ -198,6 +198,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
             if sched.has_in_flight:  # async: nothing to overlap with the step in flight: its output comes back
+                if connector is not None:  # connector: this empty step's jobs start when the row in flight ends,
+                    connector.submit(now, 0.0)  # whose output reports the transfers finished by then
+                    connector.complete_until(now)
                 flushed = sched.flush()
                 if observer is not None:
                     observer(step, now, 0.0, None, flushed, sched, 0)
