@@ -102,6 +102,10 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
 
         connector = connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx),
                                          ctx.tp, ctx.gpu, ctx.source)
+        if cache is not None and cache.enabled:  # the blocks really move to a host pool and back
+            from kvsim.engine.tensors.host_pool import HostKVPool
+
+            connector.host_pool = HostKVPool(cache, connector.manager.num_chunks, connector.tokens_per_chunk)
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []
             connector.finished_in_set_order = True

@@ -49,6 +49,8 @@ class TransferJob:
     finish_s: float | None = None
     gpu_block_ids: list = field(default_factory=list)  # the GPU blocks it reads (store) or writes (load)
     cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
+    first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
+    copied: bool = False  # with cache tensors: its blocks have moved
 
 
 @dataclass(slots=True)
@@ -100,6 +102,10 @@ class OffloadingConnector:
         # sets this, running both sides in one process, to compare the rest.
         self.finished_in_set_order = False
         self.allocator = allocator  # the GPU pool (KVAllocator): the block ids a job moves
+        # With cache tensors (kvsim.engine.tensors.host_pool.HostKVPool over the replay's KVCache): the blocks
+        # really move between the device pool and the host pool, and a load is checked in integrity mode
+        self.host_pool = None
+        self._finishing: set = set()  # the ids of the finished requests build_connector_meta stores
         self.events: list | None = None  # when a list: every job, flush, completion, eviction and CPU hit, as
         # kvsim.conformance.trace's event tuples (the conformance harness compares them with vLLM's)
         # totals and this row's figures (the replay's reports)
@@ -192,6 +198,7 @@ class OffloadingConnector:
         chunk_ids = self.manager.prepare_load(keys, status.req_context)
         job = self._new_job(seq, keys, False, num_blocks * self.bytes_per_block)
         job.cpu_chunk_ids = list(chunk_ids)
+        job.first_block = first_block
         if self.allocator is not None:
             job.gpu_block_ids = list(self.allocator.block_tables(seq)[0][first_block:first_block + num_blocks])
         if self.events is not None:
@@ -223,8 +230,10 @@ class OffloadingConnector:
         if self.finished_in_set_order and len(finished) > 1:  # vLLM's order: a set of request id strings
             by_id = {str(seq.seq_id): seq for seq in finished}
             finished = [by_id[i] for i in set(by_id)]
+        self._finishing = {seq.seq_id for seq in finished}
         for seq in finished:
             self._store(seq, max(seq.num_prompt_tokens, seq.num_tokens - 1))
+        self._finishing = set()
         for seq in finished:
             status = self._req_status.get(seq.seq_id)
             if status is None:
@@ -263,6 +272,8 @@ class OffloadingConnector:
                                  for b in range(B)]
         if self.events is not None:
             self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
+        if self.host_pool is not None and seq.seq_id in self._finishing:  # its blocks are free: copy them before
+            self._copy(job)  # this step can reuse and overwrite them (vLLM flushes such a store before the step)
 
     def _new_job(self, seq, keys: list, is_store: bool, num_bytes: int) -> TransferJob:
         job = TransferJob(self._job_counter, seq, keys, is_store, num_bytes)
@@ -289,7 +300,27 @@ class OffloadingConnector:
         self._unsubmitted.clear()
         return wait
 
+    def _copy(self, job: TransferJob) -> None:
+        """With cache tensors: move the job's blocks (a store from the device pool to its chunks, a load back),
+        once; a load in integrity mode is checked against what its request's tokens wrote."""
+        if job.copied:
+            return
+        job.copied = True
+        pool = self.host_pool
+        if job.is_store:
+            pool.store(job.gpu_block_ids, job.cpu_chunk_ids)
+            return
+        slots = pool.load(job.cpu_chunk_ids, job.first_block, job.gpu_block_ids)
+        cache = pool.cache
+        if cache.integrity and len(slots):
+            import numpy as np
+
+            start = job.first_block * self.block_size
+            cache.verify(job.seq.seq_id, slots, np.arange(start, start + len(slots), dtype=np.int64))
+
     def _start(self, job: TransferJob, ready_s: float) -> None:
+        if self.host_pool is not None:
+            self._copy(job)
         job.start_s = max(ready_s, self._free_at[job.is_store])
         job.finish_s = job.start_s + job.num_bytes / self.host_bandwidth
         self._free_at[job.is_store] = job.finish_s
