@@ -160,6 +160,8 @@ def test_an_unsupported_model_is_refused_naming_offload(tmp_path):
     with pytest.raises(KvsimError) as exc:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert exc.value.field == "offload" and str(path) in str(exc.value)
+    assert "7 KV cache groups (sliding window, full attention)" in str(exc.value)
+    assert "does not follow yet" in str(exc.value)
 
 
 def test_a_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
