@@ -32,7 +32,7 @@ def _streams() -> tuple[Stream, ...]:
     # the replay's clock; loads, stores, flushes, completions, evictions and CPU hits compared at every step.
     offload = ["offload-lru", "offload-arc", "offload-chunks", "offload-gpu-pressure"]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in offload]
-    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in offload[:3]]
+    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in offload]
     # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides.
     streams += [Stream(f"fleet-prefix-pressure/r{k}", STREAMS_DIR / "fleet-prefix-pressure.yaml", replica=k) for k in range(4)]
     return tuple(streams)

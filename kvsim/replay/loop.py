@@ -191,6 +191,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             connector.now = sched_now
         next_arrival = min(arrivals[queue[0]] if queue else math.inf, arrivals_in.next_unrouted_s)
         out, rejects = sched.schedule(next_arrival - now)
+        idle_output_s = None  # connector, async: when an idle step ended whose output is still to be processed
         for seq, reason in rejects:
             rejected[seq.index] = reason
             done += 1
@@ -213,17 +214,42 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 continue
             if connector is not None and connector.has_jobs():  # connector: idle until a transfer (or arrival) ends
                 connector.submit(now, 0.0)
-                now = max(now, min(connector.next_finish_s(), next_arrival))
-                connector.complete_until(now)
+                idle_until = max(now, min(connector.next_finish_s(), next_arrival))
+                if not sc.async_scheduling:
+                    now = idle_until
+                    connector.complete_until(now)
+                    empty_rounds = 0
+                    continue
+                # Async: vLLM's batch queue schedules once more, on what it knew, while the idle step runs; then
+                # the idle step's output reports the transfers finished by its end. The next step runs after it.
+                out, rejects = sched.schedule(next_arrival - now)
+                for seq, reason in rejects:
+                    rejected[seq.index] = reason
+                    done += 1
+                for seq in out.admitted:
+                    if admitted[seq.index] != admitted[seq.index]:
+                        admitted[seq.index] = idle_until
+                        cached_tokens[seq.index] = seq.num_cached_tokens
+                pending_preemptions += len(out.preempted)
+                pending_swap_bytes += out.swap_bytes
+                now = idle_until
                 empty_rounds = 0
+                if not out.prefills and not out.decodes:
+                    connector.complete_until(now)
+                    connector.submit(now, 0.0)  # its jobs start when the idle step ends
+                    continue
+                idle_output_s = now  # the idle step's output is processed once this one is scheduled
+            else:
+                # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
+                empty_rounds += 1
+                assert empty_rounds < 3, "the scheduler made no progress"
                 continue
-            # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
-            empty_rounds += 1
-            assert empty_rounds < 3, "the scheduler made no progress"
-            continue
         empty_rounds = 0
         if on_schedule is not None:
             on_schedule(out, sched)
+        if idle_output_s is not None:
+            connector.complete_until(idle_output_s)
+            idle_output_s = None
         if runner is not None:
             runner.execute(out)
         last_step_start = 0.0  # async: from the row's start to its last step's (that step is in flight next)

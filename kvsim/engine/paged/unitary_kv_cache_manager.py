@@ -88,6 +88,7 @@ class PagedAllocator(KVAllocator):
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, PagedRequest] = {}
         self._sum_cap = 0  # token slots allocated, over admitted requests
+        self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
@@ -207,12 +208,15 @@ class PagedAllocator(KVAllocator):
         self.pool.free_blocks(reversed(req.table))
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
-        """Forget `seq`; its blocks, not yet returned."""
+        """Forget `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as internal
+        fragmentation until `free_popped_blocks`)."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
+        self._num_popped += len(req.table)
         return list(req.table)
 
     def free_popped_blocks(self, blocks: list) -> None:
+        self._num_popped -= len(blocks)
         self.pool.free_blocks(reversed(blocks))
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -297,11 +301,14 @@ class PagedAllocator(KVAllocator):
         saved = self.pool.num_shared_refs * bpb  # shared blocks were counted once per holder
         # The null block and the budget's remainder smaller than one block are never used.
         unusable = self.budget_bytes - self.pool.num_usable_blocks * bpb
+        deferred = 0
+        if self._num_popped:  # blocks only a deferred free still holds (async scheduling with a KV connector)
+            deferred = self.budget_bytes - self._sum_cap * bpt - unusable - self.pool.num_free_blocks * bpb
         return MemoryBreakdown(
             budget_bytes=self.budget_bytes,
             token_states_bytes=computed * bpt - saved,
             reservation_bytes=(self._sum_used - computed) * bpt,
-            internal_fragmentation_bytes=(self._sum_cap - self._sum_used) * bpt + unusable,
+            internal_fragmentation_bytes=(self._sum_cap - self._sum_used) * bpt + unusable + deferred,
             external_fragmentation_bytes=0,
             free_bytes=self.pool.num_free_blocks * bpb,
             shared_saved_bytes=saved,
