@@ -415,13 +415,14 @@ def sweep(
 @app.command()
 @user_errors
 def conformance(
+    workloads: Annotated[Optional[list[str]], typer.Argument(help="Workload files to check instead of the built-in streams (one paged allocator, kv_budget in bytes).", show_default=False, metavar="WORKLOAD.yaml")] = None,
     stream: Annotated[Optional[list[str]], typer.Option("--stream", "-s", help="Run only this stream (repeat for several; default: all).")] = None,
 ) -> None:
     """Run vLLM 0.33.0's own scheduler beside kvsim's replay on the conformance streams, step by step (fetches the wheel once)."""
     from kvsim.conformance.progress import StderrProgress
     from kvsim.conformance.suite import run_suite
 
-    code = run_suite(stream, echo=typer.echo, progress=StderrProgress())
+    code = run_suite(stream, echo=typer.echo, progress=StderrProgress(), workloads=workloads)
     if code:
         raise typer.Exit(code)
 

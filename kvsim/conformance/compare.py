@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvsim.conformance.trace import StepRecord, Trace, decode_schedule
+from kvsim.conformance.trace import StepRecord, Trace, decode_schedule, decode_transfers
 
 EVENTS = ("first_scheduled", "first_token", "finished")
 
@@ -93,11 +93,25 @@ def compare(kvsim: Trace, vllm: Trace) -> Comparison:
 def schedule_difference(a: StepRecord | None, b: StepRecord | None, limit: int = 4) -> tuple[str, ...]:
     """The requests that ran in only one of two steps, or with other token counts or block ids (at most
     `limit` of them, then how many more)."""
-    if a is None or b is None or a.scheduled == b.scheduled:
+    if a is None or b is None:
         return ()
+    lines = transfer_difference(a, b, limit)
+    if a.scheduled == b.scheduled:
+        return lines
     ka, kb = decode_schedule(a.scheduled), decode_schedule(b.scheduled)
     show = lambda e: "did not run" if e is None else f"{e[0]} tokens, blocks {[list(t) for t in e[1]]}"  # noqa: E731
-    lines = [f"request {i}: kvsim {show(ka.get(i))}; vLLM {show(kb.get(i))}"
-             for i in sorted(ka.keys() | kb.keys()) if ka.get(i) != kb.get(i)]
-    more = [f"... and {len(lines) - limit} more requests"] if len(lines) > limit else []
-    return tuple(lines[:limit] + more)
+    rows = [f"request {i}: kvsim {show(ka.get(i))}; vLLM {show(kb.get(i))}"
+            for i in sorted(ka.keys() | kb.keys()) if ka.get(i) != kb.get(i)]
+    more = [f"... and {len(rows) - limit} more requests"] if len(rows) > limit else []
+    return lines + tuple(rows[:limit] + more)
+
+
+def transfer_difference(a: StepRecord, b: StepRecord, limit: int = 4) -> tuple[str, ...]:
+    """The CPU tier's events (loads, stores, flushes, completions, evictions, CPU hits) of a step that only one
+    side has (at most `limit` a side)."""
+    if a.transfers == b.transfers:
+        return ()
+    ea, eb = decode_transfers(a.transfers), decode_transfers(b.transfers)
+    only_a = [e for e in ea if e not in eb]
+    only_b = [e for e in eb if e not in ea]
+    return tuple([f"CPU tier, kvsim only: {e}" for e in only_a[:limit]] + [f"CPU tier, vLLM only: {e}" for e in only_b[:limit]])

@@ -2,7 +2,7 @@
 
 vLLM's planning builds the KV cache config from kvsim's layers (as `size_check` does); vLLM's
 `build_offloading_config` (vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py, loaded unmodified
-from the wheel by file: its package is a stub under the loader) turns it into an `OffloadingConfig`, and vLLM's
+from the wheel) turns it into an `OffloadingConfig`, and vLLM's
 `CPUOffloadingSpec` sizes the tier. The one stand-in: the platform is CUDA (`_uses_shared_region` True, as on
 the H100 the figures are for; the loader's platform is none).
 Run: `python3 -m kvsim.conformance.offload_size_check [--all]` (exit code 1 on any difference).
@@ -11,7 +11,6 @@ Run: `python3 -m kvsim.conformance.offload_size_check [--all]` (exit code 1 on a
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -62,17 +61,10 @@ class OffloadResult:
 
 @functools.lru_cache(maxsize=1)
 def vllm_offloading_config_module():
-    """vLLM's offloading/config.py, unmodified, executed as its own module (its parent package is a stub)."""
+    """vLLM's offloading/config.py, unmodified (the loader serves vLLM's KV connector packages for real)."""
     from kvsim.conformance.vllm_import import import_vllm
-    from kvsim.conformance.vllm_wheel import vllm_source_root
 
-    import_vllm("vllm.v1.kv_offload.config")  # installs the loader; the file's own imports resolve through it
-    path = vllm_source_root().joinpath(*_OFFLOADING_CONFIG.split(".")).with_suffix(".py")
-    spec = importlib.util.spec_from_file_location(_OFFLOADING_CONFIG, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_OFFLOADING_CONFIG] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_vllm(_OFFLOADING_CONFIG)
 
 
 def vllm_cpu_tier(case: OffloadCase, report: dict, model) -> dict:

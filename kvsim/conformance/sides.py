@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvsim.conformance.stream import ResolvedStream
-from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, tail_blocks
+from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, encode_transfers, tail_blocks
 
 
 PROGRESS_EVERY = 1024  # steps between progress calls
@@ -20,18 +20,31 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
     trace = Trace("kvsim")
     lag = 1 if rs.workload.scheduler.async_scheduling else 0  # outputs come a row late
     block_size = rs.config.block_size
-    schedules: list[bytes] = []  # each computing row's schedule, recorded as it is scheduled, until observed
+    schedules: list[tuple[bytes, bytes]] = []  # each computing row's schedule and the CPU tier's events up to it,
+    # recorded as it is scheduled, until observed
+    admissions: list[set[int]] = []  # each computing row's admitted requests (ids), until observed
+    was_running: set[int] = set()  # the running queue after the last computing row was scheduled
 
     def scheduled(out, sched):
         # the allocator's block tables (uniform: one group; mixed: vLLM's groups), read at their tail only
         allocator = sched.allocator
-        admitted = {id(seq) for seq in out.admitted}
+        # admitted as vLLM's scheduler admits from its waiting queue: new or resumed requests, and requests whose
+        # CPU-tier load finished (kvsim admits those when their load starts; vLLM schedules them from waiting)
+        admitted = {id(seq) for seq in out.admitted} | {id(seq) for seq, _, _ in out.prefills if id(seq) not in was_running}
+        was_running.clear()
+        was_running.update(id(seq) for seq in sched.running)
+        admissions.append(admitted)
         entries = []
         for seq, num in [(seq, num) for seq, _, num in out.prefills] + [(seq, 1) for seq in out.decodes]:
             k = tail_blocks(num, block_size, id(seq) in admitted)
             tables = [t if k is None else t[-k:] for t in allocator.block_tables(seq)]
             entries.append((seq.index, num, tables))
-        schedules.append(encode_schedule(entries))
+        connector = sched.connector
+        transfers = b""
+        if connector is not None:  # the CPU tier's events since the last computing row
+            transfers = encode_transfers(connector.events)
+            connector.events.clear()
+        schedules.append((encode_schedule(entries), transfers))
 
     def observe(step, now, dt, out, finished, sched, preemptions):
         trace.num_gpu_blocks = sched.allocator.num_blocks
@@ -39,7 +52,7 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
             trace.finished[seq.index] = step - lag
         if out is None:  # async: the last row's output, flushed
             return
-        admitted = {id(seq) for seq in out.admitted}
+        admitted = admissions.pop(0)
         hits = 0
         for seq, start, num in out.prefills:
             if id(seq) in admitted:
@@ -54,7 +67,7 @@ def run_kvsim(rs: ResolvedStream, progress: Callable[[str], None] | None = None)
         preempted = {id(seq) for seq in out.preempted}
         running = len(sched.running) + sum(1 for seq in finished if id(seq) not in preempted)
         trace.steps.append(StepRecord(now, running, out.num_prefill_tokens, out.num_decode_tokens, preemptions, hits,
-                                      schedules.pop(0)))
+                                      *schedules.pop(0)))
         if progress is not None and len(trace.steps) % PROGRESS_EVERY == 0:
             progress(f"kvsim's replay, step {len(trace.steps):,}")
 

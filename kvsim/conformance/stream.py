@@ -73,10 +73,19 @@ def resolve(stream: Stream) -> ResolvedStream:
     spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=config.block_size)
     roofline = Roofline.for_model(model, gpu, weight_bytes=weights, kv_bytes_per_token=spec.bytes_per_token)
     sc = workload.scheduler
-    ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed)
+    ctx = ReplayContext(model, workload.kv_dtype, workload.kv_budget_bytes, workload.max_model_len, roofline, sc, workload.seed,
+                        offload=workload.offload, gpu=gpu, source=source)
     kv_spec = ctx.spec(config.block_size, config)  # a mixed model: vLLM's groups (a KvsimError where vLLM builds none)
     pool = kv_spec.pool
     num_gpu_blocks = vllm_num_gpu_blocks(kv_spec, workload.kv_budget_bytes)
+    offload = None
+    if workload.offload is not None:  # the CPU tier: vLLM's connector with its worker side on kvsim's host link
+        from kvsim.conformance.vllm_engine import OffloadSetup
+        from kvsim.models.interconnect import get_host_link
+
+        o = workload.offload
+        offload = OffloadSetup(o.cpu_bytes, o.policy, o.block_size, o.store_threshold, o.max_tracker_size,
+                               kv_spec.bytes_per_token * config.block_size, get_host_link(gpu)[0])
     setup = EngineSetup(
         num_gpu_blocks=num_gpu_blocks,
         block_size=config.block_size,
@@ -96,6 +105,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         mamba_cache_mode=config.mamba_cache_mode if pool is not None and kv_spec.state_bytes_per_sequence else "none",
         mamba_checkpoint_alignment=config.mamba_checkpoint_alignment or 0,
+        offload=offload,
     )
     if workload.deployment.replicas > 1:  # a fleet: the requests its router sent this replica
         from kvsim.deployment.streams import replica_streams

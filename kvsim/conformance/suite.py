@@ -4,6 +4,7 @@ step of each stream that differs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from kvsim.conformance.compare import Comparison, compare
@@ -31,6 +32,11 @@ def _streams() -> tuple[Stream, ...]:
     streams = [Stream(name, STREAMS_DIR / f"{name}.yaml", async_scheduling=False) for name in sync]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in sync]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
+    # The CPU tier: vLLM's own OffloadingConnector (scheduler side) beside the replay's, its worker side simulated on
+    # the replay's clock; loads, stores, flushes, completions, evictions and CPU hits compared at every step.
+    offload = ["offload-lru", "offload-arc", "offload-chunks", "offload-gpu-pressure"]
+    streams += [Stream(name, STREAMS_DIR / f"{name}.yaml", async_scheduling=False) for name in offload]
+    streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in offload]
     # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides; the
     # file says async_scheduling: false, and +async routes and replays them with it on (both sides).
     fleet = STREAMS_DIR / "fleet-prefix-pressure.yaml"
@@ -84,8 +90,9 @@ def select(names: list[str] | None) -> list[Stream]:
 
 
 def run_suite(names: list[str] | None = None, echo: Callable[[str], None] = print,
-              progress: Callable[[str], None] | None = None) -> int:
-    """Run the streams, print the table and the first differing step of each differing stream.
+              progress: Callable[[str], None] | None = None, workloads: list | None = None) -> int:
+    """Run the streams (with `workloads`, paths of workload files: those, and only the streams `names` names),
+    print the table and the first differing step of each differing stream.
 
     vLLM's modules are loaded first (a missing package, or the wheel that cannot be fetched, is one error before
     the table starts). `progress(text)` is told which stream runs and where it is; `progress("")` before each row.
@@ -93,7 +100,11 @@ def run_suite(names: list[str] | None = None, echo: Callable[[str], None] = prin
     """
     from kvsim.conformance.vllm_import import install
 
-    streams = select(names)
+    streams = select(names) if not workloads else [] if names is None else select(names)
+    for path in map(Path, workloads or ()):  # a user's workload files, each run as its own `scheduler:` says
+        if not path.is_file():
+            raise KvsimError(f"{path}: no such workload file", field="WORKLOADS")
+        streams.append(Stream(path.stem, path))
     install()
     header = f"{'stream':<30} {'steps kvsim / vLLM':>20} {'preemptions kvsim / vLLM':>26} {'differing steps':>16}"
     echo(header)

@@ -28,10 +28,12 @@ class StepRecord:
     preemptions: int
     prefix_hit_tokens: int
     scheduled: bytes = b""
+    transfers: bytes = b""  # the CPU tier's events since the step before (`encode_transfers`); empty without one
 
     # time_s too: both sides price a step with kvsim's roofline, so equal steps give equal clocks, bit for bit
-    COMPARED = ("time_s", "running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens", "scheduled")
-    SHOWN = COMPARED[:-1]  # `scheduled` is described request by request where the sides differ
+    COMPARED = ("time_s", "running", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens", "scheduled",
+                "transfers")
+    SHOWN = COMPARED[:-2]  # `scheduled` and `transfers` are described event by event where the sides differ
 
     def compared(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in self.COMPARED)
@@ -97,4 +99,45 @@ def decode_schedule(data: bytes) -> dict[int, tuple[int, tuple[tuple[int, ...], 
             tables.append(tuple(flat[k + 1 : k + 1 + n]))
             k += 1 + n
         out[index] = (num_tokens, tuple(tables))
+    return out
+
+
+# The CPU tier's events, as both sides record them (kvsim's connector; vLLM's connector metadata, its worker's
+# reports and its manager's answers): a load or store job (its id, request index, GPU block ids and CPU chunk ids),
+# a job to flush, a job reported finished, chunks evicted by a store, and a request's CPU hit in tokens.
+LOAD, STORE, FLUSH, DONE, EVICT, HIT = 1, 2, 3, 4, 5, 6
+EVENT_NAMES = {LOAD: "load", STORE: "store", FLUSH: "flush", DONE: "done", EVICT: "evict", HIT: "cpu hit"}
+
+
+def encode_transfers(events: list[tuple]) -> bytes:
+    """Events (tuples of ints and int lists, the kind first) as one compact value, in a canonical order."""
+    flat = array("q")
+    for event in sorted(events, key=lambda e: tuple(x if isinstance(x, int) else -1 for x in e)):
+        flat.append(len(event))
+        for x in event:
+            if isinstance(x, int):
+                flat.extend((0, x))
+            else:
+                flat.extend((1, len(x)))
+                flat.extend(x)
+    return flat.tobytes()
+
+
+def decode_transfers(data: bytes) -> list[str]:
+    """`encode_transfers`' events, one line each ("load job 3 request 7 gpu [..] cpu [..]")."""
+    flat = array("q")
+    flat.frombytes(data)
+    out, k = [], 0
+    while k < len(flat):
+        n, k = flat[k], k + 1
+        fields = []
+        for _ in range(n):
+            if flat[k] == 0:
+                fields.append(flat[k + 1])
+                k += 2
+            else:
+                m = flat[k + 1]
+                fields.append(list(flat[k + 2 : k + 2 + m]))
+                k += 2 + m
+        out.append(f"{EVENT_NAMES.get(fields[0], fields[0])} {fields[1:]}")
     return out

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from kvsim.conformance.trace import StepRecord, Trace, encode_schedule, tail_blocks
+from kvsim.conformance.trace import DONE, EVICT, FLUSH, HIT, LOAD, STORE, StepRecord, Trace, encode_schedule, encode_transfers, tail_blocks
 from kvsim.conformance.vllm_import import import_vllm
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn", "int8": "int8"}
@@ -45,6 +45,21 @@ class EngineSetup:
     # checkpoint alignment (0: none)
     mamba_cache_mode: str = "none"
     mamba_checkpoint_alignment: int = 0
+    offload: OffloadSetup | None = None  # the CPU tier: vLLM's OffloadingConnector, its worker side simulated
+
+
+@dataclass(frozen=True)
+class OffloadSetup:
+    """The CPU tier as `vllm serve --kv-offloading-size` configures it (`kv_connector_extra_config`), and what the
+    simulated worker side needs: bytes per GPU block (one rank) and the host link's bandwidth one way."""
+
+    cpu_bytes: int
+    policy: str
+    block_size: int | None  # tokens per CPU chunk (None: one GPU block)
+    store_threshold: int
+    max_tracker_size: int
+    bytes_per_block: int
+    host_bandwidth_bytes_per_s: float
 
 
 def build_scheduler(setup: EngineSetup):
@@ -74,6 +89,15 @@ def build_scheduler(setup: EngineSetup):
                                mamba_cache_mode=setup.mamba_cache_mode)
     cache_config.num_gpu_blocks = setup.num_gpu_blocks
     concurrent_batches = 2 if setup.async_scheduling else 1  # VllmConfig.max_concurrent_batches, pp = 1
+    kv_transfer_config = None
+    if setup.offload is not None:  # as VllmConfig._post_init_kv_transfer_config sets it for --kv-offloading-size
+        o = setup.offload
+        extra = {"cpu_bytes_to_use": o.cpu_bytes, "eviction_policy": o.policy, "store_threshold": o.store_threshold,
+                 "max_tracker_size": o.max_tracker_size}
+        if o.block_size is not None:
+            extra["block_size"] = o.block_size
+        kv_transfer_config = import_vllm("vllm.config.kv_transfer").KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra, engine_id="kvsim")
     # The VllmConfig fields the scheduler reads, nothing else (a missing one fails loudly).
     vllm_config = SimpleNamespace(
         scheduler_config=scheduler_config,
@@ -81,10 +105,13 @@ def build_scheduler(setup: EngineSetup):
         model_config=SimpleNamespace(
             max_model_len=setup.max_model_len, uses_mrope=False, is_encoder_decoder=False, runner_type="generate",
             is_diffusion=False, supports_multimodal_inputs=False, return_sampling_mask=False,
+            use_mla=False, model="kvsim", dtype=_TORCH_DTYPES[setup.kv_dtype],
+            get_total_num_kv_heads=lambda: setup.num_kv_heads,
         ),
         parallel_config=SimpleNamespace(
             data_parallel_index=0, data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=1,
-            decode_context_parallel_size=1, prefill_context_parallel_size=1,
+            decode_context_parallel_size=1, prefill_context_parallel_size=1, world_size=1, rank=0,
+            data_parallel_rank_local=None, distributed_executor_backend="mp", nnodes_within_dp=1,
         ),
         observability_config=SimpleNamespace(
             per_request_spec_decode_metrics="none", kv_cache_metrics=False, enable_mfu_metrics=False,
@@ -92,7 +119,7 @@ def build_scheduler(setup: EngineSetup):
         attention_config=SimpleNamespace(hisparse_config=None),
         aux_output_config=SimpleNamespace(enabled=False),
         ec_manager_config=EncoderCacheManagerConfig(),
-        lora_config=None, kv_events_config=None, kv_transfer_config=None, ec_transfer_config=None,
+        lora_config=None, kv_events_config=None, kv_transfer_config=kv_transfer_config, ec_transfer_config=None,
         speculative_config=None, is_mm_encoder_only=False,
         num_speculative_tokens=0, num_lookahead_tokens=0, num_prefill_lookahead_tokens=0, num_hash_lookahead_tokens=0,
         max_concurrent_batches=concurrent_batches,
@@ -106,10 +133,14 @@ def build_scheduler(setup: EngineSetup):
             block_size=setup.block_size, num_kv_heads=setup.num_kv_heads, head_size=setup.head_size,
             dtype=getattr(torch, _TORCH_DTYPES[setup.kv_dtype]),
         )
+        layers = [f"layers.{i}" for i in range(setup.num_layers)]
+        # one backing allocation, layer-outermost (the connector reads one block id's bytes across it)
+        tensors = [kvi.KVCacheTensor(size=setup.num_gpu_blocks * spec.page_size_bytes * setup.num_layers, layers=layers,
+                                     layer_stride=setup.num_gpu_blocks * spec.page_size_bytes, block_stride=spec.page_size_bytes)]
         kv_cache_config = kvi.KVCacheConfig(
             num_blocks=setup.num_gpu_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[kvi.KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(setup.num_layers)], kv_cache_spec=spec)],
+            kv_cache_tensors=tensors if setup.offload is not None else [],
+            kv_cache_groups=[kvi.KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
         )
     # the engine core's choice (vllm/v1/engine/core.py): one group's block size, else the lcm of the groups'
     scheduler_block_size, hash_block_size = import_vllm("vllm.v1.core.kv_cache_utils").resolve_kv_cache_block_sizes(
@@ -179,7 +210,8 @@ class VllmEngine:
         kvu = import_vllm("vllm.v1.core.kv_cache_utils")
         hashing = import_vllm("vllm.utils.hashing")
         self._block_hasher = None
-        if setup.enable_prefix_caching:  # as EngineCore.__init__ builds it
+        if setup.enable_prefix_caching or setup.offload is not None:  # as EngineCore.__init__ builds it (a KV
+            # connector needs the block hashes too)
             hash_fn = hashing.get_hash_fn_by_name(self.scheduler.cache_config.prefix_caching_hash_algo)
             kvu.init_none_hash(hash_fn)
             self._block_hasher = kvu.get_request_block_hasher(self.scheduler.hash_block_size, hash_fn)
@@ -192,6 +224,48 @@ class VllmEngine:
         self._index: dict[str, int] = {}
         # preemptions made by scheduler calls that scheduled no token: counted with the next step, as kvsim does
         self._pending_preemptions = 0
+        self.worker = None  # the CPU tier's simulated worker side
+        self._events: list[tuple] = []  # the CPU tier's events since the last step recorded
+        if setup.offload is not None:
+            self._watch_connector()
+
+    def _watch_connector(self) -> None:
+        """The simulated worker side, and observers on vLLM's connector: the CPU hits it accepts
+        (`update_state_after_alloc`) and the chunks its manager evicts (`prepare_store`). Both call through."""
+        from kvsim.conformance.offload_worker import SimulatedOffloadWorker
+
+        o = self.setup.offload
+        self.worker = SimulatedOffloadWorker(o.bytes_per_block, o.host_bandwidth_bytes_per_s)
+        self._KVConnectorOutput = import_vllm("vllm.v1.outputs").KVConnectorOutput
+        self._WorkerMetadata = import_vllm(
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common").OffloadingWorkerMetadata
+        connector = self.scheduler.connector
+        manager = connector.connector_scheduler.manager
+        update_state_after_alloc, prepare_store = connector.update_state_after_alloc, manager.prepare_store
+
+        def after_alloc(request, blocks, num_external_tokens):
+            if num_external_tokens:
+                self._events.append((HIT, self._index[request.request_id], num_external_tokens))
+            return update_state_after_alloc(request, blocks, num_external_tokens)
+
+        def store(keys, req_context):
+            out = prepare_store(keys, req_context)
+            if out is not None and out.evicted_keys:
+                self._events.append((EVICT, len(out.evicted_keys)))
+            return out
+
+        connector.update_state_after_alloc = after_alloc
+        manager.prepare_store = store
+
+    def _record_jobs(self, meta) -> None:
+        """The loads, stores and flushes of one `OffloadingConnectorMetadata`, as events."""
+        for job_id, job in meta.load_jobs.items():
+            self._events.append((LOAD, job_id, self._index[job.req_id], [int(b) for b in job.dst_spec.block_ids],
+                                 [int(b) for b in job.src_spec.block_ids]))
+        for job_id, job in meta.store_jobs.items():
+            self._events.append((STORE, job_id, self._index[job.req_id], [int(b) for b in job.src_spec.block_ids],
+                                 [int(b) for b in job.dst_spec.block_ids]))
+        self._events.extend((FLUSH, job_id) for job_id in meta.jobs_to_flush or ())
 
     # --- the engine core's loops -------------------------------------------------------------------
 
@@ -206,6 +280,7 @@ class VllmEngine:
             while i < n and reqs[i].arrival_time <= now:
                 self._add(i)
                 i += 1
+            self._next = i
             if not sched.has_requests() and not queue:
                 if i >= n:
                     break
@@ -220,7 +295,10 @@ class VllmEngine:
             now = max(now, end)  # its output is back
             sched.update_from_output(so, out)
             self._after_update(so, step)
-            if so.total_num_scheduled_tokens == 0 and not queue and sched.has_requests():
+            if out.kv_connector_output is not None:  # the worker's reports, seen by the scheduler now
+                meta = out.kv_connector_output.kv_connector_worker_meta
+                self._events.extend((DONE, job_id) for job_id in (meta.completed_jobs if meta else ()))
+            if so.total_num_scheduled_tokens == 0 and not queue and sched.has_requests() and self.worker is None:
                 raise RuntimeError(f"vLLM's scheduler scheduled nothing with {len(sched.waiting)} requests waiting")
         return self.trace
 
@@ -249,8 +327,20 @@ class VllmEngine:
             self._target[r.request_id] = r.num_tokens
         so = sched.schedule()
         self._pending_preemptions += len(so.preempted_req_ids or ())
+        meta = so.kv_connector_metadata if self.worker is not None else None
+        if meta is not None:
+            self._record_jobs(meta)
         if so.total_num_scheduled_tokens == 0:
-            return so, self._model_output([], {}), now, None
+            end = now
+            if self.worker is not None:  # an empty step runs after the one in flight (async), taking no time;
+                # with none in flight, the engine idles in it until a transfer ends (or a request arrives)
+                end = max(now, self._gpu_free_at)
+                self.worker.execute(meta, end, 0.0)
+                if self.worker.has_jobs() and self._gpu_free_at <= now:
+                    next_arrival = self.requests[self._next].arrival_time if self._next < len(self.requests) else float("inf")
+                    end = max(end, min(self.worker.next_finish_s(), next_arrival))
+                self._gpu_free_at = end
+            return so, self._model_output([], {}, end), end, None
         step = len(self.trace.steps)
         chunks, sampled = [], {}
         prefill = decode = hits = 0
@@ -278,19 +368,34 @@ class VllmEngine:
                 sampled[req_id] = [ids[end]]
         # With async scheduling a batch is scheduled while the one before runs, and starts when that one ends.
         start = max(now, self._gpu_free_at)
-        self._gpu_free_at = start + self.step_time(chunks)
-        record = StepRecord(start, len(sched.running), prefill, decode, self._pending_preemptions, hits, encode_schedule(entries))
+        dt = self.step_time(chunks)
+        if self.worker is not None:  # flushed jobs delay the step
+            dt += self.worker.execute(meta, start, dt)
+        self._gpu_free_at = start + dt
+        transfers = encode_transfers(self._events) if self.worker is not None else b""
+        self._events = []
+        record = StepRecord(start, len(sched.running), prefill, decode, self._pending_preemptions, hits, encode_schedule(entries),
+                            transfers)
         self._pending_preemptions = 0
         self.trace.steps.append(record)
         if self.progress is not None and len(self.trace.steps) % 1024 == 0:
             self.progress(f"vLLM's scheduler, step {len(self.trace.steps):,}")
-        return so, self._model_output(list(so.num_scheduled_tokens), sampled), self._gpu_free_at, step
+        return so, self._model_output(list(so.num_scheduled_tokens), sampled, self._gpu_free_at), self._gpu_free_at, step
 
-    def _model_output(self, req_ids: list[str], sampled: dict[str, list[int]]):
+    def _model_output(self, req_ids: list[str], sampled: dict[str, list[int]], end_s: float):
+        """The model runner's output of a step ending at `end_s`, with the worker's reports of the transfers
+        finished by then (`get_finished`, `build_connector_worker_meta`)."""
+        kv_output = None
+        if self.worker is not None:
+            completed, recving = self.worker.finished_by(end_s)
+            kv_output = self._KVConnectorOutput(
+                finished_sending=None, finished_recving=recving or None,
+                kv_connector_worker_meta=self._WorkerMetadata(completed_jobs=completed) if completed else None)
         return self._ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: k for k, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            kv_connector_output=kv_output,
         )
 
     def _after_update(self, so, step: int | None) -> None:

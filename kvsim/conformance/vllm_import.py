@@ -38,8 +38,13 @@ STUB_VLLM = (
 # Packages whose `__init__` pulls in the whole engine: a stub module, but its submodules load for
 # real (`vllm.config.scheduler`, `vllm.config.cache`), so `from vllm.config import VllmConfig` is a stub.
 # `vllm.v1.structured_output.request` must be real: a stub's answer would mark every request as waiting
-# for a grammar.
-HOLLOW_VLLM = ("vllm.config", "vllm.v1.structured_output")
+# for a grammar. `vllm.distributed` and `vllm.distributed.kv_transfer` are hollow so that the KV connectors
+# (REAL_VLLM) load for real while the rest of `vllm.distributed` stays a stub.
+HOLLOW_VLLM = ("vllm.config", "vllm.v1.structured_output", "vllm.distributed", "vllm.distributed.kv_transfer")
+
+# Packages inside a stubbed one that load for real: the KV connectors (their factory, the base class and
+# vLLM's OffloadingConnector with its scheduler side), which the scheduler builds from `kv_transfer_config`.
+REAL_VLLM = ("vllm.distributed.kv_transfer.kv_connector",)
 
 # Every stub attribute looked up or called, by qualified name: what the loaded code touched of the stubs
 # (a scheduler run that calls one is worth a look).
@@ -150,7 +155,9 @@ class _VllmFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         top = name.partition(".")[0]
         if top == "vllm":
-            if _under(name, STUB_VLLM):
+            if _under(name, REAL_VLLM):
+                return importlib.machinery.PathFinder.find_spec(name, path or [str(self.root)])
+            if _under(name, STUB_VLLM) and name not in HOLLOW_VLLM:
                 return importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)
             if name in HOLLOW_VLLM:
                 spec = importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)

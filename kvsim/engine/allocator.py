@@ -138,6 +138,16 @@ class KVAllocator(ABC):
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq` (0: none)."""
         return 0
 
+    def pop_blocks_for_free(self, seq: Sequence) -> list:
+        """Forget `seq` and hand back its blocks without returning them (vLLM's `pop_blocks_for_free`, for the
+        frees a KV connector defers under async scheduling); `free_popped_blocks` returns them later. Paged
+        allocators only (the CPU tier's connector needs one)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer frees")
+
+    def free_popped_blocks(self, blocks: list) -> None:
+        """Return blocks `pop_blocks_for_free` handed back, the last first (vLLM's `_drain_deferred_frees`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer frees")
+
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's `KVCacheManager.cache_blocks`,
         which async scheduling calls once a step's sampled tokens are known). Nothing without a prefix cache."""

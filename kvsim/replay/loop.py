@@ -102,6 +102,13 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
 
         connector = connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx),
                                          ctx.tp, ctx.gpu, ctx.source)
+        if cache is not None and cache.enabled:  # the blocks really move to a host pool and back
+            from kvsim.engine.tensors.host_pool import HostKVPool
+
+            connector.host_pool = HostKVPool(cache, connector.manager.num_chunks, connector.tokens_per_chunk)
+        if observer is not None:  # the conformance harness reads the tier's events at every computing row
+            connector.events = []
+            connector.finished_in_set_order = True
     needs_ids = config.prefix_caching or options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
@@ -184,6 +191,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             connector.now = sched_now
         next_arrival = min(arrivals[queue[0]] if queue else math.inf, arrivals_in.next_unrouted_s)
         out, rejects = sched.schedule(next_arrival - now)
+        idle_output_s = None  # connector, async: when an idle step ended whose output is still to be processed
         for seq, reason in rejects:
             rejected[seq.index] = reason
             done += 1
@@ -195,6 +203,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         pending_swap_bytes += out.swap_bytes
         if not out.prefills and not out.decodes:
             if sched.has_in_flight:  # async: nothing to overlap with the step in flight: its output comes back
+                if connector is not None:  # connector: this empty step's jobs start when the row in flight ends,
+                    connector.submit(now, 0.0)  # whose output reports the transfers finished by then
+                    connector.complete_until(now)
                 flushed = sched.flush()
                 if observer is not None:
                     observer(step, now, 0.0, None, flushed, sched, 0)
@@ -203,17 +214,42 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 continue
             if connector is not None and connector.has_jobs():  # connector: idle until a transfer (or arrival) ends
                 connector.submit(now, 0.0)
-                now = max(now, min(connector.next_finish_s(), next_arrival))
-                connector.complete_until(now)
+                idle_until = max(now, min(connector.next_finish_s(), next_arrival))
+                if not sc.async_scheduling:
+                    now = idle_until
+                    connector.complete_until(now)
+                    empty_rounds = 0
+                    continue
+                # Async: vLLM's batch queue schedules once more, on what it knew, while the idle step runs; then
+                # the idle step's output reports the transfers finished by its end. The next step runs after it.
+                out, rejects = sched.schedule(next_arrival - now)
+                for seq, reason in rejects:
+                    rejected[seq.index] = reason
+                    done += 1
+                for seq in out.admitted:
+                    if admitted[seq.index] != admitted[seq.index]:
+                        admitted[seq.index] = idle_until
+                        cached_tokens[seq.index] = seq.num_cached_tokens
+                pending_preemptions += len(out.preempted)
+                pending_swap_bytes += out.swap_bytes
+                now = idle_until
                 empty_rounds = 0
+                if not out.prefills and not out.decodes:
+                    connector.complete_until(now)
+                    connector.submit(now, 0.0)  # its jobs start when the idle step ends
+                    continue
+                idle_output_s = now  # the idle step's output is processed once this one is scheduled
+            else:
+                # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
+                empty_rounds += 1
+                assert empty_rounds < 3, "the scheduler made no progress"
                 continue
-            # Only preemptions or swap-ins: nothing computed; the next schedule runs what they made room for.
-            empty_rounds += 1
-            assert empty_rounds < 3, "the scheduler made no progress"
-            continue
         empty_rounds = 0
         if on_schedule is not None:
             on_schedule(out, sched)
+        if idle_output_s is not None:
+            connector.complete_until(idle_output_s)
+            idle_output_s = None
         if runner is not None:
             runner.execute(out)
         last_step_start = 0.0  # async: from the row's start to its last step's (that step is in flight next)
@@ -271,8 +307,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 first_token[seq.index] = now + dt
         # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
         finished = sched.postprocess(out)
-        if connector is not None:  # connector: the worker reports the transfers finished by the step's end
-            connector.complete_until(now + dt)
+        if connector is not None:  # connector: the worker reports the transfers finished by the end of the step
+            # whose output this is (async: the row in flight before this one)
+            connector.complete_until(in_flight_end if sc.async_scheduling else now + dt)
         if observer is not None:
             observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
         finish(finished, in_flight_end if sc.async_scheduling else now + dt)

@@ -160,6 +160,8 @@ def test_an_unsupported_model_is_refused_naming_offload(tmp_path):
     with pytest.raises(KvsimError) as exc:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert exc.value.field == "offload" and str(path) in str(exc.value)
+    assert "7 KV cache groups (sliding window, full attention)" in str(exc.value)
+    assert "does not follow yet" in str(exc.value)
 
 
 def test_a_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
@@ -209,3 +211,62 @@ def test_a_tier_that_never_hits_changes_nothing_on_the_gpu(tmp_path):
     for name in ("admitted_s", "first_token_s", "finished_s"):
         np.testing.assert_allclose(getattr(with_tier, name), getattr(without, name), rtol=1e-9, err_msg=name)
     assert with_tier.steps["num_prefill_tokens"].sum() == without.steps["num_prefill_tokens"].sum()
+
+
+def _loads_checked(monkeypatch) -> list:
+    """Record every integrity check made right after a load from the host pool: (request id, positions)."""
+    from kvsim.engine.tensors.cache import KVCache
+    from kvsim.engine.tensors.host_pool import HostKVPool
+
+    checked, loading = [], []
+    verify, load = KVCache.verify, HostKVPool.load
+
+    def tracked_load(self, *args):
+        loading.append(True)
+        try:
+            return load(self, *args)
+        finally:
+            loading.pop()
+
+    def tracked_verify(self, seq_id, slots, positions):
+        checked.append((seq_id, np.asarray(positions).copy()))
+        return verify(self, seq_id, slots, positions)
+
+    monkeypatch.setattr(HostKVPool, "load", tracked_load)
+    monkeypatch.setattr(KVCache, "verify", tracked_verify)
+    return checked
+
+
+def test_with_tensors_the_blocks_go_to_the_host_pool_and_come_back_intact(tmp_path, monkeypatch):
+    """Cache tensors with integrity: the first request's 32 blocks are copied to the host pool when stored, and
+    the second request's load copies them back into its own blocks, where they hold exactly what the first
+    request's tokens wrote (checked right after the load, and again when the request finishes)."""
+    from kvsim.engine.tensors.host_pool import HostKVPool
+
+    pools = []
+    init = HostKVPool.__init__
+    monkeypatch.setattr(HostKVPool, "__init__", lambda self, *a: (init(self, *a), pools.append(self))[0])
+    checked = _loads_checked(monkeypatch)
+    path = write(tmp_path, same_prompt_twice(10_000))
+    result = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
+    (run,) = result.runs
+    assert run.offload["cpu_hit_tokens"] == 512
+    (pool,) = pools
+    assert pool.rows.shape[1] == 585 * 16  # 1 GiB over 1,835,008 B chunks, 16 token rows each
+    assert pool.rows[:, : 32 * 16].abs().sum() > 0  # the stored chunks hold data (slots 0..31, fresh)
+    # the load's check: request 1 (the second), positions 0..511, its whole prompt
+    assert any(seq_id == 1 and list(pos) == list(range(512)) for seq_id, pos in checked)
+
+
+def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
+    """The check can fail: chunks stored one row off (a wrong host row mapping) come back as other tokens' KV."""
+    from kvsim.engine.tensors.host_pool import HostKVPool
+
+    path = write(tmp_path, same_prompt_twice(10_000))
+    store = HostKVPool.store
+    try:
+        HostKVPool.store = lambda self, gpu, chunks: (store(self, gpu, chunks), self.rows.copy_(self.rows.roll(1, dims=1)))
+        with pytest.raises(AssertionError, match=r"integrity: seq 1 position 0 .* does not hold what that request's tokens wrote"):
+            run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
+    finally:
+        HostKVPool.store = store

@@ -223,6 +223,19 @@ class HybridPagedAllocator(KVAllocator):
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
         return self._reqs[seq].shared_prefix_boundary
 
+    def pop_blocks_for_free(self, seq: Sequence) -> list:
+        """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""
+        null, blocks = self.pool.null_block, []
+        for table in self._reqs.pop(seq).tables:
+            start = 0
+            while start < len(table) and table[start] is null:
+                start += 1
+            blocks += table[start:]
+        return blocks
+
+    def free_popped_blocks(self, blocks: list) -> None:
+        self.pool.free_blocks(reversed(blocks))
+
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""

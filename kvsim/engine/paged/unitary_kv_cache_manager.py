@@ -88,6 +88,7 @@ class PagedAllocator(KVAllocator):
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, PagedRequest] = {}
         self._sum_cap = 0  # token slots allocated, over admitted requests
+        self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
@@ -118,7 +119,8 @@ class PagedAllocator(KVAllocator):
 
         A CPU tier's hit (`num_external_computed_tokens`, past the prefix-cache hit) takes blocks too; with
         `delay_cache_blocks` (an asynchronous load) the blocks past the prefix-cache hit are cached only once the
-        load is done (`cache_blocks`), as vLLM's `allocate_slots`; `reserved_blocks` stay free for other requests.
+        load is done (`cache_blocks`), as vLLM's `allocate_slots`; `reserved_blocks` stay free for other requests
+        (checked against this allocation, not against the whole sequence of `full_sequence_must_fit`).
 
         As vLLM's `KVCacheManager.allocate_slots` for a waiting request: the blocks it needs (for all
         `num_tokens` when `full_sequence_must_fit`, else for the hit plus this chunk), counting revived cached
@@ -142,11 +144,14 @@ class PagedAllocator(KVAllocator):
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
         revived = sum(1 for b in hit_blocks if b.ref_count == 0)
-        checked = -(-min(num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else num_blocks
-        new_blocks = max(checked, num_blocks) - len(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
-        if new_blocks + revived + watermark + reserved_blocks > self.pool.num_free_blocks:
-            return None
+        free = self.pool.num_free_blocks
+        if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
+            full = -(-min(num_tokens, self.max_model_len) // bs)
+            if max(full, num_blocks) - len(hit_blocks) + revived + watermark > free:
+                return None
+        if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
+            return None  # leaving `reserved_blocks` free
 
         if hashes is not None:
             hashes = chain_block_hashes(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once
@@ -201,6 +206,18 @@ class PagedAllocator(KVAllocator):
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
         self.pool.free_blocks(reversed(req.table))
+
+    def pop_blocks_for_free(self, seq: Sequence) -> list:
+        """Forget `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as internal
+        fragmentation until `free_popped_blocks`)."""
+        req = self._reqs.pop(seq)
+        self._set_cap(req, 0)
+        self._num_popped += len(req.table)
+        return list(req.table)
+
+    def free_popped_blocks(self, blocks: list) -> None:
+        self._num_popped -= len(blocks)
+        self.pool.free_blocks(reversed(blocks))
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
@@ -284,11 +301,14 @@ class PagedAllocator(KVAllocator):
         saved = self.pool.num_shared_refs * bpb  # shared blocks were counted once per holder
         # The null block and the budget's remainder smaller than one block are never used.
         unusable = self.budget_bytes - self.pool.num_usable_blocks * bpb
+        deferred = 0
+        if self._num_popped:  # blocks only a deferred free still holds (async scheduling with a KV connector)
+            deferred = self.budget_bytes - self._sum_cap * bpt - unusable - self.pool.num_free_blocks * bpb
         return MemoryBreakdown(
             budget_bytes=self.budget_bytes,
             token_states_bytes=computed * bpt - saved,
             reservation_bytes=(self._sum_used - computed) * bpt,
-            internal_fragmentation_bytes=(self._sum_cap - self._sum_used) * bpt + unusable,
+            internal_fragmentation_bytes=(self._sum_cap - self._sum_used) * bpt + unusable + deferred,
             external_fragmentation_bytes=0,
             free_bytes=self.pool.num_free_blocks * bpb,
             shared_saved_bytes=saved,

@@ -47,6 +47,10 @@ class TransferJob:
     num_bytes: int
     start_s: float | None = None  # None: not submitted to the worker yet
     finish_s: float | None = None
+    gpu_block_ids: list = field(default_factory=list)  # the GPU blocks it reads (store) or writes (load)
+    cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
+    first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
+    copied: bool = False  # with cache tensors: its blocks have moved
 
 
 @dataclass(slots=True)
@@ -73,7 +77,7 @@ class OffloadingConnector:
 
     def __init__(self, *, block_size: int, blocks_per_chunk: int, num_chunks: int, bytes_per_block: int,
                  host_bandwidth_bytes_per_s: float, policy: str = "lru", store_threshold: int = 0,
-                 max_tracker_size: int = 64_000) -> None:
+                 max_tracker_size: int = 64_000, allocator=None) -> None:
         assert block_size > 0 and blocks_per_chunk > 0 and host_bandwidth_bytes_per_s > 0
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -85,11 +89,25 @@ class OffloadingConnector:
         self._req_status: dict[int, RequestOffloadState] = {}
         self._jobs: dict[int, TransferJob] = {}
         self._unsubmitted: list[TransferJob] = []
-        self._chunks_being_loaded: set = set()
+        # the chunks loads in flight read, tracked only with a GPU prefix cache (vLLM's `_chunks_being_loaded` is
+        # None without one: a request then loads a chunk another load is reading, into its own blocks)
+        self._chunks_being_loaded: set | None = set() if allocator is None or allocator.enable_prefix_caching else None
         self._job_counter = 0
         self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
         self._flush: list[TransferJob] = []
         self.now = 0.0  # the replay's clock when the scheduler runs (set by the step loop)
+        # Requests finished since the last step reach the tier in vLLM's `finished_req_ids` order: the iteration
+        # order of a set of request id strings, which follows the process's string hash seed (PYTHONHASHSEED).
+        # The replay keeps them in the order they finished (reproducible under any seed); the conformance harness
+        # sets this, running both sides in one process, to compare the rest.
+        self.finished_in_set_order = False
+        self.allocator = allocator  # the GPU pool (KVAllocator): the block ids a job moves
+        # With cache tensors (kvsim.engine.tensors.host_pool.HostKVPool over the replay's KVCache): the blocks
+        # really move between the device pool and the host pool, and a load is checked in integrity mode
+        self.host_pool = None
+        self._finishing: set = set()  # the ids of the finished requests build_connector_meta stores
+        self.events: list | None = None  # when a list: every job, flush, completion, eviction and CPU hit, as
+        # kvsim.conformance.trace's event tuples (the conformance harness compares them with vLLM's)
         # totals and this row's figures (the replay's reports)
         self.cpu_hit_tokens = self.cpu_loaded_bytes = self.cpu_stored_bytes = 0
         self.load_wait_s = 0.0
@@ -177,12 +195,20 @@ class OffloadingConnector:
         num_chunks = -(-num_cached // self.tokens_per_chunk)
         keys = status.offload_keys[first_block // B:num_chunks]
         status.next_stored_chunk_idx = num_chunks  # OffloadPolicy.CHUNK_LEVEL
-        self.manager.prepare_load(keys, status.req_context)
+        chunk_ids = self.manager.prepare_load(keys, status.req_context)
         job = self._new_job(seq, keys, False, num_blocks * self.bytes_per_block)
+        job.cpu_chunk_ids = list(chunk_ids)
+        job.first_block = first_block
+        if self.allocator is not None:
+            job.gpu_block_ids = list(self.allocator.block_tables(seq)[0][first_block:first_block + num_blocks])
+        if self.events is not None:
+            self.events.append((6, seq.index, num_external_tokens))  # HIT
+            self.events.append((1, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # LOAD
         status.transfer_jobs.add(job.job_id)
         status.load_ready = False
         status.load_start_s = self.now
-        self._chunks_being_loaded.update(keys)
+        if self._chunks_being_loaded is not None:
+            self._chunks_being_loaded.update(keys)
         self.cpu_hit_tokens += num_external_tokens
         self.row_hit_tokens += num_external_tokens
         self.row_gpu_hit_tokens += local
@@ -195,11 +221,19 @@ class OffloadingConnector:
         for seq in preempted:
             status = self._req_status.get(seq.seq_id)
             if status is not None:
-                self._flush.extend(self._jobs[j] for j in sorted(status.transfer_jobs) if self._jobs[j].is_store)
+                flushed = [self._jobs[j] for j in sorted(status.transfer_jobs) if self._jobs[j].is_store]
+                self._flush.extend(flushed)
+                if self.events is not None:
+                    self.events.extend((3, job.job_id) for job in flushed)  # FLUSH
         for seq, num_tokens_after_batch in scheduled:
             self._store(seq, num_tokens_after_batch)
+        if self.finished_in_set_order and len(finished) > 1:  # vLLM's order: a set of request id strings
+            by_id = {str(seq.seq_id): seq for seq in finished}
+            finished = [by_id[i] for i in set(by_id)]
+        self._finishing = {seq.seq_id for seq in finished}
         for seq in finished:
             self._store(seq, max(seq.num_prompt_tokens, seq.num_tokens - 1))
+        self._finishing = set()
         for seq in finished:
             status = self._req_status.get(seq.seq_id)
             if status is None:
@@ -224,11 +258,22 @@ class OffloadingConnector:
         out = self.manager.prepare_store(status.offload_keys[start:num_chunks], status.req_context)
         if out is None:
             return  # refused: offered again next step
+        if self.events is not None and out.evicted_keys:
+            self.events.append((5, len(out.evicted_keys)))  # EVICT
         status.next_stored_chunk_idx = num_chunks
         if not out.keys_to_store:
             return
         job = self._new_job(seq, list(out.keys_to_store), True, len(out.keys_to_store) * self.bytes_per_chunk)
         status.transfer_jobs.add(job.job_id)
+        job.cpu_chunk_ids = list(out.chunk_ids)
+        if self.allocator is not None:  # each stored chunk's GPU blocks, in chunk order
+            table, B, stored = self.allocator.block_tables(seq)[0], self.blocks_per_chunk, set(out.keys_to_store)
+            job.gpu_block_ids = [table[i * B + b] for i in range(start, num_chunks) if status.offload_keys[i] in stored
+                                 for b in range(B)]
+        if self.events is not None:
+            self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
+        if self.host_pool is not None and seq.seq_id in self._finishing:  # its blocks are free: copy them before
+            self._copy(job)  # this step can reuse and overwrite them (vLLM flushes such a store before the step)
 
     def _new_job(self, seq, keys: list, is_store: bool, num_bytes: int) -> TransferJob:
         job = TransferJob(self._job_counter, seq, keys, is_store, num_bytes)
@@ -240,26 +285,51 @@ class OffloadingConnector:
     # --- the worker side on the clock ---------------------------------------------------------------------
 
     def submit(self, now: float, dt: float) -> float:
-        """The step scheduled last runs over [now, now + dt): its loads start with it, its stores with the
-        next step. Returns how long the step waits first for flushed stores (those of preempted requests)."""
-        wait = 0.0
-        for job in self._flush:
-            if job.finish_s is not None:
-                wait = max(wait, job.finish_s - now)
-        self._flush.clear()
+        """The step scheduled last starts at `now` and computes for `dt`, in the worker's order: the jobs to flush
+        (those of preempted requests) that this step created go first, and the step waits until every job to
+        flush has finished; its loads start then; its stores when its forward pass ends (vLLM defers them to the
+        next step's start). Returns the wait."""
+        flush, self._flush = self._flush, []
+        for job in flush:
+            if job.finish_s is None:
+                self._start(job, now)
+        wait = max([0.0] + [job.finish_s - now for job in flush])
         for job in self._unsubmitted:
-            ready = now if not job.is_store else now + dt
-            job.start_s = max(ready, self._free_at[job.is_store])
-            job.finish_s = job.start_s + job.num_bytes / self.host_bandwidth
-            self._free_at[job.is_store] = job.finish_s
-            if job.is_store:
-                self.cpu_stored_bytes += job.num_bytes
-                self.row_stored_bytes += job.num_bytes
-            else:
-                self.cpu_loaded_bytes += job.num_bytes
-                self.row_loaded_bytes += job.num_bytes
+            if job.finish_s is None:
+                self._start(job, now + wait + (dt if job.is_store else 0.0))
         self._unsubmitted.clear()
-        return max(wait, 0.0)
+        return wait
+
+    def _copy(self, job: TransferJob) -> None:
+        """With cache tensors: move the job's blocks (a store from the device pool to its chunks, a load back),
+        once; a load in integrity mode is checked against what its request's tokens wrote."""
+        if job.copied:
+            return
+        job.copied = True
+        pool = self.host_pool
+        if job.is_store:
+            pool.store(job.gpu_block_ids, job.cpu_chunk_ids)
+            return
+        slots = pool.load(job.cpu_chunk_ids, job.first_block, job.gpu_block_ids)
+        cache = pool.cache
+        if cache.integrity and len(slots):
+            import numpy as np
+
+            start = job.first_block * self.block_size
+            cache.verify(job.seq.seq_id, slots, np.arange(start, start + len(slots), dtype=np.int64))
+
+    def _start(self, job: TransferJob, ready_s: float) -> None:
+        if self.host_pool is not None:
+            self._copy(job)
+        job.start_s = max(ready_s, self._free_at[job.is_store])
+        job.finish_s = job.start_s + job.num_bytes / self.host_bandwidth
+        self._free_at[job.is_store] = job.finish_s
+        if job.is_store:
+            self.cpu_stored_bytes += job.num_bytes
+            self.row_stored_bytes += job.num_bytes
+        else:
+            self.cpu_loaded_bytes += job.num_bytes
+            self.row_loaded_bytes += job.num_bytes
 
     def next_finish_s(self) -> float | None:
         """When the next submitted job finishes (None: none in flight)."""
@@ -270,12 +340,15 @@ class OffloadingConnector:
         """The jobs finished by `t` complete, in job order (`update_connector_output`)."""
         done = [j for j in self._jobs.values() if j.finish_s is not None and j.finish_s <= t]
         for job in done:
+            if self.events is not None:
+                self.events.append((4, job.job_id))  # DONE
             status = self._req_status[job.seq.seq_id]
             if job.is_store:
                 self.manager.complete_store(job.keys, status.req_context)
             else:
                 self.manager.complete_load(job.keys, status.req_context)
-                self._chunks_being_loaded.difference_update(job.keys)
+                if self._chunks_being_loaded:
+                    self._chunks_being_loaded.difference_update(job.keys)
                 status.load_ready = True
                 self.load_wait_s += job.finish_s - status.load_start_s
             del self._jobs[job.job_id]
@@ -304,9 +377,17 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     def refuse(message: str) -> KvsimError:
         return KvsimError(message, source=source, field="offload")
 
-    if not getattr(allocator, "paged", False) or not spec.is_uniform or spec.pool is not None:
-        raise refuse("the replay's CPU tier follows vLLM's connector for models of one KV cache group (full "
-                     "attention or MLA) on a paged allocator; this model or allocator has none")
+    if not getattr(allocator, "paged", False):
+        raise refuse("the CPU tier moves KV blocks and needs a paged allocator")
+    if not spec.is_uniform or spec.pool is not None:
+        groups = {} if spec.pool is None else {g.kind: None for g in spec.pool.groups}
+        names = {"full": "full attention", "mla": "MLA", "sliding": "sliding window", "chunked": "chunked local attention",
+                 "state": "Mamba state"}
+        named = ", ".join(names.get(kind, kind) for kind in groups)
+        raise refuse(f"{getattr(model, 'name', 'this model')} has {len(spec.pool.groups) if spec.pool else 'several'} "
+                     f"KV cache groups ({named or 'mixed layers'}): vLLM 0.33's OffloadingConnector offloads each "
+                     "group (sliding windows and state groups by their own rules), which the replay's CPU tier does "
+                     "not follow yet; it serves models of one full-attention or MLA group")
     layers = vllm_layers(model, spec, tp)
     startup = vllm_startup(layers, 1, max_model_len, spec.block_size, settings) if layers else None
     if startup is None or len(startup.groups) != 1 or startup.groups[0].kind not in ("full", "mla"):
@@ -328,4 +409,5 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
         policy=offload.policy,
         store_threshold=offload.store_threshold,
         max_tracker_size=offload.max_tracker_size,
+        allocator=allocator,
     )

@@ -89,6 +89,14 @@ class Scheduler:
         self.loading: deque[SchedSeq] = deque()
         self._kv_loaded: set[int] = set()
         self._finished_for_connector: list[SchedSeq] = []
+        # connector: with two batches in flight, a step may still write a finished request's blocks while the
+        # connector loads into them, so vLLM defers their free until the steps that scheduled it are processed
+        # (Scheduler.defer_block_free: a kv_both connector under async scheduling). Steps that computed are
+        # numbered as scheduled and as processed; deferred frees wait for their fence.
+        self._defer_free = connector is not None and async_scheduling
+        self._sched_step_seq = self._processed_step_seq = 0
+        self._last_sched_seq: dict[int, int] = {}  # request id -> the last step that scheduled it
+        self._deferred_frees: deque[tuple[int, list]] = deque()
 
     # --- queues -------------------------------------------------------------------------------------
 
@@ -113,7 +121,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None or self.loading)
+        # connector: vLLM's has_requests() keeps the engine stepping while requests finished since the last step
+        # are not yet handed to the connector, or while its transfers are in flight (has_pending_push_work)
+        return bool(self.running or self.waiting or self.swapped or self._in_flight is not None or self.loading
+                    or (self.connector is not None and (self._finished_for_connector or self.connector.has_jobs())))
 
     @property
     def has_in_flight(self) -> bool:
@@ -176,12 +187,16 @@ class Scheduler:
                     i += 1
                     continue
             # `seq` cannot grow: preempt the newest running request until it can, or it was itself preempted.
+            stuck = False
             while True:
                 victim = running[-1]
+                if self._defer_free and not self._blocks_can_be_freed(victim):  # connector: a deferred free
+                    stuck = True  # would not help now: `seq` waits
+                    break
                 self._preempt(victim, out)
                 if victim is seq or alloc.append_slots(seq, n):
                     break
-            if victim is seq:
+            if stuck or victim is seq:
                 break
             self._book(out, seq, n)
             budget -= n
@@ -266,6 +281,12 @@ class Scheduler:
             out.breakdown = alloc.breakdown(waiting_head)
         if self.connector is not None:  # connector: flushes, stores and finishes at the end of schedule()
             self._build_connector_meta(out)
+        if self._defer_free and (out.prefills or out.decodes):  # connector: this step's fence
+            self._sched_step_seq = n = self._sched_step_seq + 1
+            for seq, _, _ in out.prefills:
+                self._last_sched_seq[seq.seq_id] = n
+            for seq in out.decodes:
+                self._last_sched_seq[seq.seq_id] = n
         return out, rejected
 
     def _mamba_block_aligned_split(self, seq: SchedSeq, start: int, n: int, junction: int) -> int:
@@ -321,6 +342,32 @@ class Scheduler:
             out.prefills.append((seq, seq.num_computed_tokens, n))
 
     # --- the CPU tier's connector (vLLM's KV connector hooks in Scheduler.schedule) -------------------------
+
+    def _blocks_can_be_freed(self, seq: SchedSeq) -> bool:
+        """vLLM's `_request_blocks_can_be_freed`: every step that scheduled `seq` has been processed."""
+        return self._last_sched_seq.get(seq.seq_id, 0) <= self._processed_step_seq
+
+    def _free_finished(self, seq: SchedSeq) -> None:
+        """A finished request's blocks back to the pool, or held until its last step is processed
+        (`_free_request_blocks`)."""
+        if not self._defer_free:
+            self.allocator.free(seq)
+            return
+        if self._blocks_can_be_freed(seq):
+            self.allocator.free(seq)
+        else:
+            blocks = self.allocator.pop_blocks_for_free(seq)
+            if blocks:
+                self._deferred_frees.append((self._sched_step_seq, blocks))
+        self._last_sched_seq.pop(seq.seq_id, None)
+
+    def _drain_deferred_frees(self) -> None:
+        """A step's output is processed: the deferred frees whose fence it passed go back, oldest first
+        (`_drain_deferred_frees`)."""
+        self._processed_step_seq += 1
+        deferred = self._deferred_frees
+        while deferred and deferred[0][0] <= self._processed_step_seq:
+            self.allocator.free_popped_blocks(deferred.popleft()[1])
 
     def _start_load(self, seq: SchedSeq, num_computed_tokens: int, num_external_tokens: int, out: SchedulerOutput) -> None:
         """An admitted request whose CPU hit loads asynchronously: it holds its blocks and waits for the load."""
@@ -529,6 +576,8 @@ class Scheduler:
         if not self.async_scheduling:
             return self._update_from_output(out)
         previous, self._in_flight = self._in_flight, out
+        if previous is not None and self._defer_free:
+            self._drain_deferred_frees()
         finished = self._update_from_output(previous) if previous is not None else []
         if out.num_steps > 1:
             self._settle_run(out)
@@ -549,6 +598,8 @@ class Scheduler:
     def flush(self) -> list[SchedSeq]:
         """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._defer_free:
+            self._drain_deferred_frees()
         return self._update_from_output(previous) if previous is not None else []
 
     def _advance(self, out: SchedulerOutput) -> None:
@@ -614,7 +665,7 @@ class Scheduler:
                 self._finished_for_connector += finished
             for seq in finished:
                 if seq.seq_id in running_ids:
-                    self.allocator.free(seq)
+                    self._free_finished(seq)
                 elif seq in self.swapped:  # async: finished by output that was in flight when it was swapped out
                     self.swapped.remove(seq)
                     self._drop_swap(seq)

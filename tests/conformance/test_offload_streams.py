@@ -1,0 +1,147 @@
+"""The CPU tier's conformance streams: vLLM 0.33.0's own OffloadingConnector (scheduler side) beside the replay's.
+
+The streams themselves run in test_streams.py (0 differing steps each); here: that the vLLM side really runs vLLM's
+connector and manager, that the streams exercise what they are for (CPU hits, evictions, flushes, deferred
+frees), and that the harness fails when one of kvsim's rules is changed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from kvsim.conformance.suite import STREAMS
+
+pytestmark = pytest.mark.conformance
+
+
+def _resolve(name: str):
+    from kvsim.conformance.stream import resolve
+
+    return resolve(next(s for s in STREAMS if s.name == name))
+
+
+def _events(trace) -> Counter:
+    from kvsim.conformance.trace import decode_transfers
+
+    kinds = Counter()
+    for step in trace.steps:
+        for event in decode_transfers(step.transfers):
+            kinds[event.split(" [")[0]] += 1
+    return kinds
+
+
+def test_the_vllm_side_runs_vllms_own_connector_and_manager(vllm_loaded):
+    """The scheduler builds vLLM's OffloadingConnector through KVConnectorFactory from `kv_transfer_config`, over
+    vLLM's CPUOffloadingManager with the stream's policy, sized as `kvsim size --cpu-offload` sizes it."""
+    from kvsim.conformance.vllm_engine import build_scheduler
+
+    for name, policy in (("offload-lru", "LRUCachePolicy"), ("offload-arc", "ARCCachePolicy")):
+        rs = _resolve(name)
+        sched = build_scheduler(rs.setup)
+        connector = sched.connector
+        assert type(connector).__module__ == "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+        assert type(connector).__name__ == "OffloadingConnector"
+        manager = connector.connector_scheduler.manager
+        assert type(manager).__module__ == "vllm.v1.kv_offload.cpu.manager"
+        assert type(manager._policy).__name__ == policy
+        assert manager._num_chunks == 160  # 293,601,280 B over 1,835,008 B chunks (448 pages of 4 KiB each)
+        assert not sched.defer_block_free  # synchronous: one batch in flight
+    assert build_scheduler(replace(_resolve("offload-lru").setup, async_scheduling=True)).defer_block_free
+
+
+def test_the_streams_exercise_hits_evictions_flushes_and_chunks(vllm_loaded):
+    """Counted on vLLM's side: CPU hits and evictions under both policies, a flush (a preempted request's store
+    in flight), loads of chunks of 4 blocks."""
+    from kvsim.conformance.sides import run_vllm
+    from kvsim.conformance.trace import decode_transfers
+
+    seen = {name: _events(run_vllm(_resolve(name))) for name in ("offload-lru", "offload-arc", "offload-gpu-pressure")}
+    for name in ("offload-lru", "offload-arc"):
+        assert seen[name]["cpu hit"] >= 10 and seen[name]["evict"] >= 50 and seen[name]["store"] >= 50, seen[name]
+    assert seen["offload-gpu-pressure"]["flush"] >= 1 and seen["offload-gpu-pressure"]["cpu hit"] >= 50
+    chunks = run_vllm(_resolve("offload-chunks"))
+    loads = [e for s in chunks.steps for e in decode_transfers(s.transfers) if e.startswith("load")]
+    shapes = [(len(gpu), len(cpu)) for _, _, gpu, cpu in (eval(e[5:]) for e in loads)]  # (GPU blocks, CPU chunks)
+    assert shapes and all(4 * (c - 1) < g <= 4 * c for g, c in shapes)  # chunks of 4 GPU blocks, the first partial
+    assert chunks.num_preemptions > 0
+
+
+def test_a_cpu_hit_that_re_offers_its_gpu_hit_chunks_is_caught(vllm_loaded, monkeypatch):
+    """A changed rule: after a CPU hit, the request offers its GPU-hit chunks to the tier again (vLLM skips them:
+    OffloadPolicy.CHUNK_LEVEL). The harness reports a step whose stores differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-lru")
+    vllm = run_vllm(rs)
+    original = OffloadingConnector.update_state_after_alloc
+
+    def re_offer(self, seq, num_external_tokens):
+        original(self, seq, num_external_tokens)
+        if num_external_tokens:
+            self._req_status[seq.seq_id].next_stored_chunk_idx = 0
+
+    monkeypatch.setattr(OffloadingConnector, "update_state_after_alloc", re_offer)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.first_step is not None
+    assert any(line.startswith("CPU tier, ") for line in c.schedule_difference)
+
+
+def test_async_scheduling_without_deferred_frees_is_caught(vllm_loaded, monkeypatch):
+    """A changed rule: under async scheduling kvsim frees a finished request's blocks at once, as it does without a
+    connector. vLLM's scheduler defers them (defer_block_free), and the harness sees the steps diverge."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.scheduler import Scheduler
+
+    rs = _resolve("offload-lru+async")
+    vllm = run_vllm(rs)
+    init = Scheduler.__init__
+
+    def no_deferral(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._defer_free = False
+
+    monkeypatch.setattr(Scheduler, "__init__", no_deferral)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
+def test_transfers_on_a_faster_host_link_are_caught(vllm_loaded, monkeypatch):
+    """A changed rule on the clock: the replay's transfer jobs take half the time vLLM's simulated worker gives
+    them; the steps' times and completions then differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-gpu-pressure")
+    vllm = run_vllm(rs)
+    init = OffloadingConnector.__init__
+
+    def faster(self, **kwargs):
+        init(self, **{**kwargs, "host_bandwidth_bytes_per_s": 2 * kwargs["host_bandwidth_bytes_per_s"]})
+
+    monkeypatch.setattr(OffloadingConnector, "__init__", faster)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
+def test_cli_checks_a_workload_file(vllm_loaded, cli, tmp_path):
+    """`kvsim conformance WORKLOAD.yaml` runs that file (named by its stem) instead of the built-in streams; a
+    missing file is one line, exit code 2."""
+    from kvsim.conformance.stream import STREAMS_DIR
+
+    path = tmp_path / "mine.yaml"
+    path.write_text((STREAMS_DIR / "plenty.yaml").read_text())
+    result = cli(["conformance", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("mine")]
+    assert rows == [["mine", "252", "/", "252", "0", "/", "0", "0"]]
+    assert result.output.splitlines()[-1] == "1 of 1 streams conform (0 differing steps)"
+    missing = cli(["conformance", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2
+    assert "no such workload file" in missing.output
