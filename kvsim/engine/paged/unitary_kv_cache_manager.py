@@ -15,7 +15,7 @@ import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import Block, BlockPool
-from kvsim.engine.paged.kv_cache_utils import ROOT_HASH, block_token_bytes, chain_block_hashes
+from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -57,6 +57,7 @@ class PagedAllocator(KVAllocator):
     """
 
     paged = True
+    reads_block_keys = True
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class PagedAllocator(KVAllocator):
         self._reqs: dict[Sequence, PagedRequest] = {}
         self._sum_cap = 0  # token slots allocated, over admitted requests
         self._sum_used = 0  # of those, slots before each request's final length
+        self._hashed: tuple | None = None  # (seq, its token ids, their block hashes): the last request hashed
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -132,11 +134,10 @@ class PagedAllocator(KVAllocator):
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        token_blocks = None
-        if self.enable_prefix_caching and seq.token_ids is not None:
-            token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, bs)
+        if self.enable_prefix_caching and (seq.block_keys is not None or seq.token_ids is not None):
+            hashes = self._block_hashes(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hashes, hit_blocks = self._find_longest_cache_hit(token_blocks, (query - 1) // bs)
+            hit_blocks = self._find_longest_cache_hit(hashes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
@@ -149,7 +150,7 @@ class PagedAllocator(KVAllocator):
             return None
 
         if hashes is not None:
-            hashes = chain_block_hashes(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once
+            self._hashed = None  # admitted: its hashes move to its PagedRequest
         req = PagedRequest(seq, hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -171,11 +172,10 @@ class PagedAllocator(KVAllocator):
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
-        if not self.enable_prefix_caching or seq.token_ids is None:
+        if not self.enable_prefix_caching or (seq.block_keys is None and seq.token_ids is None):
             return 0
-        token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, self.block_size)
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(token_blocks, (query - 1) // self.block_size)[1]) * self.block_size
+        return len(self._find_longest_cache_hit(self._block_hashes(seq), (query - 1) // self.block_size)) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -359,22 +359,30 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, token_blocks: list[bytes], max_blocks: int) -> tuple[list[int], list[Block]]:
-        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included), and
-        the hit blocks. Hashes stop at the first miss: a request refused at admission (and retried each step)
-        pays little."""
+    def _block_hashes(self, seq: Sequence) -> list[int]:
+        """The cache keys of every full block of `seq`'s final tokens: its exact `block_keys` where it has them,
+        else the chained hashes of its token ids. Computed once per admission: a request refused at admission
+        is retried every step, so the last request keyed keeps its keys until admitted."""
+        hashed = self._hashed
+        if hashed is not None and hashed[0] is seq and hashed[1] is seq.token_ids:
+            return hashed[2]
+        if seq.block_keys is not None:
+            hashes = seq.block_keys(self.block_size, seq.num_final_tokens).tolist()
+        else:
+            hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        self._hashed = (seq, seq.token_ids, hashes)
+        return hashes
+
+    def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[Block]:
+        """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
         get = self.pool.cached_block_hash_to_block.get
-        hashes: list[int] = []
         hits: list[Block] = []
-        parent = ROOT_HASH
-        for block_bytes in token_blocks[:max_blocks]:
-            parent = hash((parent, block_bytes))
-            hashes.append(parent)
-            block = get(parent)
+        for h in hashes[:max_blocks]:
+            block = get(h)
             if block is None:
                 break
             hits.append(block)
-        return hashes, hits
+        return hits
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
@@ -388,10 +396,12 @@ class PagedAllocator(KVAllocator):
         if j >= end:
             return
         pool = self.pool
-        cached = pool.cached_block_hash_to_block
-        for block, h in zip(req.table[j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
-            if block.block_hash is None:
-                block.block_hash = h
-                if cached.setdefault(h, block) is not block:
+        blocks, keys = req.table[j:end], hashes[j:end]  # fresh blocks (a request's hits end before num_hashed)
+        for block, h in zip(blocks, keys):
+            block.block_hash = h
+        held = list(map(pool.cached_block_hash_to_block.setdefault, keys, blocks))  # BlockPool.cache_full_block
+        if held != blocks:  # a prefix another block already caches: cached behind it
+            for block, first in zip(blocks, held):
+                if first is not block:
                     pool.add_duplicate(block)
         req.num_hashed = end
