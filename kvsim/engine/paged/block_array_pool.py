@@ -124,6 +124,21 @@ class FreeBlockSegments:
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
+class CachedHashes:
+    """The hashes a `BlockArrayPool` caches now, as a container (`h in cached`): its table less stale entries."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BlockArrayPool):
+        self.pool = pool
+
+    def __contains__(self, block_hash: object) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.pool.is_primary))
+
+
 class BlockView:
     """One block of a `BlockArrayPool` seen as `Block` is (for tests and debugging): its id, ref count, hash."""
 
@@ -145,12 +160,15 @@ class BlockView:
 
 
 class BlockArrayPool:
-    """`BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash` and `is_cached` are arrays indexed
-    by block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's null block, never handed out.
+    """`BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash`, `is_cached` are arrays indexed by
+    block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's null block, never handed out.
 
     The prefix table `cached_block_hash_to_block` maps a hash (a block key) to the oldest block caching it, as
-    vLLM's `BlockHashToBlockMap`; `cached_duplicates` holds the younger ones, oldest first. `num_shared_refs` is
-    the running sum over blocks of (ref_count - 1) for shared blocks.
+    vLLM's `BlockHashToBlockMap`; `cached_duplicates` holds the younger ones, oldest first, and `has_younger`
+    marks the blocks that have some. Evicting a block with no younger copy leaves its entry in the table, stale
+    (it no longer answers: `is_primary` is False or the block caches another hash now), so evictions cost no
+    table operation; stale entries are dropped at the next insert of their hash, or all at once when they
+    outnumber the pool. `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False):
@@ -159,11 +177,14 @@ class BlockArrayPool:
         self.ref_count = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,)
         self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
         self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
+        self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its hash
+        self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
-        self.cached_block_hash_to_block: dict[int, int] = {}
+        self.cached_block_hash_to_block: dict[int, int] = {}  # hash -> oldest block (or a stale entry)
         self.cached_duplicates: dict[int, list[int]] = {}  # hash -> its younger cached blocks, oldest first
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
+        self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
         self._views: list[BlockView] | None = None
 
     @property
@@ -197,46 +218,102 @@ class BlockArrayPool:
         block = self.free_queue.pop_one()
         self.ref_count[block] = 1
         if self.is_cached[block]:
-            self._evict(np.array([block]))
+            self.is_cached[block] = False
+            if self.has_younger[block] or not self.is_primary[block]:
+                self._uncache(block, int(self.block_hash[block]))
+            else:
+                self.is_primary[block] = False
         self.num_blocks_allocated += 1
         return block
 
     def _evict(self, ids: np.ndarray) -> None:
-        """Drop cached `ids` from the prefix table (`_maybe_evict_cached_block`)."""
-        table, duplicates = self.cached_block_hash_to_block, self.cached_duplicates
-        keys = self.block_hash[ids].tolist()
+        """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
+        copies (the next one takes over) and younger copies themselves (they leave their hash's list), which
+        are uncached one at a time in `ids`' order, as vLLM evicts."""
         self.is_cached[ids] = False
-        if not duplicates or not any(map(duplicates.__contains__, keys)):
-            deque(map(table.__delitem__, keys), maxlen=0)  # one C loop
+        slow = self.has_younger[ids] | ~self.is_primary[ids]
+        if not slow.any():
+            self.is_primary[ids] = False
             return
-        for block, key in zip(ids.tolist(), keys):
-            younger = duplicates.get(key)
-            if younger is None:
-                del table[key]
-                continue
-            if table[key] == block:
-                table[key] = younger.pop(0)
-            else:
-                younger.remove(block)
-            if not younger:
-                del duplicates[key]
+        self.is_primary[ids[~slow]] = False
+        for block in ids[slow].tolist():
+            self._uncache(block, int(self.block_hash[block]))
+
+    def _uncache(self, block: int, key: int) -> None:
+        """`block`, cached under `key` with younger copies or as one, leaves: the next oldest copy answers."""
+        table, duplicates = self.cached_block_hash_to_block, self.cached_duplicates
+        younger = duplicates.get(key)
+        if self.is_primary[block] and table.get(key) == block:  # the copy lookups find
+            self.is_primary[block] = False
+            self.has_younger[block] = False
+            if younger:
+                first = younger.pop(0)
+                table[key] = first
+                self.is_primary[first] = True
+                self.has_younger[first] = bool(younger)
+        elif younger is not None:  # a younger copy
+            younger.remove(block)
+            primary = table[key]
+            self.has_younger[primary] = bool(younger)
+        if younger is not None and not younger:
+            del duplicates[key]
 
     def get_cached_block(self, block_hash: int) -> int | None:
         """The oldest block caching `block_hash` (vLLM's `get_one_block`), or None."""
-        return self.cached_block_hash_to_block.get(block_hash)
+        block = self.cached_block_hash_to_block.get(block_hash)
+        if block is None or not self.is_primary[block] or self.block_hash[block] != block_hash:
+            return None
+        return block
+
+    def cache_full_block(self, block: int, block_hash: int) -> None:
+        """Register uncached full `block` under `block_hash`, behind any block already caching it."""
+        self.block_hash[block] = block_hash
+        self.is_cached[block] = True
+        first = self.cached_block_hash_to_block.setdefault(block_hash, block)
+        if first != block:
+            if self.is_primary[first] and self.block_hash[first] == block_hash:  # a live older copy
+                self.cached_duplicates.setdefault(block_hash, []).append(block)
+                self.has_younger[first] = True
+                return
+            self.cached_block_hash_to_block[block_hash] = block  # a stale entry
+        self.is_primary[block] = True
 
     def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
         """Register uncached full blocks `ids` under `hashes` (also as `hash_array`, (len(ids),) int64), each
         behind any block already caching its hash."""
-        held = list(map(self.cached_block_hash_to_block.setdefault, hashes, ids))
-        if held != ids:  # a prefix another block already caches: cached behind it
-            duplicates = self.cached_duplicates
-            for block, first, key in zip(ids, held, hashes):
-                if first != block:
-                    duplicates.setdefault(key, []).append(block)
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
         self.block_hash[arr] = hash_array
         self.is_cached[arr] = True
+        table = self.cached_block_hash_to_block
+        held = list(map(table.setdefault, hashes, ids))
+        if held != ids:  # older copies (live, or stale entries) of some of these hashes
+            older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
+            mismatch = np.flatnonzero(older != arr)
+            first = older[mismatch]
+            live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
+            stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
+            table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
+            if live.any():  # cached behind the live older copy
+                for i, f in zip(mismatch[live].tolist(), first[live].tolist()):
+                    self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
+                self.has_younger[first[live]] = True
+                keep = np.ones(len(ids), dtype=bool)
+                keep[mismatch[live]] = False
+                arr = arr[keep]
+        self.is_primary[arr] = True
+        if len(table) > self._table_limit:
+            self._purge()
+
+    def _purge(self) -> None:
+        """Drop the table's stale entries (its dict kept: others may hold it)."""
+        ids = np.flatnonzero(self.is_primary)
+        table = self.cached_block_hash_to_block
+        table.clear()
+        table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+
+    def cached_hashes(self) -> CachedHashes:
+        """The hashes some block caches now, as a container (a router's view of the cache)."""
+        return CachedHashes(self)
 
     def num_evictable(self, ids: list[int]) -> int:
         """How many of `ids` nobody holds (a hit on them takes them out of the free queue)."""

@@ -99,7 +99,7 @@ class PagedAllocator(KVAllocator):
         return self.pool.get_usage()
 
     def cached_block_hashes(self) -> Container[int]:
-        return self.pool.cached_block_hash_to_block
+        return self.pool.cached_hashes()
 
     def allocate(
         self,
@@ -341,14 +341,8 @@ class PagedAllocator(KVAllocator):
         known = req.seq.num_known_tokens
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
-        if filled == j + 1:  # one block filled: _cache_full_blocks, inlined
-            h = hashes[j]
-            block = req.table[j]
-            pool = self.pool  # BlockArrayPool.cache_full_blocks, inlined
-            if pool.cached_block_hash_to_block.setdefault(h, block) != block:  # cached behind an older copy
-                pool.cached_duplicates.setdefault(h, []).append(block)
-            pool.block_hash[block] = h
-            pool.is_cached[block] = True
+        if filled == j + 1:  # one block filled
+            self.pool.cache_full_block(req.table[j], hashes[j])
             req.num_hashed = j = filled
         elif filled > j:
             self._cache_full_blocks(req, total)
@@ -375,11 +369,12 @@ class PagedAllocator(KVAllocator):
 
     def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[int]:
         """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
-        get = self.pool.cached_block_hash_to_block.get
+        pool = self.pool
+        get, is_primary, block_hash = pool.cached_block_hash_to_block.get, pool.is_primary, pool.block_hash
         hits: list[int] = []
         for h in hashes[:max_blocks]:
             block = get(h)
-            if block is None:
+            if block is None or not is_primary[block] or block_hash[block] != h:  # a miss, or a stale entry
                 break
             hits.append(block)
         return hits
