@@ -1,16 +1,16 @@
-"""The chained block hashes a prefix-aware router reads: the same hash((parent, block's token bytes)) chain the
-paged allocator caches blocks under (kvsim.engine.paged.kv_cache_utils), over a request's full prompt blocks."""
+"""The block keys a prefix-aware router reads: the same exact keys the paged allocator caches a replay's blocks
+under (`kvsim.workload.requests.make_block_keys`), over a request's full prompt blocks."""
 
 from __future__ import annotations
 
-from kvsim.engine.paged.kv_cache_utils import block_hashes
-from kvsim.workload.requests import RequestSpec, make_token_ids
+from kvsim.workload.requests import RequestSpec, make_block_keys
 
 
 def prompt_block_hashes(request: RequestSpec, seed: int, block_size: int) -> list[int]:
-    """Hashes of `request`'s full prompt blocks at `block_size`, in prompt order (one per block; the last one's
-    hash names the whole prefix). Equal to the allocator's, so a replica's cache answers them exactly."""
-    return block_hashes(make_token_ids(request, seed), request.num_prompt_tokens, block_size)
+    """Keys of `request`'s full prompt blocks at `block_size`, in prompt order (one per block; the last one's
+    key names the whole prefix). Equal to the allocator's, so a replica's cache answers them exactly. `seed`
+    makes the token ids, which the keys do not depend on."""
+    return make_block_keys(request, block_size, request.num_prompt_tokens).tolist()
 
 
 def leading_hits(hashes: list[int], cached, max_blocks: int) -> int:

@@ -7,6 +7,7 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Generator
 
 import numpy as np
@@ -71,7 +72,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     Decode runs are off with an observer, so every row is one step. `on_schedule(out, sched)` sees each row
     that computes, right after it is scheduled (the block tables as the row runs them).
     """
-    from kvsim.workload.requests import make_token_ids
+    from kvsim.workload.requests import make_block_keys, make_token_ids
 
     spec = ctx.spec(config.block_size, config)
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
@@ -109,7 +110,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []
             connector.finished_in_set_order = True
-    needs_ids = config.prefix_caching or options.integrity or connector is not None
+    # prefix caching keys blocks by the requests' structure where the allocator reads keys, else by token ids
+    keyed = config.prefix_caching and allocator.reads_block_keys
+    needs_ids = (config.prefix_caching and not keyed) or options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
         ids = make_token_ids(requests[seq.index], ctx.seed)  # (prompt + max_tokens,)
@@ -173,6 +176,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             i = queue.popleft()
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
+            if keyed:
+                seq.block_keys = partial(make_block_keys, r)
             reason = sched.add_request(seq)
             if reason is not None:
                 rejected[i] = reason

@@ -201,6 +201,49 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
     return ids
 
 
+# make_block_keys: a key is tag << 61 | stream << 21 | block index (every field in range, so keys are exact)
+_KEY_REQUEST, _KEY_GROUP, _KEY_TRACE = 0, 1, 2
+_KEY_STREAM_BITS, _KEY_BLOCK_BITS = 40, 21
+
+
+def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> np.ndarray:
+    """Exact prefix keys of the full blocks within the first `num_tokens` token ids of `make_token_ids(request)`,
+    (num_tokens // block_size,) int64: what the paged allocator caches blocks under instead of hashing the ids.
+
+    Block j's key names the stream its last token e = (j + 1) * block_size - 1 comes from, and j:
+
+        a Mooncake prompt token:      (trace,   hash_ids[e // 512], j)   ids are chained: the id names the prefix
+        a shared-prefix group token:  (group,   prefix_group,       j)   e < num_prefix_tokens
+        any other token:              (request, prompt_of or request_id (e past the prompt: request_id), j)
+
+    Two requests' blocks j have equal keys exactly when `make_token_ids` builds equal ids for their first
+    (j + 1) * block_size tokens from the same streams: a key is one int, compared in full, so keys never
+    collide. (Ids drawn from different streams agree only by chance, 2^-31 per token: block hashes of the
+    ids would count that chance as a hit, keys do not.)
+    """
+    nb = num_tokens // block_size
+    j = np.arange(nb, dtype=np.int64)  # (nb,) block index
+    e = (j + 1) * block_size - 1  # (nb,) each block's last token
+    p = request.num_prompt_tokens
+    assert num_tokens <= request.num_prompt_tokens + request.max_tokens and nb < 1 << _KEY_BLOCK_BITS  # its token ids
+    stream = np.full(nb, request.request_id, dtype=np.int64)  # (nb,)
+    tag = np.zeros(nb, dtype=np.int64)  # (nb,) _KEY_REQUEST
+    if request.hash_ids is not None:
+        assert request.prompt_of is None
+        prompt = e < p
+        stream[prompt] = np.asarray(request.hash_ids, dtype=np.int64)[e[prompt] // MOONCAKE_BLOCK_TOKENS]
+        tag[prompt] = _KEY_TRACE
+    else:
+        if request.prompt_of is not None:
+            stream[e < p] = request.prompt_of
+        if request.num_prefix_tokens:
+            group = e < request.num_prefix_tokens
+            stream[group] = request.prefix_group
+            tag[group] = _KEY_GROUP
+    assert not nb or 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
+    return (tag << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS)) | (stream << _KEY_BLOCK_BITS) | j
+
+
 def _trace_block_ids(seed: int, hash_ids, num_tokens: int) -> np.ndarray:
     """A Mooncake prompt's ids in one pass, (num_tokens,) int64: position p is id p % 512 of the stream of
     hash_ids[p // 512], salted as `_salt(seed, _TRACE_BLOCK_IDS, id)` (every step of `_salt` and

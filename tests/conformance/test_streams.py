@@ -194,12 +194,12 @@ def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vll
     from kvsim.conformance.compare import compare
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
-    from kvsim.engine.paged.block_pool import BlockPool
+    from kvsim.engine.paged.block_array_pool import BlockArrayPool
 
-    rs = resolve(next(s for s in STREAMS if s.name == "pressure"))
+    rs = resolve(next(s for s in STREAMS if s.name == "pressure"))  # a uniform model: the single-group pool
     vllm = run_vllm(rs)
-    free_blocks = BlockPool.free_blocks
-    monkeypatch.setattr(BlockPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
+    free_blocks = BlockArrayPool.free_blocks
+    monkeypatch.setattr(BlockArrayPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
     kvsim = run_kvsim(rs)
     counts = lambda t: [s.compared()[:-2] for s in t.steps]  # noqa: E731  every field but the schedule and transfers
     assert counts(kvsim) == counts(vllm)

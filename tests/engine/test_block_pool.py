@@ -257,7 +257,7 @@ for i in range(60):
         seq.num_computed_tokens = prompt
         live.append(seq)
         out.append([hit, alloc.block_table(seq)])
-out.append([b.block_id for b in alloc.pool.free_queue.blocks()])
+out.append(alloc.pool.free_queue.queued_ids().tolist())
 out.append(alloc.breakdown().as_dict())
 print(json.dumps(out))
 """

@@ -116,21 +116,23 @@ class BlockPool:
         assert num_blocks <= queue.num_free_blocks, (num_blocks, queue.num_free_blocks)
         head = queue.head
         out = []
+        append = out.append
         block = head.next_free
         for _ in range(num_blocks):  # off the head, one at a time: this runs once per block of every request
-            if block.block_hash is not None:
-                if self.cached_duplicates:
-                    self._uncache(block)
-                else:
-                    del self.cached_block_hash_to_block[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
-            block.prev_free = None
-            out.append(block)
+            append(block)
             block = block.next_free
-        for taken in out:
-            taken.next_free = None
         head.next_free, block.prev_free = block, head
+        cached = self.cached_block_hash_to_block
+        duplicates = self.cached_duplicates
+        for taken in out:
+            if taken.block_hash is not None:  # evict its prefix (`_maybe_evict_cached_block`)
+                if duplicates and taken.block_hash in duplicates:
+                    self._uncache(taken)
+                else:
+                    del cached[taken.block_hash]
+                taken.block_hash = None
+            taken.ref_count = 1
+            taken.prev_free = taken.next_free = None
         queue.num_free_blocks -= num_blocks
         self.num_blocks_allocated += num_blocks
         return out
@@ -145,7 +147,7 @@ class BlockPool:
         head.next_free, nxt.prev_free = nxt, head
         block.prev_free = block.next_free = None
         if block.block_hash is not None:
-            if self.cached_duplicates:
+            if self.cached_duplicates and block.block_hash in self.cached_duplicates:
                 self._uncache(block)
             else:
                 del self.cached_block_hash_to_block[block.block_hash]

@@ -9,31 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-import operator
-
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.paged.block_pool import Block, BlockPool
-from kvsim.engine.paged.kv_cache_utils import ROOT_HASH, block_token_bytes, chain_block_hashes
+from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
-_BLOCK_ID = operator.attrgetter("block_id")
-
 
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "num_hashed", "quiet_until", "hit", "cap", "used")
+    __slots__ = ("seq", "final", "table", "hashes", "hash_array", "num_hashed", "quiet_until", "hit", "cap", "used")
 
-    def __init__(self, seq: Sequence, hashes: list[int] | None):
+    def __init__(self, seq: Sequence, hashes: tuple[list[int], np.ndarray] | None):
         self.seq = seq
         self.final = seq.num_final_tokens
-        self.table: list[Block] = []  # the block table
-        self.hashes = hashes  # chained hashes of every full block of the final tokens; None: no prefix caching
+        self.table: list[int] = []  # the block table (block ids)
+        # the keys of every full block of the final tokens, as a list and as an int64 array; None: no prefix caching
+        self.hashes, self.hash_array = hashes if hashes is not None else (None, None)
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
         self.hit = 0  # prefix-cache hit at admission
@@ -57,6 +54,7 @@ class PagedAllocator(KVAllocator):
     """
 
     paged = True
+    reads_block_keys = True
 
     def __init__(
         self,
@@ -83,13 +81,14 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockArrayPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, PagedRequest] = {}
         self._sum_cap = 0  # token slots allocated, over admitted requests
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
+        self._hashed: tuple | None = None  # (seq, its token ids, their block hashes): the last request hashed
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -101,7 +100,7 @@ class PagedAllocator(KVAllocator):
         return self.pool.get_usage()
 
     def cached_block_hashes(self) -> Container[int]:
-        return self.pool.cached_block_hash_to_block
+        return self.pool.cached_hashes()
 
     def allocate(
         self,
@@ -129,21 +128,20 @@ class PagedAllocator(KVAllocator):
         """
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
-        hit_blocks: list[Block] = []
-        hashes: list[int] | None = None
+        hit_blocks: list[int] = []
+        hashes: tuple[list[int], np.ndarray] | None = None
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        token_blocks = None
-        if self.enable_prefix_caching and seq.token_ids is not None:
-            token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, bs)
+        if self.enable_prefix_caching and (seq.block_keys is not None or seq.token_ids is not None):
+            hashes = self._block_hashes(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hashes, hit_blocks = self._find_longest_cache_hit(token_blocks, (query - 1) // bs)
+            hit_blocks = self._find_longest_cache_hit(hashes[0], (query - 1) // bs)
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
-        revived = sum(1 for b in hit_blocks if b.ref_count == 0)
+        revived = self.pool.num_evictable(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
         free = self.pool.num_free_blocks
         if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
@@ -154,7 +152,7 @@ class PagedAllocator(KVAllocator):
             return None  # leaving `reserved_blocks` free
 
         if hashes is not None:
-            hashes = chain_block_hashes(hashes, token_blocks)  # admitted: hash the rest of its blocks now, once
+            self._hashed = None  # admitted: its hashes move to its PagedRequest
         req = PagedRequest(seq, hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -176,11 +174,10 @@ class PagedAllocator(KVAllocator):
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
-        if not self.enable_prefix_caching or seq.token_ids is None:
+        if not self.enable_prefix_caching or (seq.block_keys is None and seq.token_ids is None):
             return 0
-        token_blocks = block_token_bytes(seq.token_ids, seq.num_final_tokens, self.block_size)
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(token_blocks, (query - 1) // self.block_size)[1]) * self.block_size
+        return len(self._find_longest_cache_hit(self._block_hashes(seq)[0], (query - 1) // self.block_size)) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -205,7 +202,7 @@ class PagedAllocator(KVAllocator):
         """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self.pool.free_blocks(reversed(req.table))
+        self.pool.free_blocks(req.table[::-1])
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as internal
@@ -246,7 +243,7 @@ class PagedAllocator(KVAllocator):
 
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of `seq`'s block table."""
-        return list(map(_BLOCK_ID, self._reqs[seq].table))  # every decode step of a replay with tensors reads this
+        return list(self._reqs[seq].table)  # every decode step of a replay with tensors reads this
 
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """The one group's block ids (a uniform model has one KV cache group)."""
@@ -261,9 +258,9 @@ class PagedAllocator(KVAllocator):
             return np.empty(0, dtype=np.int64)
         first, last = start // bs, (end - 1) // bs
         if first == last:  # a decode run inside one block: the common case
-            base = table[first].block_id * bs - first * bs
+            base = table[first] * bs - first * bs
             return np.arange(base + start, base + end, dtype=np.int64)
-        ids = np.fromiter((b.block_id for b in table[first : last + 1]), dtype=np.int64, count=last - first + 1)
+        ids = np.array(table[first : last + 1], dtype=np.int64)  # (last - first + 1,)
         pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
         return ids[pos // bs - first] * bs + pos % bs
 
@@ -277,13 +274,13 @@ class PagedAllocator(KVAllocator):
         reqs = self._reqs
         tables = [reqs[s].table for s in seqs]
         first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
-        b0 = np.fromiter((t[b].block_id for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
+        b0 = np.fromiter((t[b] for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
         pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
         block_ids = np.broadcast_to(b0, (k, len(seqs)))  # (k, N): runs inside one block, most of them
         cross = np.flatnonzero(last != first)  # runs that step into their next block
         if len(cross):
             try:
-                b1 = np.array([tables[i][b].block_id for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
+                b1 = np.array([tables[i][b] for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
             except IndexError:
                 raise AssertionError("decode run past the allocated blocks") from None
             block_ids = block_ids.copy()
@@ -364,13 +361,8 @@ class PagedAllocator(KVAllocator):
         known = req.seq.num_known_tokens
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
-        if filled == j + 1:  # one block filled: _cache_full_blocks, inlined
-            h = hashes[j]
-            block = req.table[j]
-            if block.block_hash is None:  # BlockPool.cache_full_block, inlined
-                block.block_hash = h
-                if self.pool.cached_block_hash_to_block.setdefault(h, block) is not block:
-                    self.pool.add_duplicate(block)
+        if filled == j + 1:  # one block filled
+            self.pool.cache_full_block(req.table[j], hashes[j])
             req.num_hashed = j = filled
         elif filled > j:
             self._cache_full_blocks(req, total)
@@ -379,22 +371,33 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, token_blocks: list[bytes], max_blocks: int) -> tuple[list[int], list[Block]]:
-        """Chained hashes of leading full blocks while they hit the cache (the first miss's hash included), and
-        the hit blocks. Hashes stop at the first miss: a request refused at admission (and retried each step)
-        pays little."""
-        get = self.pool.cached_block_hash_to_block.get
-        hashes: list[int] = []
-        hits: list[Block] = []
-        parent = ROOT_HASH
-        for block_bytes in token_blocks[:max_blocks]:
-            parent = hash((parent, block_bytes))
-            hashes.append(parent)
-            block = get(parent)
-            if block is None:
+    def _block_hashes(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
+        """The cache keys of every full block of `seq`'s final tokens: its exact `block_keys` where it has them,
+        else the chained hashes of its token ids. Computed once per admission: a request refused at admission
+        is retried every step, so the last request keyed keeps its keys until admitted."""
+        hashed = self._hashed
+        if hashed is not None and hashed[0] is seq and hashed[1] is seq.token_ids:
+            return hashed[2]
+        if seq.block_keys is not None:
+            keys = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
+            hashes = (keys.tolist(), keys)
+        else:
+            chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+            hashes = (chained, np.array(chained, dtype=np.int64))
+        self._hashed = (seq, seq.token_ids, hashes)
+        return hashes
+
+    def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[int]:
+        """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
+        pool = self.pool
+        get, is_primary, block_hash = pool.cached_block_hash_to_block.get, pool.is_primary, pool.block_hash
+        hits: list[int] = []
+        for h in hashes[:max_blocks]:
+            block = get(h)
+            if block is None or not is_primary[block] or block_hash[block] != h:  # a miss, or a stale entry
                 break
             hits.append(block)
-        return hashes, hits
+        return hits
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
@@ -407,11 +410,6 @@ class PagedAllocator(KVAllocator):
         end = min(total, req.final, req.final if known is None else known) // self.block_size
         if j >= end:
             return
-        pool = self.pool
-        cached = pool.cached_block_hash_to_block
-        for block, h in zip(req.table[j:end], hashes[j:end]):  # as BlockPool.cache_full_block, inlined
-            if block.block_hash is None:
-                block.block_hash = h
-                if cached.setdefault(h, block) is not block:
-                    pool.add_duplicate(block)
+        # fresh blocks: a request's hits end before num_hashed
+        self.pool.cache_full_blocks(req.table[j:end], hashes[j:end], req.hash_array[j:end])
         req.num_hashed = end

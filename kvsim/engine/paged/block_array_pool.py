@@ -1,0 +1,368 @@
+"""The single-group paged allocator's blocks as arrays: `BlockPool`'s free queue, ref counts and prefix table with
+blocks as ints, so a request's blocks are taken, cached and freed in a few array operations instead of one
+Python step per block (the hot path of a prefix-cached replay: a 12,000-token prompt is 750 blocks).
+
+Same behaviour as `kvsim.engine.paged.block_pool.BlockPool` (vLLM's `BlockPool` / `FreeKVCacheBlockQueue`): the
+same blocks in the same order, the same evictions, the same duplicate rules; only the representation differs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+_NOT_QUEUED = -1
+
+
+class FreeBlockSegments:
+    """The free queue in eviction order (the head reused first) as a deque of segments of block ids.
+
+        head <-> [uncached ...] <-> [never used ...] <-> [cached, least recently freed ... most recent] <-> tail
+        segments: [ids 4 2] [ids 5 6 7 ...] [ids 1 3]   a freed request's blocks are one segment, pushed
+                  at the head (uncached) or the tail (cached)
+
+    A block pulled out of the middle (a prefix hit on a free cached block) is not searched for: its entry goes
+    stale. Every entry carries the serial number it was queued under, and `serial[block]` is the one of the
+    block's live entry (-1: not queued), so a stale entry is skipped when the head reaches it. Entries are
+    compacted once stale ones outnumber the pool.
+    """
+
+    def __init__(self, num_blocks: int, first_free: np.ndarray):
+        self.serial = np.full(num_blocks, _NOT_QUEUED, dtype=np.int64)  # (num_blocks,) live entry's serial
+        self.segments: deque[list] = deque()  # [ids (m,) int64, serials (m,) int64, next position]
+        self.num_entries = 0  # entries not yet passed by the head, stale ones included
+        self.num_free_blocks = 0
+        self._next_serial = 0
+        self._limit = 2 * num_blocks + 1024  # entries kept before stale ones are compacted away
+        self.push_tail(first_free)
+
+    def _segment(self, ids: np.ndarray) -> list:
+        n = len(ids)
+        serials = np.arange(self._next_serial, self._next_serial + n, dtype=np.int64)  # (n,)
+        self._next_serial += n
+        self.serial[ids] = serials
+        self.num_entries += n
+        self.num_free_blocks += n
+        return [ids, serials, 0]
+
+    def push_tail(self, ids: np.ndarray) -> None:
+        """Queue `ids` (in order) at the tail: the last to be reused."""
+        if len(ids):
+            self.segments.append(self._segment(ids))
+            if self.num_entries > self._limit:
+                self.compact()
+
+    def push_head(self, ids: np.ndarray) -> None:
+        """Queue `ids` (in order, the first reused first) at the head."""
+        if len(ids):
+            self.segments.appendleft(self._segment(ids))
+            if self.num_entries > self._limit:
+                self.compact()
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Take queued `ids` out (their entries go stale)."""
+        self.serial[ids] = _NOT_QUEUED
+        self.num_free_blocks -= len(ids)
+
+    def pop(self, num_blocks: int) -> np.ndarray:
+        """The `num_blocks` blocks at the head, head first, out of the queue: (num_blocks,) int64."""
+        assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
+        serial, out, need = self.serial, [], num_blocks
+        while need:
+            seg = self.segments[0]
+            ids, serials, pos = seg
+            take = min(len(ids) - pos, need)
+            if not take:
+                self.segments.popleft()
+                continue
+            cand = ids[pos : pos + take]  # (take,)
+            valid = serial[cand] == serials[pos : pos + take]
+            if not valid.all():
+                cand = cand[valid]
+            out.append(cand)
+            need -= len(cand)
+            seg[2] = pos + take
+            self.num_entries -= take
+        taken = out[0] if len(out) == 1 else np.concatenate(out)
+        serial[taken] = _NOT_QUEUED
+        self.num_free_blocks -= num_blocks
+        return taken
+
+    def pop_one(self) -> int:
+        """The block at the head, out of the queue."""
+        assert self.num_free_blocks, "free queue is empty"
+        serial = self.serial
+        while True:
+            seg = self.segments[0]
+            ids, serials, pos = seg
+            if pos == len(ids):
+                self.segments.popleft()
+                continue
+            block = int(ids[pos])
+            seg[2] = pos + 1
+            self.num_entries -= 1
+            if serial[block] == serials[pos]:
+                serial[block] = _NOT_QUEUED
+                self.num_free_blocks -= 1
+                return block
+
+    def compact(self) -> None:
+        """Drop stale entries and passed positions: one segment, same order."""
+        ids = self.queued_ids()
+        self.segments.clear()
+        self.num_entries = self.num_free_blocks = 0
+        if len(ids):
+            self.segments.append(self._segment(ids))
+
+    def queued_ids(self) -> np.ndarray:
+        """Queued blocks, head first: (num_free_blocks,) int64."""
+        parts = []
+        for ids, serials, pos in self.segments:
+            live = self.serial[ids[pos:]] == serials[pos:]
+            parts.append(ids[pos:][live])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+class CachedHashes:
+    """The hashes a `BlockArrayPool` caches now, as a container (`h in cached`): its table less stale entries."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BlockArrayPool):
+        self.pool = pool
+
+    def __contains__(self, block_hash: object) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.pool.is_primary))
+
+
+class BlockView:
+    """One block of a `BlockArrayPool` seen as `Block` is (for tests and debugging): its id, ref count, hash."""
+
+    __slots__ = ("pool", "block_id")
+
+    def __init__(self, pool: BlockArrayPool, block_id: int):
+        self.pool, self.block_id = pool, block_id
+
+    @property
+    def ref_count(self) -> int:
+        return int(self.pool.ref_count[self.block_id])
+
+    @property
+    def block_hash(self) -> int | None:
+        return int(self.pool.block_hash[self.block_id]) if self.pool.is_cached[self.block_id] else None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+class BlockArrayPool:
+    """`BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash`, `is_cached` are arrays indexed by
+    block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's null block, never handed out.
+
+    The prefix table `cached_block_hash_to_block` maps a hash (a block key) to the oldest block caching it, as
+    vLLM's `BlockHashToBlockMap`; `cached_duplicates` holds the younger ones, oldest first, and `has_younger`
+    marks the blocks that have some. Evicting a block with no younger copy leaves its entry in the table, stale
+    (it no longer answers: `is_primary` is False or the block caches another hash now), so evictions cost no
+    table operation; stale entries are dropped at the next insert of their hash, or all at once when they
+    outnumber the pool. `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_count = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,)
+        self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
+        self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
+        self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its hash
+        self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
+        self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
+        self.cached_block_hash_to_block: dict[int, int] = {}  # hash -> oldest block (or a stale entry)
+        self.cached_duplicates: dict[int, list[int]] = {}  # hash -> its younger cached blocks, oldest first
+        self.num_shared_refs = 0
+        self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
+        self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
+        self._views: list[BlockView] | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out: all but the null block."""
+        return max(self.num_blocks - 1, 0)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached-but-unreferenced included (they can be evicted on demand)."""
+        return self.free_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """vLLM's `BlockPool.get_usage`: the fraction of usable blocks requests hold."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
+        if not num_blocks:
+            return []
+        ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
+        self.ref_count[ids] = 1
+        cached = self.is_cached[ids]
+        if cached.any():
+            self._evict(ids[cached] if not cached.all() else ids)
+        self.num_blocks_allocated += num_blocks
+        return ids.tolist()
+
+    def get_new_block(self) -> int:
+        """`get_new_blocks(1)[0]`: a decode step opening one block."""
+        block = self.free_queue.pop_one()
+        self.ref_count[block] = 1
+        if self.is_cached[block]:
+            self.is_cached[block] = False
+            if self.has_younger[block] or not self.is_primary[block]:
+                self._uncache(block, int(self.block_hash[block]))
+            else:
+                self.is_primary[block] = False
+        self.num_blocks_allocated += 1
+        return block
+
+    def _evict(self, ids: np.ndarray) -> None:
+        """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
+        copies (the next one takes over) and younger copies themselves (they leave their hash's list), which
+        are uncached one at a time in `ids`' order, as vLLM evicts."""
+        self.is_cached[ids] = False
+        slow = self.has_younger[ids] | ~self.is_primary[ids]
+        if not slow.any():
+            self.is_primary[ids] = False
+            return
+        self.is_primary[ids[~slow]] = False
+        for block in ids[slow].tolist():
+            self._uncache(block, int(self.block_hash[block]))
+
+    def _uncache(self, block: int, key: int) -> None:
+        """`block`, cached under `key` with younger copies or as one, leaves: the next oldest copy answers."""
+        table, duplicates = self.cached_block_hash_to_block, self.cached_duplicates
+        younger = duplicates.get(key)
+        if self.is_primary[block] and table.get(key) == block:  # the copy lookups find
+            self.is_primary[block] = False
+            self.has_younger[block] = False
+            if younger:
+                first = younger.pop(0)
+                table[key] = first
+                self.is_primary[first] = True
+                self.has_younger[first] = bool(younger)
+        elif younger is not None:  # a younger copy
+            younger.remove(block)
+            primary = table[key]
+            self.has_younger[primary] = bool(younger)
+        if younger is not None and not younger:
+            del duplicates[key]
+
+    def get_cached_block(self, block_hash: int) -> int | None:
+        """The oldest block caching `block_hash` (vLLM's `get_one_block`), or None."""
+        block = self.cached_block_hash_to_block.get(block_hash)
+        if block is None or not self.is_primary[block] or self.block_hash[block] != block_hash:
+            return None
+        return block
+
+    def cache_full_block(self, block: int, block_hash: int) -> None:
+        """Register uncached full `block` under `block_hash`, behind any block already caching it."""
+        self.block_hash[block] = block_hash
+        self.is_cached[block] = True
+        first = self.cached_block_hash_to_block.setdefault(block_hash, block)
+        if first != block:
+            if self.is_primary[first] and self.block_hash[first] == block_hash:  # a live older copy
+                self.cached_duplicates.setdefault(block_hash, []).append(block)
+                self.has_younger[first] = True
+                return
+            self.cached_block_hash_to_block[block_hash] = block  # a stale entry
+        self.is_primary[block] = True
+
+    def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
+        """Register uncached full blocks `ids` under `hashes` (also as `hash_array`, (len(ids),) int64), each
+        behind any block already caching its hash."""
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
+        self.block_hash[arr] = hash_array
+        self.is_cached[arr] = True
+        table = self.cached_block_hash_to_block
+        held = list(map(table.setdefault, hashes, ids))
+        if held != ids:  # older copies (live, or stale entries) of some of these hashes
+            older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
+            mismatch = np.flatnonzero(older != arr)
+            first = older[mismatch]
+            live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
+            stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
+            table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
+            if live.any():  # cached behind the live older copy
+                for i, f in zip(mismatch[live].tolist(), first[live].tolist()):
+                    self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
+                self.has_younger[first[live]] = True
+                keep = np.ones(len(ids), dtype=bool)
+                keep[mismatch[live]] = False
+                arr = arr[keep]
+        self.is_primary[arr] = True
+        if len(table) > self._table_limit:
+            self._purge()
+
+    def _purge(self) -> None:
+        """Drop the table's stale entries (its dict kept: others may hold it)."""
+        ids = np.flatnonzero(self.is_primary)
+        table = self.cached_block_hash_to_block
+        table.clear()
+        table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+
+    def cached_hashes(self) -> CachedHashes:
+        """The hashes some block caches now, as a container (a router's view of the cache)."""
+        return CachedHashes(self)
+
+    def num_evictable(self, ids: list[int]) -> int:
+        """How many of `ids` nobody holds (a hit on them takes them out of the free queue)."""
+        return int(np.count_nonzero(self.ref_count[ids] == 0)) if ids else 0
+
+    def touch(self, ids: list[int]) -> None:
+        """One more holder for each of `ids` (a prefix hit); free ones leave the free queue."""
+        if not ids:
+            return
+        refs = self.ref_count[ids]  # (n,)
+        free = refs == 0
+        num_free = int(np.count_nonzero(free))
+        if num_free:
+            self.free_queue.remove(np.asarray(ids, dtype=np.int64)[free])
+        self.num_shared_refs += len(ids) - num_free
+        self.ref_count[ids] = refs + 1
+
+    def free_blocks(self, ids: list[int]) -> None:
+        """One holder fewer for each of `ids`, given in eviction order (a request's tail first). A block nobody
+        holds goes back to the free queue: cached ones to the tail, uncached to the head, each kind in the order
+        given (vLLM's `append_n` / `prepend_n`)."""
+        if not ids:
+            return
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
+        refs = self.ref_count[arr] - 1
+        self.ref_count[arr] = refs
+        zero = refs == 0
+        if not zero.all():
+            assert (refs >= 0).all(), "a block freed more often than held"
+            self.num_shared_refs -= int(np.count_nonzero(refs))
+            arr = arr[zero]
+        cached = self.is_cached[arr]
+        if cached.all():
+            self.free_queue.push_tail(arr)
+        elif not cached.any():
+            self.free_queue.push_head(arr)
+        else:
+            self.free_queue.push_head(arr[~cached])
+            self.free_queue.push_tail(arr[cached])
+
+    # --- for tests and debugging -------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> list[BlockView]:
+        """Every block as a `BlockView` (the same object each time)."""
+        if self._views is None:
+            self._views = [BlockView(self, i) for i in range(self.num_blocks)]
+        return self._views
+
+    def free_block_views(self) -> list[BlockView]:
+        """The free queue's blocks, head (next reused) first."""
+        return [self.blocks[i] for i in self.free_queue.queued_ids().tolist()]
