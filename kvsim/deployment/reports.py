@@ -50,9 +50,9 @@ def fleet_metrics(fleet: FleetResult, run: FleetRun, *, bounds: bool = True) -> 
     prompt = fleet.result.num_prompt_tokens
     out = {"load_imbalance": imbalance, "fleet_hit_rate": math.nan, "hit_rate_bound": math.nan, "hit_rate_ideal": math.nan}
     config = run.deployment.config
-    if getattr(config, "prefix_caching", False):
+    if config.prefix_caching:
         out["fleet_hit_rate"] = float(run.deployment.num_cached_tokens.sum() / max(prompt.sum(), 1))
-    if getattr(config, "prefix_caching", False) and bounds:
+    if config.prefix_caching and bounds:
         from kvsim.cache_curve.view import cache_curve_of
 
         bs = config.block_size

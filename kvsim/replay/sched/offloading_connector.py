@@ -377,14 +377,14 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     def refuse(message: str) -> KvsimError:
         return KvsimError(message, source=source, field="offload")
 
-    if not getattr(allocator, "paged", False):
+    if not allocator.paged:
         raise refuse("the CPU tier moves KV blocks and needs a paged allocator")
     if not spec.is_uniform or spec.pool is not None:
         groups = {} if spec.pool is None else {g.kind: None for g in spec.pool.groups}
         names = {"full": "full attention", "mla": "MLA", "sliding": "sliding window", "chunked": "chunked local attention",
                  "state": "Mamba state"}
         named = ", ".join(names.get(kind, kind) for kind in groups)
-        raise refuse(f"{getattr(model, 'name', 'this model')} has {len(spec.pool.groups) if spec.pool else 'several'} "
+        raise refuse(f"{model.name} has {len(spec.pool.groups) if spec.pool else 'several'} "
                      f"KV cache groups ({named or 'mixed layers'}): vLLM 0.33's OffloadingConnector offloads each "
                      "group (sliding windows and state groups by their own rules), which the replay's CPU tier does "
                      "not follow yet; it serves models of one full-attention or MLA group")
