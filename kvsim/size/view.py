@@ -1,17 +1,14 @@
-"""Rich tables (and --json) for `kvsim size`: presentation only, the math is in sizing; vLLM's lines are
-`view_vllm`, `kvsim models` is `view_models`."""
+"""Tables (and --json) for `kvsim size`: presentation only, the math is in sizing; vLLM's lines are
+`view_vllm`, `kvsim models` is `view_models`. Printed through `console.SizeConsole` (rich on a terminal only)."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from kvsim.errors import KvsimError
+from kvsim.size.console import SizeConsole, Table
 from kvsim.units import format_bytes
 from kvsim.size.view_vllm import print_hybrid_pages, print_vllm_lines
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 def _b(num_bytes: int | None) -> str:
@@ -149,9 +146,7 @@ def show_size(
         print(json.dumps(out, indent=2))
         _raise_verdict(report)
         return
-    from rich.console import Console  # tables only: --json never loads rich
-
-    console = Console()
+    console = SizeConsole()  # rich only on a terminal: --json and plain output never load it
     _print_report(console, report)
     if mamba_note:
         console.print(f"assumed: {mamba_note}", style="dim", highlight=False, soft_wrap=True)
@@ -232,14 +227,12 @@ def _group_shape(model, group, tp: int) -> tuple[str, str]:
     return str(heads), dim
 
 
-def _print_report(console: Console, report) -> None:
-    from rich.table import Table
-
+def _print_report(console: SizeConsole, report) -> None:
     from kvsim.size.sizing import sliding_cap_bytes_per_sequence
 
     model, spec, n = report.model, report.spec, report.context_tokens
     title = f"{model.name}" + (f" ({model.hf_id})" if model.hf_id else "") + f": KV cache, {spec.dtype}, tp={report.tp}, per rank"
-    kinds = Table(title=title, title_justify="left")
+    kinds = Table(title)
     for col in ("layer group", "layers", "KV heads", "head dim", "B/token", f"per seq @ {n:,}"):
         kinds.add_column(col, justify="left" if col == "layer group" else "right")
     mla = any(layer.kind.value == "mla" for layer in model.layers)
@@ -253,7 +246,7 @@ def _print_report(console: Console, report) -> None:
         kinds.add_row(name, str(g.num_layers), heads, dim, f"{g.bytes_per_token:,}", _h(g.bytes_per_token * kept))
     console.print(kinds)
 
-    summary = Table(show_header=False, box=None, padding=(0, 2))
+    summary = Table(grid=True)
     summary.add_column(justify="left")
     summary.add_column(justify="right")
     rows = [
@@ -321,11 +314,8 @@ def _startup_note(m) -> str:
     )
 
 
-def _print_layout(console: Console, pool, address: str | None, offset: int | None) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=escape("KV pool tensor [kv, layer, block, token, head, dim] (row-major)"), title_justify="left")
+def _print_layout(console: SizeConsole, pool, address: str | None, offset: int | None) -> None:
+    table = Table("KV pool tensor [kv, layer, block, token, head, dim] (row-major)")
     table.add_column("")
     for name in ("kv", "layer", "block", "token", "head", "dim"):
         table.add_column(name, justify="right")
@@ -335,4 +325,4 @@ def _print_layout(console: Console, pool, address: str | None, offset: int | Non
     console.print(table)
     console.print(f"pool bytes: {_b(pool.total_bytes)}")
     if offset is not None:
-        console.print(escape(f"element [{address}] byte offset: {offset:,}"), highlight=False, soft_wrap=True)
+        console.print(f"element [{address}] byte offset: {offset:,}", highlight=False, soft_wrap=True)

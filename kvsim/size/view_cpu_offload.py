@@ -8,10 +8,10 @@ from kvsim.size.cpu_offload import CpuOffload
 from kvsim.units import format_bytes
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from kvsim.size.console import SizeConsole
 
 
-def print_cpu_tier(console: Console, cpu: CpuOffload) -> None:
+def print_cpu_tier(console: SizeConsole, cpu: CpuOffload) -> None:
     """The tier's chunks, their size, and what requests of max_model_len tokens hold there."""
     lines = [
         f"CPU tier (vLLM OffloadingConnector): {format_bytes(cpu.cpu_bytes_to_use)} for the engine, "

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from kvsim.size.console import SizeConsole
 
 
-def print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
+def print_hybrid_pages(console: SizeConsole, h, checkpoint: int = 0) -> None:
     """vLLM's raised block size and padded state page, and the vLLM settings they assume."""
     how = (
         f"raised from --block-size {h.requested_block_size}, in multiples of {h.alignment}, until one attention page holds one layer's state"
@@ -42,7 +42,7 @@ def print_hybrid_pages(console: Console, h, checkpoint: int = 0) -> None:
     )
 
 
-def print_vllm_lines(console: Console, report) -> None:
+def print_vllm_lines(console: SizeConsole, report) -> None:
     """vLLM's start-up line (or kvsim's whole-block estimate where vLLM's arithmetic is not followed)."""
     from kvsim.size.vllm import VLLM_VERSION
 
