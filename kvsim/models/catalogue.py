@@ -17,7 +17,6 @@ from importlib import resources
 from pathlib import Path
 
 from kvsim.errors import KvsimError
-from kvsim.models.hf_cache import checkpoint_spec, find_cached, hub_cache_dir, local_checkpoint
 from kvsim.models.hf_config import model_spec_from_config
 from kvsim.models.spec import ModelSpec
 from kvsim.models.yaml_entries import entries_fields, entry_texts, parse_entry
@@ -140,10 +139,14 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     """
     path = Path(name_or_path).expanduser()
     if path.is_file() or path.suffix.lower() in _FILE_SUFFIXES or (path.is_dir() and (path / "config.json").is_file()):
+        from kvsim.models.hf_cache import checkpoint_spec, local_checkpoint
+
         return checkpoint_spec(local_checkpoint(path))
     repo_id = name_or_path.strip().strip("/")
     key = _catalogue_key(name_or_path)
-    if _REPO_ID.match(repo_id):
+    if _REPO_ID.match(repo_id):  # the checkpoints' module loads for a path or an ORG/NAME id, not a short name
+        from kvsim.models.hf_cache import checkpoint_spec, find_cached, hub_cache_dir
+
         cached = find_cached(repo_id)
         if cached is not None:
             return _with_catalogue_params(checkpoint_spec(cached), key)
@@ -153,6 +156,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         if path.is_dir():
             raise KvsimError("a folder without a config.json", source=str(path), field="--model")
         _lookup(name_or_path)  # raises, naming close matches
+    from kvsim.models.hf_cache import checkpoint_spec, hub_cache_dir
     from kvsim.models.hub import fetch_from_hub, hub_offline  # the Hub's step, reached by an id nothing else knows
 
     if hub_offline():

@@ -4,10 +4,12 @@ the checkpoint's quantization (read once, kept on ModelSpec.weight_config; count
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsim.errors import KvsimError
-from kvsim.models.quantization import Quantization, read_quantization
+
+if TYPE_CHECKING:
+    from kvsim.models.quantization import Quantization
 
 _UNGATED_MLP = {"opt", "gpt2", "gpt_neox", "falcon", "gpt_bigcode", "phi", "bloom"}
 _QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
@@ -41,11 +43,14 @@ def weight_config(data: dict[str, Any], num_layers: int, source: str | None) -> 
     """A flattened config dict's weight fields; an unmodelled quantization method is kept as its error, raised
     where weights are counted (kvsim.models.weights)."""
     family = str(data.get("model_type", "")).lower()
-    unmodelled = None
-    try:
-        quant = read_quantization(data.get("quantization_config"), source)
-    except KvsimError as exc:
-        quant, unmodelled = None, str(exc)
+    quant, unmodelled = None, None
+    if data.get("quantization_config") is not None:  # kvsim.models.quantization loads for a quantized checkpoint only
+        from kvsim.models.quantization import read_quantization
+
+        try:
+            quant = read_quantization(data["quantization_config"], source)
+        except KvsimError as exc:
+            unmodelled = str(exc)
     experts = data.get("num_experts") or data.get("num_local_experts") or data.get("n_routed_experts") or 0
     experts = experts if isinstance(experts, int) and experts > 1 else 0
     moe_layers: tuple[int, ...] = ()

@@ -16,12 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvsim.models.quantization import Quantization
 from kvsim.errors import KvsimError
 from kvsim.models.weight_config import WeightConfig
 from kvsim.units import dtype_bytes
 
 if TYPE_CHECKING:
+    from kvsim.models.quantization import Quantization
     from kvsim.models.spec import ModelSpec
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -91,6 +91,8 @@ def model_weights(model: ModelSpec, *, tp: int = 1, loaded: bool = True, weight_
     if weight_dtype in ("bf16", "fp16", "fp32"):
         activation = weight_dtype  # vLLM's --dtype: every tensor in it
     elif weight_dtype:  # --quantization fp8 and the like: linear layers in it, embeddings in the activation dtype
+        from kvsim.models.quantization import Quantization
+
         quant = Quantization(weight_dtype, 8 * dtype_bytes(weight_dtype), group_size=0, scale_bytes=4)
     plain = dtype_bytes(activation)
     if quant is None and not weight_dtype and model.weight_dtype not in ("bf16", "fp16", "fp32"):
