@@ -4,7 +4,8 @@ report object behind the tables and --json.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.errors import KvsimError
@@ -30,8 +31,7 @@ from kvsim.size.vllm import (
 )
 
 
-@dataclass(frozen=True)
-class Capacity:
+class Capacity(NamedTuple):  # not a frozen dataclass: ~6x cheaper to define (kvsim size's start-up)
     """How much fits in a KV budget: tokens, and sequences of `context_tokens` (vLLM's concurrency line)."""
 
     kv_budget_bytes: int
@@ -82,8 +82,7 @@ def capacity(
     )
 
 
-@dataclass(frozen=True)
-class SizeReport:
+class SizeReport(NamedTuple):  # not a frozen dataclass: ~6x cheaper to define (kvsim size's start-up)
     """Every figure `kvsim size` prints, per TP rank; `as_json()` is the --json object."""
 
     model: ModelSpec
@@ -280,8 +279,7 @@ def size_report(
     largest = None
     if cap.vllm is not None and not cap.vllm.starts:
         largest = largest_starting_max_model_len(layers, budget, n, spec.block_size, settings)
-    return replace(
-        report,
+    return report._replace(
         memory_bytes=memory_bytes,
         gpu_name=gpu_name,
         utilization=startup.gpu_memory_utilization if memory is not None else None,

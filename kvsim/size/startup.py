@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsim.errors import KvsimError
 from kvsim.models.spec import ModelSpec
@@ -89,8 +90,7 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, blac
     return sorted(sizes)
 
 
-@dataclass(frozen=True)
-class StartupMemory:
+class StartupMemory(NamedTuple):  # not a frozen dataclass: ~6x cheaper to define (kvsim size's start-up)
     """Each term of vLLM's start-up accounting on one rank (bytes), and what is left for the KV cache."""
 
     total_memory: int  # what the device reports to CUDA
