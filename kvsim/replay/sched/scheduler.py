@@ -596,23 +596,24 @@ class Scheduler:
     def _settle_run(self, out: SchedulerOutput) -> None:
         """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
         steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
-        caching = self._hash_block_size > 0
+        hash_bs = self._hash_block_size
         inner = out.num_steps - 1
         for seq in out.decodes:
             seq.num_output_tokens += inner
-            seq.num_known_tokens = seq.num_prompt_tokens + seq.num_output_tokens
+            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
             assert seq.num_output_tokens < seq.max_tokens, seq
-            if caching:  # what the steps processed so far computed; the last one is in flight
-                self._cache_settled(seq, seq.num_computed_tokens - 1)
+            if hash_bs:  # what the steps processed so far computed; the last one is in flight
+                settled = seq.num_computed_tokens - 1
+                if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                    self._cache_settled(seq, settled)
 
     def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
-        """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)` (vLLM caches the full blocks of the
-        tokens settled so far), skipped where it would cache nothing: the full blocks within `num_tokens` and the
-        known tokens were all asked for before (the allocator caches up to the same bound, capped by its own)."""
-        end = min(num_tokens, seq.num_known_tokens) // self._hash_block_size
-        if end > seq.num_cache_asked_blocks:
-            seq.num_cache_asked_blocks = end
-            self.allocator.cache_blocks(seq, num_tokens)
+        """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
+        tokens settled so far. The callers skip it where it would cache nothing: where the full blocks within
+        `num_tokens` and the known tokens were all asked for before (`SchedSeq.num_cache_asked_blocks`; the
+        allocator caches up to the same bound, capped by its own)."""
+        seq.num_cache_asked_blocks = min(num_tokens, seq.num_known_tokens) // self._hash_block_size
+        self.allocator.cache_blocks(seq, num_tokens)
 
     def flush(self) -> list[SchedSeq]:
         """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
@@ -685,7 +686,7 @@ class Scheduler:
         cached: computed less what the newer step in flight still computes (`num_in_flight_tokens`, once
         `out`'s tokens are taken off). Finishes in sampling order: completed prefills, then decodes."""
         finished: list[SchedSeq] = []
-        caching = self._hash_block_size > 0
+        hash_bs = self._hash_block_size
         stale = set()
         for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
             seq.num_in_flight_tokens -= n
@@ -694,23 +695,27 @@ class Scheduler:
                 stale.add(seq.seq_id)
         for seq in out.sampled[:len(out.sampled) - len(out.decodes)]:  # prefills that sampled
             seq.num_output_tokens += 1
-            seq.num_known_tokens = seq.num_prompt_tokens + seq.num_output_tokens
+            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
             if seq.num_output_placeholders and seq.seq_id not in stale:
                 seq.num_output_placeholders -= 1
-                if caching:  # vLLM caches what the steps processed so far computed
-                    self._cache_settled(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
+                if hash_bs:  # vLLM caches what the steps processed so far computed
+                    settled = seq.num_computed_tokens - seq.num_in_flight_tokens
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         for seq in out.decodes:
             seq.num_in_flight_tokens -= 1
             seq.num_output_tokens += 1
-            seq.num_known_tokens = seq.num_prompt_tokens + seq.num_output_tokens
+            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
             if seq.stale_output:
                 seq.stale_output = False
             elif seq.num_output_placeholders:
                 seq.num_output_placeholders -= 1
-                if caching:
-                    self._cache_settled(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
+                if hash_bs:
+                    settled = seq.num_computed_tokens - seq.num_in_flight_tokens
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         return finished
