@@ -161,11 +161,12 @@ class Scheduler:
                     max_model_len = self.max_model_len
                     while j < end:
                         s = running[j]
-                        computed, placeholders = s.num_computed_tokens, s.num_output_placeholders
-                        if (computed < s.prefill_target
-                                or s.num_prompt_tokens + s.num_output_tokens + placeholders - computed != 1
-                                or computed + 2 > max_model_len
-                                or (placeholders and computed + 2 - placeholders >= s.num_prompt_tokens + s.max_tokens)):
+                        computed = s.num_computed_tokens
+                        if computed < s.prefill_target:
+                            break
+                        placeholders, prompt = s.num_output_placeholders, s.num_prompt_tokens
+                        if (prompt + s.num_output_tokens + placeholders - computed != 1 or computed + 2 > max_model_len
+                                or (placeholders and computed + 2 - placeholders >= prompt + s.max_tokens)):
                             break
                         j += 1
                 batch = running[i:j]
@@ -706,8 +707,8 @@ class Scheduler:
                 finished.append(seq)
         for seq in out.decodes:
             seq.num_in_flight_tokens -= 1
-            seq.num_output_tokens += 1
-            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
+            seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+            seq.num_known_tokens = known = seq.num_prompt_tokens + num_output
             if seq.stale_output:
                 seq.stale_output = False
             elif seq.num_output_placeholders:
@@ -716,6 +717,6 @@ class Scheduler:
                     settled = seq.num_computed_tokens - seq.num_in_flight_tokens
                     if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
                         self._cache_settled(seq, settled)
-            if seq.num_output_tokens >= seq.max_tokens:
+            if num_output >= seq.max_tokens:
                 finished.append(seq)
         return finished
