@@ -552,3 +552,64 @@ def test_async_decode_runs_equal_stepping_one_by_one_under_pressure(prefix_cachi
         assert with_runs == exact, seqs
         preempted += exact[2] > 0
     assert coalesced >= 15 and preempted >= 5  # the comparison covered runs and preemptions
+
+
+class _AlwaysAsksToCache(SchedSeq):
+    """A request for which the scheduler never skips `cache_blocks` (it never records what it asked for)."""
+
+    @property
+    def num_cache_asked_blocks(self) -> int:
+        return -1
+
+    @num_cache_asked_blocks.setter
+    def num_cache_asked_blocks(self, value: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("allow_runs", [False, True])
+def test_async_cache_blocks_is_skipped_only_where_it_would_cache_nothing(allow_runs):
+    """Async prefix caching asks `cache_blocks` only when a settled token fills a block not asked for before.
+    Against the same streams asking at every processed output: after every row, the same hashes on every
+    running request's blocks, and the same prefix hits; under preemption, with and without decode runs."""
+    import random
+
+    import numpy as np
+
+    def replay(specs, seq_type):
+        sched = make_scheduler(
+            AllocatorConfig("paged", block_size=4, prefix_caching=True), budget_tokens=120, max_num_batched_tokens=24,
+            max_num_seqs=6, roofline=roofline(), allow_runs=allow_runs, max_model_len=128, async_scheduling=True,
+        )
+        alloc = sched.allocator
+        seqs = [seq_type(i, p, o, index=i) for i, (p, o) in enumerate(specs)]
+        for seq in seqs:  # every 7 to 9 requests' ids repeat with the same period: some share blocks
+            seq.token_ids = np.arange(seq.num_prompt_tokens + seq.max_tokens, dtype=np.int64) % (7 + seq.seq_id % 3)
+            assert sched.add_request(seq) is None
+        rows, asked = [], 0
+        cache_blocks = alloc.cache_blocks
+
+        def counting(seq, num_tokens):
+            nonlocal asked
+            asked += 1
+            cache_blocks(seq, num_tokens)
+
+        alloc.cache_blocks = counting
+        while sched.has_work:
+            out, _ = sched.schedule()
+            if out.prefills or out.decodes:
+                sched.postprocess(out)
+            elif sched.has_in_flight:
+                sched.flush()
+            rows.append([(seq.seq_id, [alloc.pool.blocks[b].block_hash for b in alloc.block_table(seq)])
+                         for seq in sched.running])
+        return rows, alloc.prefix_hit_tokens, sum(seq.num_preemptions for seq in seqs), asked
+
+    rng = random.Random(3)
+    preempted = fewer_asks = 0
+    for _ in range(15):
+        specs = [(rng.randint(1, 40), rng.randint(1, 60)) for _ in range(rng.randint(2, 10))]
+        skipping, always = replay(specs, SchedSeq), replay(specs, _AlwaysAsksToCache)
+        assert skipping[:3] == always[:3], specs
+        preempted += skipping[2] > 0
+        fewer_asks += skipping[3] < always[3]
+    assert preempted >= 3 and fewer_asks >= 10  # the comparison covered preemptions and skipped calls

@@ -411,5 +411,8 @@ class PagedAllocator(KVAllocator):
         if j >= end:
             return
         # fresh blocks: a request's hits end before num_hashed
-        self.pool.cache_full_blocks(req.table[j:end], hashes[j:end], req.hash_array[j:end])
+        if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
+            self.pool.cache_full_block(req.table[j], hashes[j])
+        else:
+            self.pool.cache_full_blocks(req.table[j:end], hashes[j:end], req.hash_array[j:end])
         req.num_hashed = end

@@ -32,6 +32,9 @@ class SchedSeq(Sequence):
     num_preemptions: int = 0
     swap_handle: object = None  # the cache's handle of KV swapped to the CPU pool (None: accounting only)
     swap_tokens: int = 0  # computed tokens that sit in the CPU pool while swapped out
+    # async scheduling with prefix caching: full blocks (of `KVAllocator.block_size`) the allocator was last asked
+    # to cache since its admission; it caches nothing new until a call reaches past them (0 after a preemption)
+    num_cache_asked_blocks: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -77,6 +77,8 @@ class Scheduler:
         self.make_token_ids = make_token_ids  # SchedSeq -> (prompt + max_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
+        # async scheduling: the block size prefix caching hashes at, which `_cache_settled` counts (0: no caching)
+        self._hash_block_size = allocator.block_size if allocator.enable_prefix_caching else 0
         # mamba_cache_mode align: prefill chunks end where a state must be cached (0: off)
         self.mamba_block_size = allocator.mamba_block_size
         self.waiting: deque[SchedSeq] = deque()
@@ -155,9 +157,17 @@ class Scheduler:
                 if not self.async_scheduling:
                     while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
                         j += 1
-                else:
-                    while (j < end and running[j].num_computed_tokens >= running[j].prefill_target
-                           and self._one_token(running[j])):
+                else:  # `_one_token` inlined: the async hot path
+                    max_model_len = self.max_model_len
+                    while j < end:
+                        s = running[j]
+                        computed = s.num_computed_tokens
+                        if computed < s.prefill_target:
+                            break
+                        placeholders, prompt = s.num_output_placeholders, s.num_prompt_tokens
+                        if (prompt + s.num_output_tokens + placeholders - computed != 1 or computed + 2 > max_model_len
+                                or (placeholders and computed + 2 - placeholders >= prompt + s.max_tokens)):
+                            break
                         j += 1
                 batch = running[i:j]
                 grown = alloc.append_decode_in_order(batch)
@@ -513,6 +523,7 @@ class Scheduler:
         assert self.running[-1] is seq
         self.running.pop()
         seq.num_preemptions += 1
+        seq.num_cache_asked_blocks = 0  # its blocks go: a new admission caches afresh
         if self.async_scheduling:  # vLLM drops its placeholders; output in flight is delivered as stale
             flight = self._in_flight
             seq.stale_output = flight is not None and (seq in flight.decodes or any(c[0] is seq for c in flight.prefills))
@@ -586,14 +597,24 @@ class Scheduler:
     def _settle_run(self, out: SchedulerOutput) -> None:
         """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
         steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
-        cache_blocks = self.allocator.cache_blocks if self.allocator.enable_prefix_caching else None
+        hash_bs = self._hash_block_size
         inner = out.num_steps - 1
         for seq in out.decodes:
             seq.num_output_tokens += inner
-            seq.num_known_tokens = seq.num_tokens
+            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
             assert seq.num_output_tokens < seq.max_tokens, seq
-            if cache_blocks is not None:  # what the steps processed so far computed; the last one is in flight
-                cache_blocks(seq, seq.num_computed_tokens - 1)
+            if hash_bs:  # what the steps processed so far computed; the last one is in flight
+                settled = seq.num_computed_tokens - 1
+                if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                    self._cache_settled(seq, settled)
+
+    def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
+        """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
+        tokens settled so far. The callers skip it where it would cache nothing: where the full blocks within
+        `num_tokens` and the known tokens were all asked for before (`SchedSeq.num_cache_asked_blocks`; the
+        allocator caches up to the same bound, capped by its own)."""
+        seq.num_cache_asked_blocks = min(num_tokens, seq.num_known_tokens) // self._hash_block_size
+        self.allocator.cache_blocks(seq, num_tokens)
 
     def flush(self) -> list[SchedSeq]:
         """Async scheduling: process the step in flight (nothing else was scheduled to overlap it)."""
@@ -606,57 +627,42 @@ class Scheduler:
         """What vLLM's `_update_after_schedule` does: computed tokens advance; a request whose tokens are all
         computed samples one (async: an output placeholder until its output is processed)."""
         sampled = out.sampled
+        k = out.num_steps
+        if not self.async_scheduling:
+            for seq, _, n in out.prefills:
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens >= seq.num_tokens:
+                    sampled.append(seq)
+            for seq in out.decodes:
+                seq.num_computed_tokens += k
+            sampled += out.decodes
+            return
+        # Async: a decode run's last step is in flight (its earlier ones settle at once): one placeholder each.
         for seq, _, n in out.prefills:
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= seq.num_tokens + seq.num_output_placeholders:
+            seq.num_in_flight_tokens += n
+            if seq.num_computed_tokens >= seq.num_prompt_tokens + seq.num_output_tokens + seq.num_output_placeholders:
                 sampled.append(seq)
-        k = out.num_steps
+                seq.num_output_placeholders += 1
         for seq in out.decodes:
             seq.num_computed_tokens += k
+            seq.num_in_flight_tokens += 1
+            seq.num_output_placeholders += 1
         sampled += out.decodes
-        if self.async_scheduling:  # a decode run's last step is in flight: its earlier ones settle at once
-            for seq in sampled:
-                seq.num_output_placeholders += 1
-            for seq, _, n in out.prefills:
-                seq.num_in_flight_tokens += n
-            for seq in out.decodes:
-                seq.num_in_flight_tokens += 1
 
     def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
         `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting."""
-        stale = set()
         if self.async_scheduling:
-            for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
-                seq.num_in_flight_tokens -= n
-            for seq in out.decodes:
-                seq.num_in_flight_tokens -= 1  # a decode run's last step (the others settled with it)
-            for seq in [chunk[0] for chunk in out.prefills] + out.decodes:
-                if seq.stale_output:
-                    seq.stale_output = False
-                    stale.add(seq.seq_id)
-        finished: list[SchedSeq] = []
-        num_prefill_samples = len(out.sampled) - len(out.decodes)
-        k = 1 if self.async_scheduling else out.num_steps  # async: a run's earlier steps settled already
-        caching = self.async_scheduling and self.allocator.enable_prefix_caching
-        cache_blocks = self.allocator.cache_blocks if caching else None  # else it caches nothing
-        in_flight: dict[int, int] = {}  # tokens each request has in the newer step, still in flight
-        if cache_blocks is not None and self._in_flight is not None:
-            for seq in self._in_flight.decodes:
-                in_flight[seq.seq_id] = 1
-            for seq, _, n in self._in_flight.prefills:
-                in_flight[seq.seq_id] = in_flight.get(seq.seq_id, 0) + n
-        for j, seq in enumerate(out.sampled):
-            count = 1 if j < num_prefill_samples else k
-            seq.num_output_tokens += count
-            if self.async_scheduling:
-                seq.num_known_tokens = seq.num_tokens
-            if seq.num_output_placeholders and seq.seq_id not in stale:
-                seq.num_output_placeholders -= count
-                if cache_blocks is not None:  # vLLM caches what the steps processed so far computed
-                    cache_blocks(seq, seq.num_computed_tokens - in_flight.get(seq.seq_id, 0))
-            if seq.num_output_tokens >= seq.max_tokens:
-                finished.append(seq)
+            finished = self._update_from_async_output(out)
+        else:
+            finished = []
+            k = out.num_steps
+            num_prefill_samples = len(out.sampled) - len(out.decodes)
+            for j, seq in enumerate(out.sampled):
+                seq.num_output_tokens += 1 if j < num_prefill_samples else k
+                if seq.num_output_tokens >= seq.max_tokens:
+                    finished.append(seq)
         if finished:
             running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
@@ -672,4 +678,45 @@ class Scheduler:
                 else:  # async: preempted for recompute while its last token was in flight
                     self.waiting.remove(seq)
                 seq.token_ids = None  # host memory follows live requests, not tokens replayed
+        return finished
+
+    def _update_from_async_output(self, out: SchedulerOutput) -> list[SchedSeq]:
+        """`_update_from_output` under async scheduling, for the step of `out` (a decode run's last step: the
+        others settled with it). Each sampled request settles one token; the placeholder goes unless its output
+        is stale (preempted while `out` ran), and with prefix caching the blocks its settled tokens fill are
+        cached: computed less what the newer step in flight still computes (`num_in_flight_tokens`, once
+        `out`'s tokens are taken off). Finishes in sampling order: completed prefills, then decodes."""
+        finished: list[SchedSeq] = []
+        hash_bs = self._hash_block_size
+        stale = set()
+        for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
+            seq.num_in_flight_tokens -= n
+            if seq.stale_output:
+                seq.stale_output = False
+                stale.add(seq.seq_id)
+        for seq in out.sampled[:len(out.sampled) - len(out.decodes)]:  # prefills that sampled
+            seq.num_output_tokens += 1
+            seq.num_known_tokens = known = seq.num_prompt_tokens + seq.num_output_tokens
+            if seq.num_output_placeholders and seq.seq_id not in stale:
+                seq.num_output_placeholders -= 1
+                if hash_bs:  # vLLM caches what the steps processed so far computed
+                    settled = seq.num_computed_tokens - seq.num_in_flight_tokens
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
+            if seq.num_output_tokens >= seq.max_tokens:
+                finished.append(seq)
+        for seq in out.decodes:
+            seq.num_in_flight_tokens -= 1
+            seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+            seq.num_known_tokens = known = seq.num_prompt_tokens + num_output
+            if seq.stale_output:
+                seq.stale_output = False
+            elif seq.num_output_placeholders:
+                seq.num_output_placeholders -= 1
+                if hash_bs:
+                    settled = seq.num_computed_tokens - seq.num_in_flight_tokens
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
+            if num_output >= seq.max_tokens:
+                finished.append(seq)
         return finished
