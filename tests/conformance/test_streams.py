@@ -78,20 +78,20 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
     from kvsim.conformance.vllm_engine import build_scheduler
-    from kvsim.engine.paged.block_pool import BlockPool
+    from kvsim.engine.paged.block_array_pool import BlockArrayPool
 
     rs = resolve(next(s for s in STREAMS if s.name == "gpt-oss-prefix-dense"))
     manager = build_scheduler(rs.setup).kv_cache_manager
     assert type(manager.coordinator).__name__ == "HybridKVCacheCoordinator"
     kvsim, vllm = run_kvsim(rs), run_vllm(rs)
     assert compare(kvsim, vllm).differing_steps == 0 and sum(r.prefix_hit_tokens for r in kvsim.steps) > 0
-    first_only = BlockPool.cache_full_block
+    first_only = BlockArrayPool.cache_full_block
 
-    def cache_first_only(self, block, key):
-        if key not in self.cached_block_hash_to_block:
-            first_only(self, block, key)
+    def cache_first_only(self, block, key, group=0):
+        if self.get_cached_block(key, group) is None:
+            first_only(self, block, key, group)
 
-    monkeypatch.setattr(BlockPool, "cache_full_block", cache_first_only)
+    monkeypatch.setattr(BlockArrayPool, "cache_full_block", cache_first_only)
     c = compare(run_kvsim(rs), vllm)
     assert c.differs and c.first_step is not None
 

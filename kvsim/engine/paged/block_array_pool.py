@@ -1,9 +1,8 @@
-"""The single-group paged allocator's blocks as arrays: `BlockPool`'s free queue, ref counts and prefix table with
-blocks as ints, so a request's blocks are taken, cached and freed in a few array operations instead of one
-Python step per block (the hot path of a prefix-cached replay: a 12,000-token prompt is 750 blocks).
-
-Same behaviour as `kvsim.engine.paged.block_pool.BlockPool` (vLLM's `BlockPool` / `FreeKVCacheBlockQueue`): the
-same blocks in the same order, the same evictions, the same duplicate rules; only the representation differs.
+"""The paged allocators' block pool, as vLLM 0.33.0's `BlockPool` / `FreeKVCacheBlockQueue` with blocks as ints:
+ref counts, cache keys and the free queue are arrays indexed by block id, so a request's blocks are taken, cached
+and freed in a few array operations instead of one Python step per block (the hot path of a prefix-cached
+replay: a 12,000-token prompt is 750 blocks). One pool serves every KV cache group of a model: the single-group
+path of uniform models and the per-group managers of mixed ones.
 """
 
 from __future__ import annotations
@@ -125,7 +124,8 @@ class FreeBlockSegments:
 
 
 class CachedHashes:
-    """The hashes a `BlockArrayPool` caches now, as a container (`h in cached`): its table less stale entries."""
+    """The keys group 0 of a `BlockArrayPool` caches now, as a container (`key in cached`): its table less stale
+    entries (a router's view of the cache)."""
 
     __slots__ = ("pool",)
 
@@ -136,11 +136,11 @@ class CachedHashes:
         return self.pool.get_cached_block(block_hash) is not None
 
     def __len__(self) -> int:
-        return int(np.count_nonzero(self.pool.is_primary))
+        return int(np.count_nonzero(self.pool.is_primary & (self.pool.block_group == 0)))
 
 
 class BlockView:
-    """One block of a `BlockArrayPool` seen as `Block` is (for tests and debugging): its id, ref count, hash."""
+    """One block of a `BlockArrayPool` seen as an object (for tests and debugging): its id, ref count, key, group."""
 
     __slots__ = ("pool", "block_id")
 
@@ -153,35 +153,51 @@ class BlockView:
 
     @property
     def block_hash(self) -> int | None:
+        """The key the block is cached under, None if uncached."""
         return int(self.pool.block_hash[self.block_id]) if self.pool.is_cached[self.block_id] else None
+
+    @property
+    def group(self) -> int:
+        """The KV cache group it was last cached for."""
+        return int(self.pool.block_group[self.block_id])
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
 
 
 class BlockArrayPool:
-    """`BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash`, `is_cached` are arrays indexed by
-    block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's null block, never handed out.
+    """vLLM's `BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash` (the cache key), `block_group`
+    and `is_cached` are arrays indexed by block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's
+    null block (`null_block`), never handed out.
 
-    The prefix table `cached_block_hash_to_block` maps a hash (a block key) to the oldest block caching it, as
-    vLLM's `BlockHashToBlockMap`; `cached_duplicates` holds the younger ones, oldest first, and `has_younger`
-    marks the blocks that have some. Evicting a block with no younger copy leaves its entry in the table, stale
-    (it no longer answers: `is_primary` is False or the block caches another hash now), so evictions cost no
-    table operation; stale entries are dropped at the next insert of their hash, or all at once when they
-    outnumber the pool. `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks.
+    Every KV cache group of a model takes its blocks from this one pool; a block is cached under (key, group), as
+    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` maps a key to the oldest block caching
+    it, as vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform
+    model); `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have
+    some. Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
+    `is_primary` is False, or the block caches another key or group now), so evictions cost no table operation;
+    stale entries are dropped at the next insert of their key, or all at once when they outnumber the pool.
+    `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
+    allocations sharing (prefix hits on held blocks) avoided.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+    null_block = 0
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False, num_groups: int = 1):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.num_groups = num_groups
         self.ref_count = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,)
         self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
+        self.block_group = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) the group of that key
         self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
-        self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its hash
+        self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
-        self.cached_block_hash_to_block: dict[int, int] = {}  # hash -> oldest block (or a stale entry)
-        self.cached_duplicates: dict[int, list[int]] = {}  # hash -> its younger cached blocks, oldest first
+        self.tables: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> oldest block (or stale)
+        self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
+        self.cached_block_hash_to_block = self.tables[0]
+        self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
         self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
@@ -198,7 +214,7 @@ class BlockArrayPool:
         return self.free_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        """vLLM's `BlockPool.get_usage`: the fraction of usable blocks requests hold."""
+        """vLLM's `BlockPool.get_usage`: the fraction of usable blocks requests hold (a router's KV-utilization)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
@@ -228,7 +244,7 @@ class BlockArrayPool:
 
     def _evict(self, ids: np.ndarray) -> None:
         """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
-        copies (the next one takes over) and younger copies themselves (they leave their hash's list), which
+        copies (the next one takes over) and younger copies themselves (they leave their key's list), which
         are uncached one at a time in `ids`' order, as vLLM evicts."""
         self.is_cached[ids] = False
         slow = self.has_younger[ids] | ~self.is_primary[ids]
@@ -241,7 +257,8 @@ class BlockArrayPool:
 
     def _uncache(self, block: int, key: int) -> None:
         """`block`, cached under `key` with younger copies or as one, leaves: the next oldest copy answers."""
-        table, duplicates = self.cached_block_hash_to_block, self.cached_duplicates
+        g = int(self.block_group[block])
+        table, duplicates = self.tables[g], self.duplicates[g]
         younger = duplicates.get(key)
         if self.is_primary[block] and table.get(key) == block:  # the copy lookups find
             self.is_primary[block] = False
@@ -258,43 +275,50 @@ class BlockArrayPool:
         if younger is not None and not younger:
             del duplicates[key]
 
-    def get_cached_block(self, block_hash: int) -> int | None:
-        """The oldest block caching `block_hash` (vLLM's `get_one_block`), or None."""
-        block = self.cached_block_hash_to_block.get(block_hash)
-        if block is None or not self.is_primary[block] or self.block_hash[block] != block_hash:
+    def get_cached_block(self, block_hash: int, group: int = 0) -> int | None:
+        """The oldest block caching `block_hash` for `group` (vLLM's `get_one_block`), or None."""
+        block = self.tables[group].get(block_hash)
+        if (block is None or not self.is_primary[block] or self.block_hash[block] != block_hash
+                or self.block_group[block] != group):
             return None
         return block
 
-    def cache_full_block(self, block: int, block_hash: int) -> None:
-        """Register uncached full `block` under `block_hash`, behind any block already caching it."""
+    def cache_full_block(self, block: int, block_hash: int, group: int = 0) -> None:
+        """Register uncached full `block` under (`block_hash`, `group`), behind any block already caching it."""
         self.block_hash[block] = block_hash
+        self.block_group[block] = group
         self.is_cached[block] = True
-        first = self.cached_block_hash_to_block.setdefault(block_hash, block)
+        table = self.tables[group]
+        first = table.setdefault(block_hash, block)
         if first != block:
-            if self.is_primary[first] and self.block_hash[first] == block_hash:  # a live older copy
-                self.cached_duplicates.setdefault(block_hash, []).append(block)
+            if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
+                self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
                 self.has_younger[first] = True
                 return
-            self.cached_block_hash_to_block[block_hash] = block  # a stale entry
+            table[block_hash] = block  # a stale entry
         self.is_primary[block] = True
 
     def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
-        """Register uncached full blocks `ids` under `hashes` (also as `hash_array`, (len(ids),) int64), each
-        behind any block already caching its hash."""
+        """Register uncached full blocks `ids` of group 0 under `hashes` (also as `hash_array`, (len(ids),) int64),
+        each behind any block already caching its key."""
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
         self.block_hash[arr] = hash_array
         self.is_cached[arr] = True
+        if self.num_groups > 1:
+            self.block_group[arr] = 0
         table = self.cached_block_hash_to_block
         held = list(map(table.setdefault, hashes, ids))
-        if held != ids:  # older copies (live, or stale entries) of some of these hashes
+        if held != ids:  # older copies (live, or stale entries) of some of these keys
             older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
             mismatch = np.flatnonzero(older != arr)
             first = older[mismatch]
             live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
+            if self.num_groups > 1:
+                live &= self.block_group[first] == 0
             stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
             table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
             if live.any():  # cached behind the live older copy
-                for i, f in zip(mismatch[live].tolist(), first[live].tolist()):
+                for i in mismatch[live].tolist():
                     self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
                 self.has_younger[first[live]] = True
                 keep = np.ones(len(ids), dtype=bool)
@@ -305,14 +329,14 @@ class BlockArrayPool:
             self._purge()
 
     def _purge(self) -> None:
-        """Drop the table's stale entries (its dict kept: others may hold it)."""
-        ids = np.flatnonzero(self.is_primary)
-        table = self.cached_block_hash_to_block
-        table.clear()
-        table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+        """Drop the tables' stale entries (their dicts kept: others may hold them)."""
+        for g, table in enumerate(self.tables):
+            ids = np.flatnonzero(self.is_primary & (self.block_group == g))
+            table.clear()
+            table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
 
     def cached_hashes(self) -> CachedHashes:
-        """The hashes some block caches now, as a container (a router's view of the cache)."""
+        """The keys group 0 caches now, as a container (a router's view of the cache)."""
         return CachedHashes(self)
 
     def num_evictable(self, ids: list[int]) -> int:
@@ -362,6 +386,11 @@ class BlockArrayPool:
         if self._views is None:
             self._views = [BlockView(self, i) for i in range(self.num_blocks)]
         return self._views
+
+    def cached_keys(self) -> dict[tuple[int, int], int]:
+        """Every (key, group) cached now, and the block a lookup returns for it."""
+        ids = np.flatnonzero(self.is_primary).tolist()
+        return dict(zip(zip(self.block_hash[ids].tolist(), self.block_group[ids].tolist()), ids))
 
     def free_block_views(self) -> list[BlockView]:
         """The free queue's blocks, head (next reused) first."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_array_pool import BlockArrayPool
-from kvsim.engine.paged.kv_cache_utils import block_hashes
+from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -54,7 +54,6 @@ class PagedAllocator(KVAllocator):
     """
 
     paged = True
-    reads_block_keys = True
 
     def __init__(
         self,
@@ -88,7 +87,7 @@ class PagedAllocator(KVAllocator):
         self._sum_cap = 0  # token slots allocated, over admitted requests
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
-        self._hashed: tuple | None = None  # (seq, its token ids, their block hashes): the last request hashed
+        self._keys = RequestBlockKeys(self.block_size)
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -133,8 +132,8 @@ class PagedAllocator(KVAllocator):
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        if self.enable_prefix_caching and (seq.block_keys is not None or seq.token_ids is not None):
-            hashes = self._block_hashes(seq)
+        if self.enable_prefix_caching and self._keys.has_keys(seq):
+            hashes = self._keys.get(seq)
             query = min(num_tokens, seq.num_final_tokens)
             hit_blocks = self._find_longest_cache_hit(hashes[0], (query - 1) // bs)
         hit = len(hit_blocks) * bs
@@ -152,7 +151,7 @@ class PagedAllocator(KVAllocator):
             return None  # leaving `reserved_blocks` free
 
         if hashes is not None:
-            self._hashed = None  # admitted: its hashes move to its PagedRequest
+            self._keys.forget()  # admitted: its keys move to its PagedRequest
         req = PagedRequest(seq, hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -174,10 +173,10 @@ class PagedAllocator(KVAllocator):
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
-        if not self.enable_prefix_caching or (seq.block_keys is None and seq.token_ids is None):
+        if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(self._block_hashes(seq)[0], (query - 1) // self.block_size)) * self.block_size
+        return len(self._find_longest_cache_hit(self._keys.get(seq)[0], (query - 1) // self.block_size)) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -214,7 +213,7 @@ class PagedAllocator(KVAllocator):
 
     def free_popped_blocks(self, blocks: list) -> None:
         self._num_popped -= len(blocks)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(blocks[::-1])
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
@@ -370,22 +369,6 @@ class PagedAllocator(KVAllocator):
         event = (j + 1) * bs  # the next block to hash fills here
         req.quiet_until = cap if cap < event else event - 1
         return True
-
-    def _block_hashes(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
-        """The cache keys of every full block of `seq`'s final tokens: its exact `block_keys` where it has them,
-        else the chained hashes of its token ids. Computed once per admission: a request refused at admission
-        is retried every step, so the last request keyed keeps its keys until admitted."""
-        hashed = self._hashed
-        if hashed is not None and hashed[0] is seq and hashed[1] is seq.token_ids:
-            return hashed[2]
-        if seq.block_keys is not None:
-            keys = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
-            hashes = (keys.tolist(), keys)
-        else:
-            chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
-            hashes = (chained, np.array(chained, dtype=np.int64))
-        self._hashed = (seq, seq.token_ids, hashes)
-        return hashes
 
     def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[int]:
         """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
