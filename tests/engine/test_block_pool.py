@@ -10,19 +10,19 @@ import sys
 
 import pytest
 
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 
 
-def queued(pool: BlockArrayPool) -> list[int]:
+def queued(pool: BlockPool) -> list[int]:
     return pool.free_queue.queued_ids().tolist()
 
 
-def block_hash(pool: BlockArrayPool, block: int) -> int | None:
+def block_hash(pool: BlockPool, block: int) -> int | None:
     return pool.blocks[block].block_hash
 
 
 def test_blocks_are_handed_out_in_id_order_at_start():
-    pool = BlockArrayPool(6)  # block 0 is the null block
+    pool = BlockPool(6)  # block 0 is the null block
     assert pool.free_queue.num_free_blocks == 5
     assert pool.get_new_blocks(2) == [1, 2] and pool.get_new_block() == 3
     assert queued(pool) == [4, 5]
@@ -30,7 +30,7 @@ def test_blocks_are_handed_out_in_id_order_at_start():
 
 @pytest.mark.parametrize("victim", [1, 3, 5])
 def test_remove_from_head_middle_and_tail(victim):
-    pool = BlockArrayPool(6, enable_caching=True)
+    pool = BlockPool(6, enable_caching=True)
     blocks = pool.get_new_blocks(5)
     for b in blocks:
         pool.cache_full_block(b, 100 + b)
@@ -42,14 +42,14 @@ def test_remove_from_head_middle_and_tail(victim):
 
 def test_block_zero_is_the_null_block_and_never_handed_out():
     """vLLM's BlockPool keeps block 0 as its null block: num_blocks - 1 are usable."""
-    pool = BlockArrayPool(3)
+    pool = BlockPool(3)
     assert pool.null_block == 0 and pool.num_usable_blocks == pool.num_free_blocks == 2
     assert pool.get_new_blocks(2) == [1, 2] and pool.num_free_blocks == 0
     assert 0 not in queued(pool)
 
 
 def test_uncached_reused_first_then_cached_in_lru_order():
-    pool = BlockArrayPool(5, enable_caching=True)  # blocks 1-4 usable
+    pool = BlockPool(5, enable_caching=True)  # blocks 1-4 usable
     b0, b1, b2, b3 = pool.get_new_blocks(4)
     pool.cache_full_block(b0, 100)
     pool.cache_full_block(b1, 101)
@@ -70,7 +70,7 @@ def test_uncached_reused_first_then_cached_in_lru_order():
 def test_free_puts_uncached_at_the_head_and_cached_at_the_tail(num_left_free):
     """A request's tail-first free: uncached blocks reused first (first freed first, vLLM's prepend_n), cached
     ones evicted in the order freed, shared ones stay held; whatever was already free stays between them."""
-    pool = BlockArrayPool(9 + num_left_free, enable_caching=True)  # block 0: the null block
+    pool = BlockPool(9 + num_left_free, enable_caching=True)  # block 0: the null block
     blocks = pool.get_new_blocks(8)
     assert blocks == list(range(1, 9))
     already_free = [b - 1 for b in queued(pool)]  # as indices into blocks
@@ -92,7 +92,7 @@ def test_free_puts_uncached_at_the_head_and_cached_at_the_tail(num_left_free):
 
 
 def test_free_of_only_shared_or_only_one_kind():
-    pool = BlockArrayPool(5, enable_caching=True)  # blocks 1-4 usable
+    pool = BlockPool(5, enable_caching=True)  # blocks 1-4 usable
     a, b, c, d = pool.get_new_blocks(4)
     pool.cache_full_block(c, 1)
     pool.touch([a])
@@ -105,7 +105,7 @@ def test_free_of_only_shared_or_only_one_kind():
 
 
 def test_get_new_block_matches_get_new_blocks():
-    twins = [BlockArrayPool(4, enable_caching=True) for _ in range(2)]  # blocks 1-3 usable
+    twins = [BlockPool(4, enable_caching=True) for _ in range(2)]  # blocks 1-3 usable
     for pool in twins:
         held = pool.get_new_blocks(3)
         pool.cache_full_block(held[0], 10)
@@ -119,7 +119,7 @@ def test_get_new_block_matches_get_new_blocks():
 
 
 def test_touch_revives_a_free_cached_block_from_the_middle():
-    pool = BlockArrayPool(4, enable_caching=True)  # blocks 1-3 usable
+    pool = BlockPool(4, enable_caching=True)  # blocks 1-3 usable
     blocks = pool.get_new_blocks(3)
     for i, b in enumerate(blocks):
         pool.cache_full_block(b, 200 + i)
@@ -131,7 +131,7 @@ def test_touch_revives_a_free_cached_block_from_the_middle():
 
 
 def test_ref_counts_and_shared_refs():
-    pool = BlockArrayPool(3)  # blocks 1-2 usable
+    pool = BlockPool(3)  # blocks 1-2 usable
     a, b = pool.get_new_blocks(2)
     refs = lambda: (int(pool.ref_count[a]), int(pool.ref_count[b]))  # noqa: E731
     assert refs() == (1, 1)
@@ -145,16 +145,16 @@ def test_ref_counts_and_shared_refs():
     assert refs() == (0, 0) and pool.num_shared_refs == 0 and pool.num_free_blocks == 2
 
 
-def make_duplicates(num_copies: int, key: int = 7) -> tuple[BlockArrayPool, list[int]]:
+def make_duplicates(num_copies: int, key: int = 7) -> tuple[BlockPool, list[int]]:
     """A pool whose first `num_copies` blocks each cached the same prefix (computed again by each request)."""
-    pool = BlockArrayPool(num_copies + 3, enable_caching=True)  # block 0: the null block; 2 blocks to spare
+    pool = BlockPool(num_copies + 3, enable_caching=True)  # block 0: the null block; 2 blocks to spare
     copies = pool.get_new_blocks(num_copies)
     for block in copies:
         pool.cache_full_block(block, key)
     return pool, copies
 
 
-def cached_under(pool: BlockArrayPool, key: int) -> list[int]:
+def cached_under(pool: BlockPool, key: int) -> list[int]:
     """Every block cached under `key`, the one a lookup returns first."""
     first = pool.get_cached_block(key)
     return ([] if first is None else [first]) + pool.cached_duplicates.get(key, [])

@@ -5,7 +5,7 @@ point that reconciles the groups)."""
 
 from __future__ import annotations
 
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import PoolSpec
 from kvsim.engine.paged.single_type_kv_cache_manager import SingleTypeManager, make_manager
 
@@ -18,14 +18,14 @@ class HybridCoordinator:
     """One manager per group, asked in group order (`KVCacheCoordinator`).
 
     A request's blocks are `tables[g]` (block ids) for group g; the coordinator never pools them per group: every
-    group takes its blocks from, and returns them to, the same `BlockArrayPool`.
+    group takes its blocks from, and returns them to, the same `BlockPool`.
 
     With prefix caching a block is cached under (block hash, group id), vLLM's `BlockHashWithGroupId`: the same
     prefix has one block per group, and a hit needs every group of a kind to hold it. Groups of one kind and
     window are looked up together (vLLM's `SpecGroup`), full attention first.
     """
 
-    def __init__(self, pool_spec: PoolSpec, pool: BlockArrayPool, prefix_cache_retention_interval: int | None = 0, *,
+    def __init__(self, pool_spec: PoolSpec, pool: BlockPool, prefix_cache_retention_interval: int | None = 0, *,
                  mamba_align: bool = False, mamba_checkpoint_alignment: int = 0):
         self.pool = pool
         # vLLM's `prefix_cache_retention_interval`: which sliding-window and state blocks are cached (None: every one)

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 from kvsim.engine.paged.kv_cache_coordinator import CACHEABLE_KINDS, HybridCoordinator
@@ -98,7 +98,7 @@ class HybridPagedAllocator(KVAllocator):
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockArrayPool(self.num_blocks, enable_caching=enable_prefix_caching, num_groups=len(self.groups))
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching, num_groups=len(self.groups))
         # vLLM's mamba_cache_mode: align (state groups cache their block-boundary states; prefill chunks end on
         # block boundaries) with prefix caching, as vllm serve runs hybrid models; none without
         has_state = any(g.kind == "state" for g in self.groups)

@@ -3,7 +3,7 @@ needs for `num_tokens`, which of its blocks fall outside the attention window (r
 
 from __future__ import annotations
 
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import VllmGroup
 
 
@@ -17,7 +17,7 @@ class SingleTypeManager:
         table  [ null ][ 7 ][ 9 ][ 4 ]     tokens 0-3 lie before the window of token 13 (6-13): block freed
     """
 
-    def __init__(self, group: VllmGroup, pool: BlockArrayPool, group_id: int = 0):
+    def __init__(self, group: VllmGroup, pool: BlockPool, group_id: int = 0):
         self.group = group
         self.group_id = group_id  # its index among the model's groups: its blocks are cached under (key, group_id)
         self.block_size = group.block_size
@@ -222,7 +222,7 @@ class MambaManager(SingleTypeManager):
     hashes are taken at the block size (no sub-block hits), without speculative decoding or a KV connector.
     """
 
-    def __init__(self, group: VllmGroup, pool: BlockArrayPool, group_id: int = 0, *, align: bool = False,
+    def __init__(self, group: VllmGroup, pool: BlockPool, group_id: int = 0, *, align: bool = False,
                  checkpoint_alignment: int = 0):
         super().__init__(group, pool, group_id)
         self.align = align
@@ -368,7 +368,7 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
 }
 
 
-def make_manager(group: VllmGroup, pool: BlockArrayPool, group_id: int = 0, *, mamba_align: bool = False,
+def make_manager(group: VllmGroup, pool: BlockPool, group_id: int = 0, *, mamba_align: bool = False,
                  mamba_checkpoint_alignment: int = 0) -> SingleTypeManager:
     """The manager vLLM's `get_manager_for_kv_cache_spec` picks for `group`'s kind; a state group's in align
     mode (`mamba_align`, with the state layers' prefill `mamba_checkpoint_alignment`, 0: none)."""

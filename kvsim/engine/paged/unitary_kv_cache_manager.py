@@ -12,7 +12,7 @@ from collections.abc import Container
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
@@ -80,7 +80,7 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockArrayPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, PagedRequest] = {}

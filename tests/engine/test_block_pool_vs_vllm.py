@@ -1,4 +1,4 @@
-"""BlockArrayPool against vLLM's BlockPool written plainly (a list as the free queue, a list of blocks per
+"""BlockPool against vLLM's BlockPool written plainly (a list as the free queue, a list of blocks per
 (key, group)): the same operations give the same blocks, free queue order, ref counts and prefix-table answers,
 duplicates, stale entries and keys cached in several groups included."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
+from kvsim.engine.paged.block_pool import BlockPool
 
 
 class ReferencePool:
@@ -65,7 +65,7 @@ class ReferencePool:
 def test_same_behaviour_as_vllms_block_pool(seed, num_groups):
     rng = np.random.default_rng(seed)
     num_blocks, num_keys = 24, 10  # few keys: duplicates and keys cached again after eviction are common
-    ref, arr = ReferencePool(num_blocks), BlockArrayPool(num_blocks, enable_caching=True, num_groups=num_groups)
+    ref, arr = ReferencePool(num_blocks), BlockPool(num_blocks, enable_caching=True, num_groups=num_groups)
     arr._table_limit = 12  # purge often
     held: list[list[int]] = []  # block ids of each live "request", in allocation order
     for _ in range(400):
@@ -111,7 +111,7 @@ def test_same_behaviour_as_vllms_block_pool(seed, num_groups):
 def test_a_stale_entry_does_not_answer_for_a_block_cached_again_in_another_group():
     """Block 1 cached under key 5 in group 0, evicted (its entry left stale), then cached under key 5 in group 1:
     group 0's lookup misses, group 1's finds it."""
-    pool = BlockArrayPool(2, enable_caching=True, num_groups=2)  # one usable block
+    pool = BlockPool(2, enable_caching=True, num_groups=2)  # one usable block
     (b,) = pool.get_new_blocks(1)
     pool.cache_full_block(b, 5, 0)
     assert pool.get_cached_block(5, 0) == b and pool.get_cached_block(5, 1) is None

@@ -124,12 +124,12 @@ class FreeBlockSegments:
 
 
 class CachedHashes:
-    """The keys group 0 of a `BlockArrayPool` caches now, as a container (`key in cached`): its table less stale
+    """The keys group 0 of a `BlockPool` caches now, as a container (`key in cached`): its table less stale
     entries (a router's view of the cache)."""
 
     __slots__ = ("pool",)
 
-    def __init__(self, pool: BlockArrayPool):
+    def __init__(self, pool: BlockPool):
         self.pool = pool
 
     def __contains__(self, block_hash: object) -> bool:
@@ -140,11 +140,11 @@ class CachedHashes:
 
 
 class BlockView:
-    """One block of a `BlockArrayPool` seen as an object (for tests and debugging): its id, ref count, key, group."""
+    """One block of a `BlockPool` seen as an object (for tests and debugging): its id, ref count, key, group."""
 
     __slots__ = ("pool", "block_id")
 
-    def __init__(self, pool: BlockArrayPool, block_id: int):
+    def __init__(self, pool: BlockPool, block_id: int):
         self.pool, self.block_id = pool, block_id
 
     @property
@@ -165,7 +165,7 @@ class BlockView:
         return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
 
 
-class BlockArrayPool:
+class BlockPool:
     """vLLM's `BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash` (the cache key), `block_group`
     and `is_cached` are arrays indexed by block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's
     null block (`null_block`), never handed out.
