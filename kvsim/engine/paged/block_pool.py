@@ -12,6 +12,7 @@ from collections import deque
 import numpy as np
 
 _NOT_QUEUED = -1
+_FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
 
 
 class FreeBlockSegments:
@@ -219,8 +220,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
-        if not num_blocks:
-            return []
+        if num_blocks <= _FEW:  # a few: one at a time beats numpy's fixed cost per call (same blocks, same order)
+            return [self.get_new_block() for _ in range(num_blocks)]
         ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
         self.ref_count[ids] = 1
         cached = self.is_cached[ids]
@@ -286,7 +287,8 @@ class BlockPool:
     def cache_full_block(self, block: int, block_hash: int, group: int = 0) -> None:
         """Register uncached full `block` under (`block_hash`, `group`), behind any block already caching it."""
         self.block_hash[block] = block_hash
-        self.block_group[block] = group
+        if self.num_groups > 1:
+            self.block_group[block] = group
         self.is_cached[block] = True
         table = self.tables[group]
         first = table.setdefault(block_hash, block)
@@ -301,6 +303,12 @@ class BlockPool:
     def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
         """Register uncached full blocks `ids` of group 0 under `hashes` (also as `hash_array`, (len(ids),) int64),
         each behind any block already caching its key."""
+        if len(ids) <= _FEW:  # a few (most calls: a decode step fills one block): one at a time
+            for block, key in zip(ids, hashes):
+                self.cache_full_block(block, key)
+            if len(self.cached_block_hash_to_block) > self._table_limit:
+                self._purge()
+            return
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
         self.block_hash[arr] = hash_array
         self.is_cached[arr] = True

@@ -135,7 +135,7 @@ class PagedAllocator(KVAllocator):
         if self.enable_prefix_caching and self._keys.has_keys(seq):
             hashes = self._keys.get(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks = self._find_longest_cache_hit(hashes[0], (query - 1) // bs)
+            hit_blocks = self._find_longest_cache_hit(hashes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
@@ -176,7 +176,7 @@ class PagedAllocator(KVAllocator):
         if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(self._keys.get(seq)[0], (query - 1) // self.block_size)) * self.block_size
+        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -220,6 +220,8 @@ class PagedAllocator(KVAllocator):
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
         num_hashed = req.num_hashed
+        if num_tokens < (num_hashed + 1) * self.block_size or req.hashes is None:  # no block filled since
+            return  # (async scheduling calls this for every request at every step)
         self._cache_full_blocks(req, num_tokens)
         if req.num_hashed != num_hashed:  # else `quiet_until` is still what `_refresh` would make it
             self._refresh(req)
@@ -370,16 +372,31 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[int]:
-        """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
+    def _find_longest_cache_hit(self, keys: tuple[list[int], np.ndarray], max_blocks: int) -> list[int]:
+        """The cached blocks of the leading keys (at most `max_blocks`), up to the first miss: the table's
+        entries up to the first key it lacks, then those still live (an entry goes stale when its block is
+        evicted), checked at once."""
         pool = self.pool
-        get, is_primary, block_hash = pool.cached_block_hash_to_block.get, pool.is_primary, pool.block_hash
+        get = pool.cached_block_hash_to_block.get
         hits: list[int] = []
-        for h in hashes[:max_blocks]:
+        append = hits.append
+        for h in keys[0][:max_blocks] if max_blocks < len(keys[0]) else keys[0]:
             block = get(h)
-            if block is None or not is_primary[block] or block_hash[block] != h:  # a miss, or a stale entry
+            if block is None:
                 break
-            hits.append(block)
+            append(block)
+        n = len(hits)
+        if n > 8:
+            arr = np.array(hits, dtype=np.int64)  # (n,)
+            live = pool.is_primary[arr] & (pool.block_hash[arr] == keys[1][:n])
+            if not live.all():
+                del hits[int(np.argmin(live)):]  # a stale entry: the hit ends before it
+        elif n:
+            is_primary, block_hash, key_list = pool.is_primary, pool.block_hash, keys[0]
+            for i, block in enumerate(hits):
+                if not is_primary[block] or block_hash[block] != key_list[i]:
+                    del hits[i:]
+                    break
         return hits
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
