@@ -65,6 +65,11 @@ class FreeBlockSegments:
         self.serial[ids] = _NOT_QUEUED
         self.num_free_blocks -= len(ids)
 
+    def remove_one(self, block: int) -> None:
+        """Take queued `block` out (its entry goes stale)."""
+        self.serial[block] = _NOT_QUEUED
+        self.num_free_blocks -= 1
+
     def pop(self, num_blocks: int) -> np.ndarray:
         """The `num_blocks` blocks at the head, head first, out of the queue: (num_blocks,) int64."""
         assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
@@ -353,7 +358,14 @@ class BlockPool:
 
     def touch(self, ids: list[int]) -> None:
         """One more holder for each of `ids` (a prefix hit); free ones leave the free queue."""
-        if not ids:
+        if len(ids) <= _FEW:
+            ref_count = self.ref_count
+            for block in ids:
+                if ref_count[block] == 0:
+                    self.free_queue.remove_one(block)
+                else:
+                    self.num_shared_refs += 1
+                ref_count[block] += 1
             return
         refs = self.ref_count[ids]  # (n,)
         free = refs == 0
@@ -367,7 +379,20 @@ class BlockPool:
         """One holder fewer for each of `ids`, given in eviction order (a request's tail first). A block nobody
         holds goes back to the free queue: cached ones to the tail, uncached to the head, each kind in the order
         given (vLLM's `append_n` / `prepend_n`)."""
-        if not ids:
+        if len(ids) <= _FEW:
+            ref_count, is_cached = self.ref_count, self.is_cached
+            uncached, cached = [], []
+            for block in ids:
+                ref = ref_count[block] = ref_count[block] - 1
+                if ref:
+                    assert ref > 0, "a block freed more often than held"
+                    self.num_shared_refs -= 1
+                    continue
+                (cached if is_cached[block] else uncached).append(block)
+            if uncached:
+                self.free_queue.push_head(np.array(uncached, dtype=np.int64))
+            if cached:
+                self.free_queue.push_tail(np.array(cached, dtype=np.int64))
             return
         arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
         refs = self.ref_count[arr] - 1
