@@ -188,7 +188,8 @@ def bench_allocator(
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests in the trace (prompts U[64,2048], outputs U[16,1024]).")] = 2000,
     max_running: Annotated[int, typer.Option("--max-running", help="Requests decoding at once.")] = 256,
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
-    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Hash and cache full blocks.")] = True,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Key and cache full blocks.")] = True,
+    hash_token_ids: Annotated[bool, typer.Option("--hash-token-ids", help="Requests carry token ids only, hashed block by block, instead of a replay's exact block keys.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic trace.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Also write the result as a one-row CSV here.")] = None,
@@ -200,7 +201,7 @@ def bench_allocator(
 
     show_allocator_bench(
         num_requests=num_requests, max_running=max_running, block_size=block_size, prefix_caching=prefix_caching,
-        seed=seed, as_json=json_out, out=out_option(out),
+        seed=seed, as_json=json_out, out=out_option(out), hash_token_ids=hash_token_ids,
     )
 
 

@@ -20,7 +20,9 @@ Four measurements (issue 24), each the minimum of --runs runs (the machine is sh
    trace (kvsim.bench.allocator's shared-prefix stream: per request allocate, one append per decode token,
    free; prefix caching on; a pool that never preempts), block sizes 16 and 256. Thread CPU time of the
    allocator calls only (the driver between them is not counted; a request's block hashing is: vLLM's
-   `Request` construction and token appends, which hash its blocks, are timed). nano-vllm's
+   `Request` construction and token appends, which hash its blocks, are timed; kvsim's requests carry the
+   replay's exact block keys, made inside its timed `allocate` as in a replay: the calls a replay makes;
+   `--hash-token-ids` hashes their token ids instead). nano-vllm's
    block_manager.py is loaded at run time from --nano-vllm (a checkout of GeeeekExplorer/nano-vllm; default
    ~/.cache/kvsim/nano-vllm), never copied here; vLLM's modules come from the conformance harness's cache.
    Goals: kvsim/nano <= 0.25, kvsim/vLLM <= 0.05.
@@ -312,10 +314,10 @@ def _load_nano(root: Path):
     return mods
 
 
-def _trace(num_requests: int, seed: int):
+def _trace(num_requests: int, seed: int, block_keys: bool = True):
     from kvsim.bench.allocator import make_trace
 
-    return make_trace(num_requests, seed, "shared-prefix")  # prompts U[64, 2048], outputs U[16, 1024]
+    return make_trace(num_requests, seed, "shared-prefix", block_keys=block_keys)  # prompts U[64, 2048], outputs U[16, 1024]
 
 
 def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
@@ -463,7 +465,7 @@ def bench_allocator(args, out: list) -> None:
         print(f"[4] vLLM's modules could not be loaded ({exc}): its column skipped", flush=True)
         have_vllm = False
     for block_size in (16, 256):
-        trace = _trace(args.alloc_requests, 0)
+        trace = _trace(args.alloc_requests, 0, block_keys=not args.hash_token_ids)
         row = {"item": 4, "what": f"allocator alone, block size {block_size}, prefix caching, {args.alloc_requests} requests "
                                   f"(shared-prefix stream), {args.alloc_running} running",
                "command": f"{ME} --only allocator", "load": None}
@@ -502,6 +504,7 @@ def main() -> int:
     parser.add_argument("--nano-vllm", type=Path, default=DEFAULT_NANO, help="a checkout of GeeeekExplorer/nano-vllm")
     parser.add_argument("--alloc-requests", type=int, default=1000)
     parser.add_argument("--alloc-running", type=int, default=128)
+    parser.add_argument("--hash-token-ids", action="store_true", help="[4] kvsim's requests carry token ids only (hashed), not block keys")
     parser.add_argument("--check-hits", action="store_true", help="print each allocator's prefix hits and stop")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()

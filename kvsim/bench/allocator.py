@@ -3,7 +3,9 @@
 A minimal admission loop (prefill the whole prompt, then one decode token per running request per step with
 `append_decode_in_order`, as the replay's scheduler grows them, free at finish, recompute-preempt the newest
 request when one cannot grow) drives the allocator; only the allocator
-calls are timed, so the loop's own bookkeeping is not counted. Each call is timed twice: wall clock
+calls are timed, so the loop's own bookkeeping is not counted. Requests carry the exact block keys a replay gives
+them (`make_block_keys`, made inside `allocate` as in a replay), or with `hash_token_ids` only their token ids,
+whose blocks the allocator then hashes (the same hits and blocks: the same prefixes are equal). Each call is timed twice: wall clock
 (perf_counter_ns) and this thread's CPU time (thread_time_ns), which stays meaningful on a busy machine.
 """
 
@@ -13,6 +15,7 @@ import csv
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_file
+from kvsim.workload.requests import RequestSpec, make_block_keys
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class AllocatorBenchResult:
     prefix_caching: bool
     seed: int
     stream: str  # "random" (no two prompts share a block) or "shared-prefix" (SHARED_PREFIX_TOKENS from a few groups)
+    block_identity: str  # "block keys" (a replay's: `make_block_keys`) or "token-id hashes"
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache
     prefill_tokens: int
     decode_tokens: int
@@ -56,12 +61,14 @@ STREAMS = ("random", "shared-prefix")
 SHARED_PREFIX_GROUPS, SHARED_PREFIX_TOKENS = 8, 512  # the shared-prefix stream: 8 system prompts of 512 tokens
 
 
-def make_trace(num_requests: int, seed: int, stream: str = "random") -> list[Sequence]:
+def make_trace(num_requests: int, seed: int, stream: str = "random", *, block_keys: bool = True) -> list[Sequence]:
     """Requests with prompts U[64, 2048] and outputs U[16, 1024] tokens, random token ids (vocab 32k).
 
-    Random ids never repeat a block, so prefix caching only hashes and misses. The "shared-prefix" stream
+    Random ids never repeat a block, so prefix caching only keys and misses. The "shared-prefix" stream
     starts every prompt with one of SHARED_PREFIX_GROUPS system prompts (its first SHARED_PREFIX_TOKENS
-    tokens, or the whole prompt if shorter), so admissions hit the cache as a chat service's do.
+    tokens, or the whole prompt if shorter), so admissions hit the cache as a chat service's do. With
+    `block_keys` each request also carries a replay's exact block keys (a request's own stream, and its group's
+    for the shared prefix), equal where the ids are built equal.
     """
     if stream not in STREAMS:
         raise KvsimError(f"unknown stream {stream!r} (choose {', '.join(STREAMS)})", field="--stream")
@@ -75,13 +82,19 @@ def make_trace(num_requests: int, seed: int, stream: str = "random") -> list[Seq
         if stream == "shared-prefix":
             n = min(int(p), SHARED_PREFIX_TOKENS)
             ids[:n] = prefixes[i % SHARED_PREFIX_GROUPS, :n]
-        trace.append(Sequence(i, int(p), int(o), token_ids=ids))
+        seq = Sequence(i, int(p), int(o), token_ids=ids)
+        if block_keys:
+            group = stream == "shared-prefix"
+            spec = RequestSpec(i, 0.0, int(p), int(o), prefix_group=i % SHARED_PREFIX_GROUPS if group else None,
+                               num_prefix_tokens=min(int(p), SHARED_PREFIX_TOKENS) if group else 0)
+            seq.block_keys = partial(make_block_keys, spec)
+        trace.append(seq)
     return trace
 
 
 def run_allocator_bench(
     *, num_requests: int = 2000, max_running: int = 256, block_size: int = 16, prefix_caching: bool = True, seed: int = 0,
-    stream: str = "random",
+    stream: str = "random", hash_token_ids: bool = False,
 ) -> AllocatorBenchResult:
     """Drive a PagedAllocator through the trace; the budget holds `max_running` requests of the longest length."""
     if num_requests <= 0 or max_running <= 0 or block_size <= 0:
@@ -101,7 +114,7 @@ def run_allocator_bench(
         spent[kind][1] += c1 - c0
         return out
 
-    waiting = deque(make_trace(num_requests, seed, stream))
+    waiting = deque(make_trace(num_requests, seed, stream, block_keys=not hash_token_ids))
     running: list[Sequence] = []
     prefill_tokens = decode_tokens = frees = preemptions = 0
     while waiting or running:
@@ -145,6 +158,7 @@ def run_allocator_bench(
         prefix_caching=prefix_caching,
         seed=seed,
         stream=stream,
+        block_identity="token-id hashes" if hash_token_ids else "block keys",
         prefix_hit_tokens=alloc.prefix_hit_tokens,
         prefill_tokens=prefill_tokens,
         decode_tokens=decode_tokens,
@@ -171,7 +185,8 @@ def write_csv(results: list[AllocatorBenchResult], path: Path) -> None:
 
 
 def show_allocator_bench(
-    *, num_requests: int, max_running: int, block_size: int, prefix_caching: bool, seed: int, as_json: bool, out: Path | None
+    *, num_requests: int, max_running: int, block_size: int, prefix_caching: bool, seed: int, as_json: bool, out: Path | None,
+    hash_token_ids: bool = False,
 ) -> list[AllocatorBenchResult]:
     """Run the benchmark, print it (a rich table or a JSON list) and write `out` as CSV if given.
 
@@ -185,7 +200,7 @@ def show_allocator_bench(
     streams = STREAMS if prefix_caching else STREAMS[:1]
     results = [
         run_allocator_bench(num_requests=num_requests, max_running=max_running, block_size=block_size,
-                            prefix_caching=prefix_caching, seed=seed, stream=stream)
+                            prefix_caching=prefix_caching, seed=seed, stream=stream, hash_token_ids=hash_token_ids)
         for stream in streams
     ]  # fmt: skip
     if out is not None:
@@ -196,8 +211,9 @@ def show_allocator_bench(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"paged allocator, block size {block_size}, prefix caching {'on' if prefix_caching else 'off'}: "
-                        "µs as wall clock / thread CPU")  # fmt: skip
+    identity = f" ({results[0].block_identity})" if prefix_caching else ""
+    table = Table(title=f"paged allocator, block size {block_size}, prefix caching {'on' if prefix_caching else 'off'}"
+                        f"{identity}: µs as wall clock / thread CPU")  # fmt: skip
     table.add_column("measure", no_wrap=True)
     for r in results:
         table.add_column(f"{r.stream} stream", justify="right", no_wrap=True)

@@ -77,7 +77,6 @@ class KVAllocator(ABC):
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, summed
     prefix_hit_tokens: int = 0  # of those, tokens found cached
     enable_prefix_caching: bool = False  # False: `cache_blocks` caches nothing
-    reads_block_keys: bool = False  # True: prefix caching keys blocks by `Sequence.block_keys` where given
     decode_frees_blocks: bool = False  # True: decoding returns blocks (a sliding or chunked window's), so free memory grows
     # vLLM's mamba_cache_mode align (a hybrid model with prefix caching): the block size a prefill chunk must end
     # on (`Scheduler._mamba_block_aligned_split`; 0: chunks end anywhere), and the state layers' prefill

@@ -110,9 +110,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []
             connector.finished_in_set_order = True
-    # prefix caching keys blocks by the requests' structure where the allocator reads keys, else by token ids
-    keyed = config.prefix_caching and allocator.reads_block_keys
-    needs_ids = (config.prefix_caching and not keyed) or options.integrity or connector is not None
+    # prefix caching keys blocks by the requests' structure (`make_block_keys`): no token ids for it
+    keyed = config.prefix_caching
+    needs_ids = options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
         ids = make_token_ids(requests[seq.index], ctx.seed)  # (prompt + max_tokens,)

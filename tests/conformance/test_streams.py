@@ -87,9 +87,9 @@ def test_prefix_streams_run_vllms_hybrid_coordinator_and_a_cache_of_one_block_a_
     assert compare(kvsim, vllm).differing_steps == 0 and sum(r.prefix_hit_tokens for r in kvsim.steps) > 0
     first_only = BlockPool.cache_full_block
 
-    def cache_first_only(self, block, key):
-        if key not in self.cached_block_hash_to_block:
-            first_only(self, block, key)
+    def cache_first_only(self, block, key, group=0):
+        if self.get_cached_block(key, group) is None:
+            first_only(self, block, key, group)
 
     monkeypatch.setattr(BlockPool, "cache_full_block", cache_first_only)
     c = compare(run_kvsim(rs), vllm)
@@ -194,12 +194,12 @@ def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vll
     from kvsim.conformance.compare import compare
     from kvsim.conformance.sides import run_kvsim, run_vllm
     from kvsim.conformance.stream import resolve
-    from kvsim.engine.paged.block_array_pool import BlockArrayPool
+    from kvsim.engine.paged.block_pool import BlockPool
 
     rs = resolve(next(s for s in STREAMS if s.name == "pressure"))  # a uniform model: the single-group pool
     vllm = run_vllm(rs)
-    free_blocks = BlockArrayPool.free_blocks
-    monkeypatch.setattr(BlockArrayPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
+    free_blocks = BlockPool.free_blocks
+    monkeypatch.setattr(BlockPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
     kvsim = run_kvsim(rs)
     counts = lambda t: [s.compared()[:-2] for s in t.steps]  # noqa: E731  every field but the schedule and transfers
     assert counts(kvsim) == counts(vllm)

@@ -269,12 +269,12 @@ def check_mixed(alloc, live: dict, pool: np.ndarray, settled: dict) -> None:
     padding = 0
     for seq in live.values():
         for group, table in zip(MIXED_POOL.groups, alloc._reqs[seq].tables):
-            nulls = next((i for i, b in enumerate(table) if b is not null), len(table))
-            assert all(b is not null for b in table[nulls:])
+            nulls = next((i for i, b in enumerate(table) if b != null), len(table))
+            assert all(b != null for b in table[nulls:])
             assert len(table) * group.block_size >= seq.num_computed_tokens
             skipped = max(0, settled[seq.seq_id] - group.window + 1) if group.kind == "sliding" else 0
             assert nulls == min(skipped // group.block_size, len(table)), (nulls, skipped, group)
-            held.update(b.block_id for b in table[nulls:])
+            held.update(table[nulls:])
             padding += (len(table) - nulls) * (alloc.bytes_per_block - group.num_layers * group.layer_page_bytes)
         table = alloc.block_table(seq)
         first = next((i for i, b in enumerate(table) if b is not None), len(table)) * alloc.block_size
@@ -370,11 +370,11 @@ def test_mixed_model_with_prefix_caching_random_operations(num_blocks, extra_byt
         held = Counter()
         for seq in live.values():
             for group, table in zip(PREFIX_POOL.groups, alloc._reqs[seq].tables):
-                nulls = next((i for i, b in enumerate(table) if b is not null), len(table))
-                assert all(b is not null for b in table[nulls:])
+                nulls = next((i for i, b in enumerate(table) if b != null), len(table))
+                assert all(b != null for b in table[nulls:])
                 skipped = max(0, settled[seq.seq_id] - group.window + 1) if group.kind == "sliding" else 0
                 assert nulls == min(skipped // group.block_size, len(table)), (nulls, skipped, group)
-                held.update(b.block_id for b in table[nulls:])
+                held.update(table[nulls:])
             table = alloc.block_table(seq)
             first = next((i for i, b in enumerate(table) if b is not None), len(table)) * alloc.block_size
             slots = alloc.slot_mapping(seq, first, seq.num_computed_tokens)
@@ -382,9 +382,10 @@ def test_mixed_model_with_prefix_caching_random_operations(num_blocks, extra_byt
         assert 0 not in held
         assert all(b.ref_count == held[b.block_id] for b in alloc.pool.blocks[1:])
         assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
-        for key, entry in alloc.pool.cached_block_hash_to_block.items():
-            for block in entry.values() if isinstance(entry, dict) else [entry]:
-                assert block.block_hash == key
+        for g, table in enumerate(alloc.pool.tables):
+            for key in table:
+                block = alloc.pool.get_cached_block(key, g)  # a live entry (stale ones answer None)
+                assert block is None or (alloc.pool.blocks[block].block_hash, alloc.pool.blocks[block].group) == (key, g)
         b = alloc.breakdown()
         parts = (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes, b.free_bytes)
         assert min(parts) >= 0 and sum(parts) + b.external_fragmentation_bytes == alloc.budget_bytes

@@ -1,4 +1,5 @@
-"""BlockPool and FreeKVCacheBlockQueue: eviction order, O(1) removal, ref counts, the prefix-hash table."""
+"""The block pool: eviction order, removal from the middle of the free queue, ref counts, the prefix table and
+its duplicates (vLLM's `BlockPool` / `FreeKVCacheBlockQueue`), with blocks as ids."""
 
 from __future__ import annotations
 
@@ -9,59 +10,42 @@ import sys
 
 import pytest
 
-from kvsim.engine.paged.block_pool import Block, BlockPool, FreeKVCacheBlockQueue
+from kvsim.engine.paged.block_pool import BlockPool
 
 
-def ids(blocks: list[Block]) -> list[int]:
-    return [b.block_id for b in blocks]
+def queued(pool: BlockPool) -> list[int]:
+    return pool.free_queue.queued_ids().tolist()
 
 
-def assert_links(queue: FreeKVCacheBlockQueue) -> None:
-    """Forward and backward walks agree with the count."""
-    forward = queue.blocks()
-    backward, block = [], queue.tail.prev_free
-    while block is not queue.head:
-        backward.append(block)
-        block = block.prev_free
-    assert forward == backward[::-1]
-    assert len(forward) == queue.num_free_blocks
+def block_hash(pool: BlockPool, block: int) -> int | None:
+    return pool.blocks[block].block_hash
 
 
 def test_blocks_are_handed_out_in_id_order_at_start():
     pool = BlockPool(6)  # block 0 is the null block
     assert pool.free_queue.num_free_blocks == 5
-    assert ids(pool.get_new_blocks(2)) == [1, 2] and pool.get_new_block().block_id == 3
-    assert ids(pool.free_queue.blocks()) == [4, 5]
-    assert_links(pool.free_queue)
+    assert pool.get_new_blocks(2) == [1, 2] and pool.get_new_block() == 3
+    assert queued(pool) == [4, 5]
 
 
-@pytest.mark.parametrize("victim", [0, 2, 4])
+@pytest.mark.parametrize("victim", [1, 3, 5])
 def test_remove_from_head_middle_and_tail(victim):
-    blocks = [Block(i) for i in range(5)]
-    queue = FreeKVCacheBlockQueue(blocks)
-    queue.remove(blocks[victim])
-    assert ids(queue.blocks()) == [i for i in range(5) if i != victim]
-    assert blocks[victim].prev_free is None and blocks[victim].next_free is None
-    assert_links(queue)
-
-
-def test_remove_touches_only_the_neighbours():
-    """O(1): removing from the middle of a long queue relinks the two neighbours and nothing else."""
-    blocks = [Block(i) for i in range(10_000)]
-    queue = FreeKVCacheBlockQueue(blocks)
-    before = [(b.prev_free, b.next_free) for b in blocks]
-    queue.remove(blocks[5_000])
-    changed = [i for i, b in enumerate(blocks) if (b.prev_free, b.next_free) != before[i]]
-    assert changed == [4_999, 5_000, 5_001]
-    assert blocks[4_999].next_free is blocks[5_001] and blocks[5_001].prev_free is blocks[4_999]
+    pool = BlockPool(6, enable_caching=True)
+    blocks = pool.get_new_blocks(5)
+    for b in blocks:
+        pool.cache_full_block(b, 100 + b)
+    pool.free_blocks(blocks)
+    pool.touch([victim])  # a hit on a free cached block takes it out of the queue
+    assert queued(pool) == [i for i in range(1, 6) if i != victim]
+    assert pool.get_new_blocks(4) == [i for i in range(1, 6) if i != victim]
 
 
 def test_block_zero_is_the_null_block_and_never_handed_out():
     """vLLM's BlockPool keeps block 0 as its null block: num_blocks - 1 are usable."""
     pool = BlockPool(3)
-    assert pool.null_block is pool.blocks[0] and pool.num_usable_blocks == pool.num_free_blocks == 2
-    assert ids(pool.get_new_blocks(2)) == [1, 2] and pool.num_free_blocks == 0
-    assert 0 not in ids(pool.free_queue.blocks())
+    assert pool.null_block == 0 and pool.num_usable_blocks == pool.num_free_blocks == 2
+    assert pool.get_new_blocks(2) == [1, 2] and pool.num_free_blocks == 0
+    assert 0 not in queued(pool)
 
 
 def test_uncached_reused_first_then_cached_in_lru_order():
@@ -72,64 +56,52 @@ def test_uncached_reused_first_then_cached_in_lru_order():
     assert pool.num_free_blocks == 0
     # Freed in this order: b1 (cached) first, then b3, b0 (cached), b2.
     pool.free_blocks([b1, b3, b0, b2])
-    assert pool.free_queue.blocks() == [b3, b2, b1, b0]  # uncached in the order freed (vLLM's prepend_n)
-    assert pool.get_cached_block(101) is b1
-    first_two = pool.get_new_blocks(2)
-    assert first_two == [b3, b2]  # uncached before any cached prefix is evicted
-    assert pool.get_cached_block(100) is b0 and pool.get_cached_block(101) is b1
+    assert queued(pool) == [b3, b2, b1, b0]  # uncached in the order freed (vLLM's prepend_n)
+    assert pool.get_cached_block(101) == b1
+    assert pool.get_new_blocks(2) == [b3, b2]  # uncached before any cached prefix is evicted
+    assert pool.get_cached_block(100) == b0 and pool.get_cached_block(101) == b1
     (evicted,) = pool.get_new_blocks(1)
-    assert evicted is b1  # least recently freed cached block goes first
-    assert evicted.block_hash is None and pool.get_cached_block(101) is None
-    assert pool.get_cached_block(100) is b0
+    assert evicted == b1  # least recently freed cached block goes first
+    assert block_hash(pool, evicted) is None and pool.get_cached_block(101) is None
+    assert pool.get_cached_block(100) == b0
 
 
 @pytest.mark.parametrize("num_left_free", [0, 1, 3])
-def test_free_splices_uncached_to_the_head_and_cached_to_the_tail(num_left_free):
+def test_free_puts_uncached_at_the_head_and_cached_at_the_tail(num_left_free):
     """A request's tail-first free: uncached blocks reused first (first freed first, vLLM's prepend_n), cached
     ones evicted in the order freed, shared ones stay held; whatever was already free stays between them."""
     pool = BlockPool(9 + num_left_free, enable_caching=True)  # block 0: the null block
     blocks = pool.get_new_blocks(8)
-    assert [b.block_id for b in blocks] == list(range(1, 9))
-    already_free = [b.block_id - 1 for b in pool.free_queue.blocks()]  # as indices into blocks + 1
+    assert blocks == list(range(1, 9))
+    already_free = [b - 1 for b in queued(pool)]  # as indices into blocks
     for i, b in enumerate(blocks[:5]):
         pool.cache_full_block(b, 300 + i)
 
     def ids(queue_blocks):  # indices into `blocks` (block ids - 1), so the orders below read as before
-        return [b.block_id - 1 for b in queue_blocks]
+        return [b - 1 for b in queue_blocks]
 
     pool.touch([blocks[1], blocks[6]])  # shared: a free leaves them held
-    pool.free_blocks(reversed(blocks))  # 7 6 5 4 3 2 1 0
-    assert ids(pool.free_queue.blocks()) == [7, 5] + already_free + [4, 3, 2, 0]
-    assert (blocks[1].ref_count, blocks[6].ref_count, pool.num_shared_refs) == (1, 1, 0)
-    assert_links(pool.free_queue)
-    assert mark_links_are_clear(pool)
+    pool.free_blocks(blocks[::-1])  # 7 6 5 4 3 2 1 0
+    assert ids(queued(pool)) == [7, 5] + already_free + [4, 3, 2, 0]
+    assert (pool.ref_count[blocks[1]], pool.ref_count[blocks[6]], pool.num_shared_refs) == (1, 1, 0)
     pool.free_blocks([blocks[6], blocks[1]])
-    assert ids(pool.free_queue.blocks()) == [6, 7, 5] + already_free + [4, 3, 2, 0, 1]
-    assert_links(pool.free_queue)
+    assert ids(queued(pool)) == [6, 7, 5] + already_free + [4, 3, 2, 0, 1]
     assert ids(pool.get_new_blocks(4 + num_left_free)) == [6, 7, 5] + already_free + [4]
-    assert pool.get_cached_block(304) is None and blocks[4].block_hash is None  # evicted
-    assert pool.get_cached_block(303) is blocks[3]
+    assert pool.get_cached_block(304) is None and block_hash(pool, blocks[4]) is None  # evicted
+    assert pool.get_cached_block(303) == blocks[3]
 
 
-def mark_links_are_clear(pool: BlockPool) -> bool:
-    """free_blocks' scratch sentinels keep no block alive between calls."""
-    marks = (pool._uncached_mark, pool._cached_mark)
-    return all(m.prev_free is None and m.next_free is None for m in marks)
-
-
-def test_free_of_only_shared_or_only_one_kind_keeps_the_links():
+def test_free_of_only_shared_or_only_one_kind():
     pool = BlockPool(5, enable_caching=True)  # blocks 1-4 usable
     a, b, c, d = pool.get_new_blocks(4)
     pool.cache_full_block(c, 1)
     pool.touch([a])
     pool.free_blocks([a])  # still held: nothing moves
-    assert pool.free_queue.blocks() == [] and pool.num_free_blocks == 0
+    assert queued(pool) == [] and pool.num_free_blocks == 0
     pool.free_blocks([b, d])  # uncached only, into an empty queue: in the order freed
-    assert pool.free_queue.blocks() == [b, d]
+    assert queued(pool) == [b, d]
     pool.free_blocks([c])  # cached only
-    assert pool.free_queue.blocks() == [b, d, c]
-    assert_links(pool.free_queue)
-    assert mark_links_are_clear(pool)
+    assert queued(pool) == [b, d, c]
 
 
 def test_get_new_block_matches_get_new_blocks():
@@ -140,11 +112,10 @@ def test_get_new_block_matches_get_new_blocks():
         pool.cache_full_block(held[2], 12)
         pool.free_blocks(held)
     taken = [[twins[0].get_new_block() for _ in range(3)], twins[1].get_new_blocks(3)]
-    assert ids(taken[0]) == ids(taken[1]) == [2, 1, 3]
+    assert taken[0] == taken[1] == [2, 1, 3]
     for pool, blocks in zip(twins, taken):
-        assert [(b.ref_count, b.block_hash) for b in blocks] == [(1, None)] * 3
-        assert pool.num_free_blocks == 0 and pool.cached_block_hash_to_block == {} and pool.num_blocks_allocated == 6
-        assert_links(pool.free_queue)
+        assert [(pool.blocks[b].ref_count, pool.blocks[b].block_hash) for b in blocks] == [(1, None)] * 3
+        assert pool.num_free_blocks == 0 and len(pool.cached_hashes()) == 0 and pool.num_blocks_allocated == 6
 
 
 def test_touch_revives_a_free_cached_block_from_the_middle():
@@ -154,47 +125,46 @@ def test_touch_revives_a_free_cached_block_from_the_middle():
         pool.cache_full_block(b, 200 + i)
     pool.free_blocks(blocks)
     pool.touch([blocks[1]])
-    assert blocks[1].ref_count == 1 and pool.num_free_blocks == 2
-    assert pool.free_queue.blocks() == [blocks[0], blocks[2]]
+    assert pool.ref_count[blocks[1]] == 1 and pool.num_free_blocks == 2
+    assert queued(pool) == [blocks[0], blocks[2]]
     assert pool.num_shared_refs == 0  # a revived block is not shared
 
 
 def test_ref_counts_and_shared_refs():
     pool = BlockPool(3)  # blocks 1-2 usable
     a, b = pool.get_new_blocks(2)
-    assert (a.ref_count, b.ref_count) == (1, 1)
-    pool.touch([a, a, b])
-    assert (a.ref_count, b.ref_count, pool.num_shared_refs) == (3, 2, 3)
+    refs = lambda: (int(pool.ref_count[a]), int(pool.ref_count[b]))  # noqa: E731
+    assert refs() == (1, 1)
+    pool.touch([a, b])  # two requests' hits (a request's blocks are distinct)
+    pool.touch([a])
+    assert refs() == (3, 2) and pool.num_shared_refs == 3
     pool.free_blocks([a, b])
-    assert (a.ref_count, b.ref_count, pool.num_shared_refs) == (2, 1, 1)
-    assert pool.num_free_blocks == 0
-    pool.free_blocks([a, a, b])
-    assert (a.ref_count, b.ref_count, pool.num_shared_refs) == (0, 0, 0)
-    assert pool.num_free_blocks == 2
+    assert refs() == (2, 1) and pool.num_shared_refs == 1 and pool.num_free_blocks == 0
+    pool.free_blocks([a, b])
+    pool.free_blocks([a])
+    assert refs() == (0, 0) and pool.num_shared_refs == 0 and pool.num_free_blocks == 2
 
 
-def make_duplicates(num_copies: int, block_hash: int = 7) -> tuple[BlockPool, list[Block]]:
+def make_duplicates(num_copies: int, key: int = 7) -> tuple[BlockPool, list[int]]:
     """A pool whose first `num_copies` blocks each cached the same prefix (computed again by each request)."""
     pool = BlockPool(num_copies + 3, enable_caching=True)  # block 0: the null block; 2 blocks to spare
     copies = pool.get_new_blocks(num_copies)
     for block in copies:
-        pool.cache_full_block(block, block_hash)
+        pool.cache_full_block(block, key)
     return pool, copies
 
 
-def cached_under(pool: BlockPool, block_hash: int) -> list[Block]:
-    """Every block cached under `block_hash`, the one a lookup returns first."""
-    first = pool.get_cached_block(block_hash)
-    return ([] if first is None else [first]) + pool.cached_duplicates.get(block_hash, [])
+def cached_under(pool: BlockPool, key: int) -> list[int]:
+    """Every block cached under `key`, the one a lookup returns first."""
+    first = pool.get_cached_block(key)
+    return ([] if first is None else [first]) + pool.cached_duplicates.get(key, [])
 
 
 def test_a_duplicate_block_is_cached_too():
-    """vLLM's BlockHashToBlockMap does not de-duplicate: both blocks hold the hash, a lookup gets the first."""
+    """vLLM's BlockHashToBlockMap does not de-duplicate: both blocks hold the key, a lookup gets the first."""
     pool, (a, b) = make_duplicates(2)
-    assert (a.block_hash, b.block_hash) == (7, 7)
-    assert pool.get_cached_block(7) is a and cached_under(pool, 7) == [a, b]
-    pool.cache_full_block(b, 7)  # registering a block again changes nothing
-    assert cached_under(pool, 7) == [a, b]
+    assert (block_hash(pool, a), block_hash(pool, b)) == (7, 7)
+    assert pool.get_cached_block(7) == a and cached_under(pool, 7) == [a, b]
     assert pool.num_blocks_allocated == 2
 
 
@@ -202,26 +172,25 @@ def test_a_freed_duplicate_goes_to_the_tail_like_any_cached_block():
     pool, (a, b) = make_duplicates(2)
     c = pool.get_new_block()  # uncached
     pool.free_blocks([a, c, b])
-    assert pool.free_queue.blocks()[0] is c  # uncached: reused first
-    assert pool.free_queue.blocks()[-2:] == [a, b]  # both cached: evicted last, in the order freed
-    assert_links(pool.free_queue)
+    assert queued(pool)[0] == c  # uncached: reused first
+    assert queued(pool)[-2:] == [a, b]  # both cached: evicted last, in the order freed
 
 
 @pytest.mark.parametrize("evicted_first", [0, 1, 2])
 def test_evicting_a_duplicate_removes_that_block_only(evicted_first):
     """Eviction drops the evicted block from the table; a lookup returns the oldest block still cached."""
     pool, copies = make_duplicates(3)
-    order = [copies[evicted_first]] + [b for b in copies if b is not copies[evicted_first]]
+    order = [copies[evicted_first]] + [b for b in copies if b != copies[evicted_first]]
     pool.free_blocks(order)
     spare = pool.get_new_blocks(2)  # the two never-used blocks at the head go first
-    assert all(b.block_id > 3 for b in spare)
+    assert all(b > 3 for b in spare)
     left = list(copies)
     for victim in order:
-        assert pool.get_new_block() is victim and victim.block_hash is None
+        assert pool.get_new_block() == victim and block_hash(pool, victim) is None
         left.remove(victim)
         assert cached_under(pool, 7) == left
-        assert pool.get_cached_block(7) is (left[0] if left else None)
-    assert pool.cached_block_hash_to_block == {} and pool.cached_duplicates == {}
+        assert pool.get_cached_block(7) == (left[0] if left else None)
+    assert len(pool.cached_hashes()) == 0 and pool.cached_duplicates == {}
 
 
 def test_a_hit_on_the_oldest_copy_keeps_the_younger_one_evictable():
@@ -229,12 +198,12 @@ def test_a_hit_on_the_oldest_copy_keeps_the_younger_one_evictable():
     pool, (a, b) = make_duplicates(2)
     pool.free_blocks([a, b])
     pool.get_new_blocks(2)  # the spare blocks
-    assert pool.get_new_block() is a  # a evicted: b now answers
-    assert pool.get_cached_block(7) is b
+    assert pool.get_new_block() == a  # a evicted: b now answers
+    assert pool.get_cached_block(7) == b
     pool.cache_full_block(a, 7)  # a computes the prefix again: behind b
     assert cached_under(pool, 7) == [b, a]
     pool.touch([pool.get_cached_block(7)])
-    assert b.ref_count == 1 and pool.free_queue.blocks() == []
+    assert pool.ref_count[b] == 1 and queued(pool) == []
 
 
 SCENARIO = """

@@ -243,6 +243,19 @@ def test_shared_prefix_stream_hits_the_cache_by_hand():
     assert run_allocator_bench(num_requests=40, max_running=8, block_size=16, prefix_caching=True, seed=3).prefix_hit_tokens == 0
 
 
+@pytest.mark.parametrize("stream", ["random", "shared-prefix"])
+def test_bench_with_block_keys_and_with_token_id_hashes_does_the_same_work(stream):
+    """The bench's requests carry a replay's block keys; hashing their token ids instead finds the same hits and
+    takes the same blocks (the keys are equal exactly where the ids are built equal)."""
+    from kvsim.bench.allocator import run_allocator_bench
+
+    kw = dict(num_requests=60, max_running=8, block_size=16, prefix_caching=True, seed=5, stream=stream)
+    keyed, hashed = run_allocator_bench(**kw), run_allocator_bench(**kw, hash_token_ids=True)
+    assert (keyed.block_identity, hashed.block_identity) == ("block keys", "token-id hashes")
+    same = ("prefix_hit_tokens", "prefill_tokens", "decode_tokens", "blocks_allocated", "preemptions")
+    assert [getattr(keyed, f) for f in same] == [getattr(hashed, f) for f in same]
+
+
 def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
     """(token states, reservation, internal) bytes by classifying every slot of every held block.
 

@@ -64,7 +64,7 @@ def test_admission_counts_revived_hits_but_not_the_hit_blocks_before_the_window(
     # 16 free less a watermark of int(0.36 * 17) = 6 blocks: 10 < 11, refused and nothing changed
     b = seq(1, ids)
     assert alloc.allocate(b, 20) is None
-    assert alloc.num_free_blocks == 16 and len(alloc.pool.cached_block_hash_to_block) == 15
+    assert alloc.num_free_blocks == 16 and len(alloc.pool.cached_keys()) == 15
     assert alloc.allocate(b, 20, apply_watermark=False) == 16
     assert alloc.num_free_blocks == 5
 
@@ -74,9 +74,9 @@ def test_a_sliding_group_missing_a_block_of_the_window_shortens_every_groups_hit
     ids = np.arange(20)
     run_and_free(alloc, seq(0, ids))
     h = block_hashes(ids, 20, 4)
-    cached = alloc.pool.cached_block_hash_to_block
-    block = cached.pop((h[3], 1))  # the second sliding group lost block 3 (evicted)
-    block.block_hash = None
+    cached = alloc.pool.cached_keys()
+    block = cached[(h[3], 1)]  # the second sliding group lost block 3 (evicted)
+    alloc.pool.is_cached[block] = alloc.pool.is_primary[block] = False
     b = seq(1, ids)
     # sliding: block 3 misses, blocks 2 and 1 hit: 12 tokens; the full group is truncated to 3 blocks
     assert alloc.allocate(b, 20) == 12
@@ -98,10 +98,10 @@ def test_sliding_blocks_are_cached_before_they_become_null_blocks_and_stay_evict
     # the last append saw 31 computed: 31 - 8 + 1 = 24 tokens (6 blocks) before the window are null blocks
     assert tables[0][:7] == [0] * 6 + [tables[0][6]] and tables[0][6] != 0
     h = block_hashes(ids, 40, 4)
-    cached = alloc.pool.cached_block_hash_to_block
+    cached = alloc.pool.cached_keys()
     # every block filled by the scheduled tokens (31 computed + 1) is cached, the nulled ones included
     assert all((h[j], g) in cached for j in range(8) for g in range(3)) and (h[8], 0) not in cached
-    assert cached[(h[0], 0)].ref_count == 0 and cached[(h[0], 2)].ref_count == 1  # nulled: free, still cached
+    assert alloc.pool.ref_count[cached[(h[0], 0)]] == 0 and alloc.pool.ref_count[cached[(h[0], 2)]] == 1  # nulled: free, still cached
     assert alloc.num_free_blocks == 29 - (2 + 2 + 8)  # 8 blocks a group, 6 of each sliding group null
 
 
@@ -145,7 +145,7 @@ def test_without_prefix_caching_cache_blocks_does_nothing():
     assert alloc.allocate(a, 8) == 0
     a.num_computed_tokens = 8
     alloc.cache_blocks(a, 8)
-    assert alloc.pool.cached_block_hash_to_block == {} and alloc.block_tables(a) == [[1, 2], [3, 4], [5, 6]]
+    assert alloc.pool.cached_keys() == {} and alloc.block_tables(a) == [[1, 2], [3, 4], [5, 6]]
 
 
 # --- vLLM 0.33's default retention (`prefix_cache_retention_interval` 0) ----------------------------------------
@@ -159,7 +159,7 @@ def test_default_retention_caches_only_the_sliding_tail_before_the_prompts_last_
     ids = np.arange(20)
     run_and_free(alloc, seq(0, ids))
     h = block_hashes(ids, 20, 4)
-    cached = alloc.pool.cached_block_hash_to_block
+    cached = alloc.pool.cached_keys()
     assert sorted(j for j in range(5) if (h[j], 0) in cached) == [2, 3] == sorted(j for j in range(5) if (h[j], 1) in cached)
     assert all((h[j], 2) in cached for j in range(5))
     b = seq(1, ids)
@@ -198,6 +198,6 @@ def test_a_positive_retention_interval_keeps_a_tail_per_segment_and_is_checked()
     them all when need >= blocks per segment); the interval must be a multiple of the block size."""
     alloc = make(retention=8)
     run_and_free(alloc, seq(0, np.arange(20)))
-    assert len(alloc.pool.cached_block_hash_to_block) == 15
+    assert len(alloc.pool.cached_keys()) == 15
     with pytest.raises(KvsimError, match="multiple of the block size"):
         make(retention=6)

@@ -68,14 +68,14 @@ def test_a_prefill_holds_its_checkpoint_and_running_state_and_caches_the_checkpo
     # cached within the scheduled 10 tokens: the full group's blocks 0 and 1; the state group only the one
     # ending on the prompt's reachable boundary (10 - 1 = 9 -> block 9 // 4 - 1 = 1), under retention 0
     h = block_hashes(a.token_ids, 18, 4)
-    cached = alloc.pool.cached_block_hash_to_block
-    assert cached[(h[0], 1)].block_id == 3 and cached[(h[1], 1)].block_id == 4
-    assert cached[(h[1], 0)].block_id == 1 and (h[0], 0) not in cached
+    cached = alloc.pool.cached_keys()
+    assert cached[(h[0], 1)] == 3 and cached[(h[1], 1)] == 4
+    assert cached[(h[1], 0)] == 1 and (h[0], 0) not in cached
     # the first decode step: the checkpoint (before the last computed token's block) is freed, still cached
     a.num_computed_tokens = 10
     assert alloc.append_slots(a, 1)
     assert alloc.block_tables(a) == [[0, 0, 2], [3, 4, 5]]
-    assert alloc.num_free_blocks == 12 and cached[(h[1], 0)].ref_count == 0
+    assert alloc.num_free_blocks == 12 and alloc.pool.ref_count[cached[(h[1], 0)]] == 0
     assert alloc.breakdown().token_states_bytes == 64 + 10 * 16  # one state block, 10 tokens of full attention
 
 
@@ -138,15 +138,15 @@ def test_dense_retention_caches_every_block_boundary_state():
     a.num_computed_tokens = 4
     assert alloc.append_slots(a, 4)
     h = block_hashes(a.token_ids, 21, 4)
-    cached = alloc.pool.cached_block_hash_to_block
+    cached = alloc.pool.cached_keys()
     assert (h[0], 0) in cached and (h[1], 0) in cached  # the states after 4 and 8
     retained = make(alignment=0)
     r = seq(0, prompt=13)
     assert retained.allocate(r, 4) == 0
     r.num_computed_tokens = 4
     assert retained.append_slots(r, 4)
-    assert (h[0], 0) not in retained.pool.cached_block_hash_to_block  # retention 0: only the prompt's 12
-    assert (h[1], 0) not in retained.pool.cached_block_hash_to_block
+    assert (h[0], 0) not in retained.pool.cached_keys()  # retention 0: only the prompt's 12
+    assert (h[1], 0) not in retained.pool.cached_keys()
 
 
 def test_align_mode_runs_no_decode_runs():
@@ -190,16 +190,18 @@ def test_random_operations_keep_ref_counts_free_counts_cache_keys_and_bytes(num_
         for s in live.values():
             req = alloc._reqs[s]
             for g, table in enumerate(req.tables):
-                real = [b for b in table if b is not null]
+                real = [b for b in table if b != null]
                 assert req.held[g] == len(real)
                 if POOL3.groups[g].kind == "state":
                     assert len(real) <= 4, table
                 for b in real:
-                    held[b.block_id] = held.get(b.block_id, 0) + 1
+                    held[b] = held.get(b, 0) + 1
         assert all(b.ref_count == held.get(b.block_id, 0) for b in alloc.pool.blocks[1:])
         assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
-        for key, block in alloc.pool.cached_block_hash_to_block.items():
-            assert block.block_hash == key
+        for g, table in enumerate(alloc.pool.tables):
+            for key in table:
+                block = alloc.pool.get_cached_block(key, g)  # a live entry (stale ones answer None)
+                assert block is None or (alloc.pool.blocks[block].block_hash, alloc.pool.blocks[block].group) == (key, g)
         b = alloc.breakdown()
         assert b.free_bytes >= 0 and min(b.token_states_bytes, b.reservation_bytes) >= 0
 

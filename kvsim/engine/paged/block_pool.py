@@ -1,100 +1,213 @@
-"""The paged allocator's blocks: the free-block queue (LRU over cached prefixes) and the prefix-hash table.
-
-vLLM v1's `BlockPool` / `FreeKVCacheBlockQueue` idea: a freed block that still holds a cached prefix stays
-in the free queue, reusable by a later request with the same prefix until it is evicted, in LRU order.
+"""The paged allocators' block pool, as vLLM 0.33.0's `BlockPool` / `FreeKVCacheBlockQueue` with blocks as ints:
+ref counts, cache keys and the free queue are arrays indexed by block id, so a request's blocks are taken, cached
+and freed in a few array operations instead of one Python step per block (the hot path of a prefix-cached
+replay: a 12,000-token prompt is 750 blocks). One pool serves every KV cache group of a model: the single-group
+path of uniform models and the per-group managers of mixed ones.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections import deque
+
+import numpy as np
+
+_NOT_QUEUED = -1
+_FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
 
 
-class Block:
-    """One KV block (a page of the pool): its id, how many requests hold it, and its prefix hash if cached.
+class FreeBlockSegments:
+    """The free queue in eviction order (the head reused first) as a deque of segments of block ids.
 
-    `prev_free` / `next_free` link it into the free queue while `ref_count == 0`.
+        head <-> [uncached ...] <-> [never used ...] <-> [cached, least recently freed ... most recent] <-> tail
+        segments: [ids 4 2] [ids 5 6 7 ...] [ids 1 3]   a freed request's blocks are one segment, pushed
+                  at the head (uncached) or the tail (cached)
+
+    A block pulled out of the middle (a prefix hit on a free cached block) is not searched for: its entry goes
+    stale. Every entry carries the serial number it was queued under, and `serial[block]` is the one of the
+    block's live entry (-1: not queued), so a stale entry is skipped when the head reaches it. Entries are
+    compacted once stale ones outnumber the pool.
     """
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+    def __init__(self, num_blocks: int, first_free: np.ndarray):
+        self.serial = np.full(num_blocks, _NOT_QUEUED, dtype=np.int64)  # (num_blocks,) live entry's serial
+        self.segments: deque[list] = deque()  # [ids (m,) int64, serials (m,) int64, next position]
+        self.num_entries = 0  # entries not yet passed by the head, stale ones included
+        self.num_free_blocks = 0
+        self._next_serial = 0
+        self._limit = 2 * num_blocks + 1024  # entries kept before stale ones are compacted away
+        self.push_tail(first_free)
 
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: int | None = None
-        self.prev_free: Block | None = None
-        self.next_free: Block | None = None
+    def _segment(self, ids: np.ndarray) -> list:
+        n = len(ids)
+        serials = np.arange(self._next_serial, self._next_serial + n, dtype=np.int64)  # (n,)
+        self._next_serial += n
+        self.serial[ids] = serials
+        self.num_entries += n
+        self.num_free_blocks += n
+        return [ids, serials, 0]
+
+    def push_tail(self, ids: np.ndarray) -> None:
+        """Queue `ids` (in order) at the tail: the last to be reused."""
+        if len(ids):
+            self.segments.append(self._segment(ids))
+            if self.num_entries > self._limit:
+                self.compact()
+
+    def push_head(self, ids: np.ndarray) -> None:
+        """Queue `ids` (in order, the first reused first) at the head."""
+        if len(ids):
+            self.segments.appendleft(self._segment(ids))
+            if self.num_entries > self._limit:
+                self.compact()
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Take queued `ids` out (their entries go stale)."""
+        self.serial[ids] = _NOT_QUEUED
+        self.num_free_blocks -= len(ids)
+
+    def remove_one(self, block: int) -> None:
+        """Take queued `block` out (its entry goes stale)."""
+        self.serial[block] = _NOT_QUEUED
+        self.num_free_blocks -= 1
+
+    def pop(self, num_blocks: int) -> np.ndarray:
+        """The `num_blocks` blocks at the head, head first, out of the queue: (num_blocks,) int64."""
+        assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
+        serial, out, need = self.serial, [], num_blocks
+        while need:
+            seg = self.segments[0]
+            ids, serials, pos = seg
+            take = min(len(ids) - pos, need)
+            if not take:
+                self.segments.popleft()
+                continue
+            cand = ids[pos : pos + take]  # (take,)
+            valid = serial[cand] == serials[pos : pos + take]
+            if not valid.all():
+                cand = cand[valid]
+            out.append(cand)
+            need -= len(cand)
+            seg[2] = pos + take
+            self.num_entries -= take
+        taken = out[0] if len(out) == 1 else np.concatenate(out)
+        serial[taken] = _NOT_QUEUED
+        self.num_free_blocks -= num_blocks
+        return taken
+
+    def pop_one(self) -> int:
+        """The block at the head, out of the queue."""
+        assert self.num_free_blocks, "free queue is empty"
+        serial = self.serial
+        while True:
+            seg = self.segments[0]
+            ids, serials, pos = seg
+            if pos == len(ids):
+                self.segments.popleft()
+                continue
+            block = int(ids[pos])
+            seg[2] = pos + 1
+            self.num_entries -= 1
+            if serial[block] == serials[pos]:
+                serial[block] = _NOT_QUEUED
+                self.num_free_blocks -= 1
+                return block
+
+    def compact(self) -> None:
+        """Drop stale entries and passed positions: one segment, same order."""
+        ids = self.queued_ids()
+        self.segments.clear()
+        self.num_entries = self.num_free_blocks = 0
+        if len(ids):
+            self.segments.append(self._segment(ids))
+
+    def queued_ids(self) -> np.ndarray:
+        """Queued blocks, head first: (num_free_blocks,) int64."""
+        parts = []
+        for ids, serials, pos in self.segments:
+            live = self.serial[ids[pos:]] == serials[pos:]
+            parts.append(ids[pos:][live])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+class CachedHashes:
+    """The keys group 0 of a `BlockPool` caches now, as a container (`key in cached`): its table less stale
+    entries (a router's view of the cache)."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+
+    def __contains__(self, block_hash: object) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.pool.is_primary & (self.pool.block_group == 0)))
+
+
+class BlockView:
+    """One block of a `BlockPool` seen as an object (for tests and debugging): its id, ref count, key, group."""
+
+    __slots__ = ("pool", "block_id")
+
+    def __init__(self, pool: BlockPool, block_id: int):
+        self.pool, self.block_id = pool, block_id
+
+    @property
+    def ref_count(self) -> int:
+        return int(self.pool.ref_count[self.block_id])
+
+    @property
+    def block_hash(self) -> int | None:
+        """The key the block is cached under, None if uncached."""
+        return int(self.pool.block_hash[self.block_id]) if self.pool.is_cached[self.block_id] else None
+
+    @property
+    def group(self) -> int:
+        """The KV cache group it was last cached for."""
+        return int(self.pool.block_group[self.block_id])
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
 
 
-class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks with O(1) `remove` from the middle; `BlockPool` takes blocks from the
-    head and splices freed ones in at either end, through the sentinels `head` and `tail`.
-
-    Order is eviction order: the head is reused first. Uncached free blocks go to the head (reused before
-    any cached prefix is evicted); freed cached blocks go to the tail, so cached blocks leave in LRU order.
-    `remove` pulls a cached block out of the middle when a prefix-cache hit revives it.
-
-        head <-> [uncached ...] <-> [never used ...] <-> [cached, least recently freed ... most recent] <-> tail
-    """
-
-    def __init__(self, blocks: list[Block]):
-        self.head = Block(-1)  # sentinels: never handed out
-        self.tail = Block(-1)
-        self.num_free_blocks = 0
-        prev = self.head
-        for block in blocks:
-            prev.next_free, block.prev_free = block, prev
-            prev = block
-        prev.next_free, self.tail.prev_free = self.tail, prev
-        self.num_free_blocks = len(blocks)
-
-    def remove(self, block: Block) -> None:
-        """Take `block` out of the middle in O(1) (a prefix-cache hit on a free cached block)."""
-        self._unlink(block)
-
-    def _unlink(self, block: Block) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
-        prev.next_free, nxt.prev_free = nxt, prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def blocks(self) -> list[Block]:
-        """The free blocks, head (next reused) first. O(n): for tests and debugging."""
-        out, block = [], self.head.next_free
-        while block is not self.tail:
-            out.append(block)
-            block = block.next_free
-        return out
-
-
 class BlockPool:
-    """Owns every block: hands out free ones, takes them back by ref count, and keeps the prefix-hash table.
+    """vLLM's `BlockPool` over arrays: block ids are ints, `ref_count`, `block_hash` (the cache key), `block_group`
+    and `is_cached` are arrays indexed by block id, and the free queue is `FreeBlockSegments`. Block 0 is vLLM's
+    null block (`null_block`), never handed out.
 
-    As vLLM's `BlockHashToBlockMap`, the table does not de-duplicate: a block computed again for a prefix that
-    another block already caches is cached too (block tables stay append-only). `cached_block_hash_to_block`
-    maps a hash to the oldest of its cached blocks (what a lookup returns, vLLM's `get_one_block`);
-    `cached_duplicates` holds the younger ones, oldest first. Evicting a block removes that block only.
-
-    Block 0 is vLLM's null block (`BlockPool.null_block`): taken out of the free queue at creation and never
-    handed out, so `num_blocks - 1` blocks are usable. `num_shared_refs` is the running sum over blocks of
-    (ref_count - 1) for shared blocks: how many block allocations sharing (prefix hits on held blocks)
-    avoided.
+    Every KV cache group of a model takes its blocks from this one pool; a block is cached under (key, group), as
+    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` maps a key to the oldest block caching
+    it, as vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform
+    model); `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have
+    some. Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
+    `is_primary` is False, or the block caches another key or group now), so evictions cost no table operation;
+    stale entries are dropped at the next insert of their key, or all at once when they outnumber the pool.
+    `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
+    allocations sharing (prefix hits on held blocks) avoided.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+    null_block = 0
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False, num_groups: int = 1):
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0] if num_blocks else None
-        self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached_block_hash_to_block: dict[int, Block] = {}
-        self.cached_duplicates: dict[int, list[Block]] = {}  # hash -> its younger cached blocks, oldest first
+        self.num_groups = num_groups
+        self.ref_count = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,)
+        self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
+        self.block_group = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) the group of that key
+        self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
+        self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
+        self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
+        self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
+        self.tables: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> oldest block (or stale)
+        self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
+        self.cached_block_hash_to_block = self.tables[0]
+        self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
-        self.num_blocks_allocated = 0  # blocks handed out by get_new_blocks since creation (for benchmarks)
-        self._uncached_mark, self._cached_mark = Block(-1), Block(-1)  # free_blocks' scratch chain ends
+        self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
+        self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
+        self._views: list[BlockView] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,130 +223,208 @@ class BlockPool:
         """vLLM's `BlockPool.get_usage`: the fraction of usable blocks requests hold (a router's KV-utilization)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref_count 1."""
-        queue = self.free_queue
-        assert num_blocks <= queue.num_free_blocks, (num_blocks, queue.num_free_blocks)
-        head = queue.head
-        out = []
-        append = out.append
-        block = head.next_free
-        for _ in range(num_blocks):  # off the head, one at a time: this runs once per block of every request
-            append(block)
-            block = block.next_free
-        head.next_free, block.prev_free = block, head
-        cached = self.cached_block_hash_to_block
-        duplicates = self.cached_duplicates
-        for taken in out:
-            if taken.block_hash is not None:  # evict its prefix (`_maybe_evict_cached_block`)
-                if duplicates and taken.block_hash in duplicates:
-                    self._uncache(taken)
-                else:
-                    del cached[taken.block_hash]
-                taken.block_hash = None
-            taken.ref_count = 1
-            taken.prev_free = taken.next_free = None
-        queue.num_free_blocks -= num_blocks
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
+        if num_blocks <= _FEW:  # a few: one at a time beats numpy's fixed cost per call (same blocks, same order)
+            return [self.get_new_block() for _ in range(num_blocks)]
+        ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
+        self.ref_count[ids] = 1
+        cached = self.is_cached[ids]
+        if cached.any():
+            self._evict(ids[cached] if not cached.all() else ids)
         self.num_blocks_allocated += num_blocks
-        return out
+        return ids.tolist()
 
-    def get_new_block(self) -> Block:
-        """`get_new_blocks(1)[0]` without the lists: a decode step opening one block."""
-        queue = self.free_queue
-        head = queue.head
-        block = head.next_free
-        assert block is not queue.tail, "free queue is empty"
-        nxt = block.next_free
-        head.next_free, nxt.prev_free = nxt, head
-        block.prev_free = block.next_free = None
-        if block.block_hash is not None:
-            if self.cached_duplicates and block.block_hash in self.cached_duplicates:
-                self._uncache(block)
+    def get_new_block(self) -> int:
+        """`get_new_blocks(1)[0]`: a decode step opening one block."""
+        block = self.free_queue.pop_one()
+        self.ref_count[block] = 1
+        if self.is_cached[block]:
+            self.is_cached[block] = False
+            if self.has_younger[block] or not self.is_primary[block]:
+                self._uncache(block, int(self.block_hash[block]))
             else:
-                del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        queue.num_free_blocks -= 1
+                self.is_primary[block] = False
         self.num_blocks_allocated += 1
         return block
 
-    def get_cached_block(self, block_hash: int) -> Block | None:
-        """The oldest cached block under `block_hash` (vLLM's `get_one_block`), or None."""
-        return self.cached_block_hash_to_block.get(block_hash)
-
-    def cache_full_block(self, block: Block, block_hash: int) -> None:
-        """Register a full block under its chained hash, even when another block already caches that prefix."""
-        if block.block_hash is None:
-            block.block_hash = block_hash
-            if self.cached_block_hash_to_block.setdefault(block_hash, block) is not block:
-                self.add_duplicate(block)
-
-    def add_duplicate(self, block: Block) -> None:
-        """Cache `block` (its `block_hash` set) behind the older block(s) cached under the same hash."""
-        self.cached_duplicates.setdefault(block.block_hash, []).append(block)
-
-    def _uncache(self, block: Block) -> None:
-        """Drop `block` (cached) from the table; the next oldest block under its hash, if any, takes its place."""
-        block_hash = block.block_hash
-        younger = self.cached_duplicates.get(block_hash)
-        if younger is None:
-            del self.cached_block_hash_to_block[block_hash]
+    def _evict(self, ids: np.ndarray) -> None:
+        """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
+        copies (the next one takes over) and younger copies themselves (they leave their key's list), which
+        are uncached one at a time in `ids`' order, as vLLM evicts."""
+        self.is_cached[ids] = False
+        slow = self.has_younger[ids] | ~self.is_primary[ids]
+        if not slow.any():
+            self.is_primary[ids] = False
             return
-        if self.cached_block_hash_to_block[block_hash] is block:
-            self.cached_block_hash_to_block[block_hash] = younger.pop(0)
-        else:
+        self.is_primary[ids[~slow]] = False
+        for block in ids[slow].tolist():
+            self._uncache(block, int(self.block_hash[block]))
+
+    def _uncache(self, block: int, key: int) -> None:
+        """`block`, cached under `key` with younger copies or as one, leaves: the next oldest copy answers."""
+        g = int(self.block_group[block])
+        table, duplicates = self.tables[g], self.duplicates[g]
+        younger = duplicates.get(key)
+        if self.is_primary[block] and table.get(key) == block:  # the copy lookups find
+            self.is_primary[block] = False
+            self.has_younger[block] = False
+            if younger:
+                first = younger.pop(0)
+                table[key] = first
+                self.is_primary[first] = True
+                self.has_younger[first] = bool(younger)
+        elif younger is not None:  # a younger copy
             younger.remove(block)
-        if not younger:
-            del self.cached_duplicates[block_hash]
+            primary = table[key]
+            self.has_younger[primary] = bool(younger)
+        if younger is not None and not younger:
+            del duplicates[key]
 
-    def touch(self, blocks: Iterable[Block]) -> None:
-        """One more holder for each of `blocks` (a prefix hit); free ones leave the free queue."""
-        for block in blocks:
-            if block.ref_count == 0:
-                self.free_queue.remove(block)
-            else:
-                self.num_shared_refs += 1
-            block.ref_count += 1
+    def get_cached_block(self, block_hash: int, group: int = 0) -> int | None:
+        """The oldest block caching `block_hash` for `group` (vLLM's `get_one_block`), or None."""
+        block = self.tables[group].get(block_hash)
+        if (block is None or not self.is_primary[block] or self.block_hash[block] != block_hash
+                or self.block_group[block] != group):
+            return None
+        return block
 
-    def free_blocks(self, blocks: Iterable[Block]) -> None:
-        """One holder fewer for each of `blocks`, given in eviction order (a request's tail first).
+    def cache_full_block(self, block: int, block_hash: int, group: int = 0) -> None:
+        """Register uncached full `block` under (`block_hash`, `group`), behind any block already caching it."""
+        self.block_hash[block] = block_hash
+        if self.num_groups > 1:
+            self.block_group[block] = group
+        self.is_cached[block] = True
+        table = self.tables[group]
+        first = table.setdefault(block_hash, block)
+        if first != block:
+            if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
+                self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
+                self.has_younger[first] = True
+                return
+            table[block_hash] = block  # a stale entry
+        self.is_primary[block] = True
 
-        A block nobody holds goes back to the free queue: cached ones to the tail, uncached to the head, each
-        kind in the order given (vLLM's `append_n` / `prepend_n`: the first uncached one freed is reused
-        first). Each kind is first linked into a chain of its own behind a scratch sentinel (two link writes
-        a block), then spliced into the queue once:
+    def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
+        """Register uncached full blocks `ids` of group 0 under `hashes` (also as `hash_array`, (len(ids),) int64),
+        each behind any block already caching its key."""
+        if len(ids) <= _FEW:  # a few (most calls: a decode step fills one block): one at a time
+            for block, key in zip(ids, hashes):
+                self.cache_full_block(block, key)
+            if len(self.cached_block_hash_to_block) > self._table_limit:
+                self._purge()
+            return
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
+        self.block_hash[arr] = hash_array
+        self.is_cached[arr] = True
+        if self.num_groups > 1:
+            self.block_group[arr] = 0
+        table = self.cached_block_hash_to_block
+        held = list(map(table.setdefault, hashes, ids))
+        if held != ids:  # older copies (live, or stale entries) of some of these keys
+            older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
+            mismatch = np.flatnonzero(older != arr)
+            first = older[mismatch]
+            live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
+            if self.num_groups > 1:
+                live &= self.block_group[first] == 0
+            stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
+            table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
+            if live.any():  # cached behind the live older copy
+                for i in mismatch[live].tolist():
+                    self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
+                self.has_younger[first[live]] = True
+                keep = np.ones(len(ids), dtype=bool)
+                keep[mismatch[live]] = False
+                arr = arr[keep]
+        self.is_primary[arr] = True
+        if len(table) > self._table_limit:
+            self._purge()
 
-            head <-> [uncached chain] <-> ...queue... <-> [cached chain] <-> tail
-        """
-        queue = self.free_queue
-        u_mark, c_mark = self._uncached_mark, self._cached_mark
-        u_last = u_mark  # both chains grow at their back: the first one freed is reused (evicted) first
-        c_last = c_mark
-        still_shared = freed = 0
-        for block in blocks:
-            ref_count = block.ref_count = block.ref_count - 1
-            if ref_count:
-                assert ref_count > 0, block
-                still_shared += 1
-                continue
-            if block.block_hash is None:
-                u_last.next_free, block.prev_free = block, u_last
-                u_last = block
-            else:
-                c_last.next_free, block.prev_free = block, c_last
-                c_last = block
-            freed += 1
-        if u_last is not u_mark:
-            head = queue.head
-            u_first, nxt = u_mark.next_free, head.next_free
-            head.next_free, u_first.prev_free = u_first, head
-            u_last.next_free, nxt.prev_free = nxt, u_last
-            u_mark.next_free = None
-        if c_last is not c_mark:
-            tail = queue.tail
-            c_first, prev = c_mark.next_free, tail.prev_free
-            prev.next_free, c_first.prev_free = c_first, prev
-            c_last.next_free, tail.prev_free = tail, c_last
-            c_mark.next_free = None
-        self.num_shared_refs -= still_shared
-        queue.num_free_blocks += freed
+    def _purge(self) -> None:
+        """Drop the tables' stale entries (their dicts kept: others may hold them)."""
+        for g, table in enumerate(self.tables):
+            ids = np.flatnonzero(self.is_primary & (self.block_group == g))
+            table.clear()
+            table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+
+    def cached_hashes(self) -> CachedHashes:
+        """The keys group 0 caches now, as a container (a router's view of the cache)."""
+        return CachedHashes(self)
+
+    def num_evictable(self, ids: list[int]) -> int:
+        """How many of `ids` nobody holds (a hit on them takes them out of the free queue)."""
+        return int(np.count_nonzero(self.ref_count[ids] == 0)) if ids else 0
+
+    def touch(self, ids: list[int]) -> None:
+        """One more holder for each of `ids` (a prefix hit); free ones leave the free queue."""
+        if len(ids) <= _FEW:
+            ref_count = self.ref_count
+            for block in ids:
+                if ref_count[block] == 0:
+                    self.free_queue.remove_one(block)
+                else:
+                    self.num_shared_refs += 1
+                ref_count[block] += 1
+            return
+        refs = self.ref_count[ids]  # (n,)
+        free = refs == 0
+        num_free = int(np.count_nonzero(free))
+        if num_free:
+            self.free_queue.remove(np.asarray(ids, dtype=np.int64)[free])
+        self.num_shared_refs += len(ids) - num_free
+        self.ref_count[ids] = refs + 1
+
+    def free_blocks(self, ids: list[int]) -> None:
+        """One holder fewer for each of `ids`, given in eviction order (a request's tail first). A block nobody
+        holds goes back to the free queue: cached ones to the tail, uncached to the head, each kind in the order
+        given (vLLM's `append_n` / `prepend_n`)."""
+        if len(ids) <= _FEW:
+            ref_count, is_cached = self.ref_count, self.is_cached
+            uncached, cached = [], []
+            for block in ids:
+                ref = ref_count[block] = ref_count[block] - 1
+                if ref:
+                    assert ref > 0, "a block freed more often than held"
+                    self.num_shared_refs -= 1
+                    continue
+                (cached if is_cached[block] else uncached).append(block)
+            if uncached:
+                self.free_queue.push_head(np.array(uncached, dtype=np.int64))
+            if cached:
+                self.free_queue.push_tail(np.array(cached, dtype=np.int64))
+            return
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
+        refs = self.ref_count[arr] - 1
+        self.ref_count[arr] = refs
+        zero = refs == 0
+        if not zero.all():
+            assert (refs >= 0).all(), "a block freed more often than held"
+            self.num_shared_refs -= int(np.count_nonzero(refs))
+            arr = arr[zero]
+        cached = self.is_cached[arr]
+        if cached.all():
+            self.free_queue.push_tail(arr)
+        elif not cached.any():
+            self.free_queue.push_head(arr)
+        else:
+            self.free_queue.push_head(arr[~cached])
+            self.free_queue.push_tail(arr[cached])
+
+    # --- for tests and debugging -------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> list[BlockView]:
+        """Every block as a `BlockView` (the same object each time)."""
+        if self._views is None:
+            self._views = [BlockView(self, i) for i in range(self.num_blocks)]
+        return self._views
+
+    def cached_keys(self) -> dict[tuple[int, int], int]:
+        """Every (key, group) cached now, and the block a lookup returns for it."""
+        ids = np.flatnonzero(self.is_primary).tolist()
+        return dict(zip(zip(self.block_hash[ids].tolist(), self.block_group[ids].tolist()), ids))
+
+    def free_block_views(self) -> list[BlockView]:
+        """The free queue's blocks, head (next reused) first."""
+        return [self.blocks[i] for i in self.free_queue.queued_ids().tolist()]

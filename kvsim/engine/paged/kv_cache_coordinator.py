@@ -5,7 +5,7 @@ point that reconciles the groups)."""
 
 from __future__ import annotations
 
-from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import PoolSpec
 from kvsim.engine.paged.single_type_kv_cache_manager import SingleTypeManager, make_manager
 
@@ -17,7 +17,7 @@ CACHEABLE_KINDS = FULL_KINDS + ("sliding",)
 class HybridCoordinator:
     """One manager per group, asked in group order (`KVCacheCoordinator`).
 
-    A request's blocks are `tables[g]` for group g; the coordinator never pools them per group: every
+    A request's blocks are `tables[g]` (block ids) for group g; the coordinator never pools them per group: every
     group takes its blocks from, and returns them to, the same `BlockPool`.
 
     With prefix caching a block is cached under (block hash, group id), vLLM's `BlockHashWithGroupId`: the same
@@ -31,8 +31,8 @@ class HybridCoordinator:
         # vLLM's `prefix_cache_retention_interval`: which sliding-window and state blocks are cached (None: every one)
         self.retention_interval = prefix_cache_retention_interval
         self.managers: list[SingleTypeManager] = [
-            make_manager(g, pool, mamba_align=mamba_align, mamba_checkpoint_alignment=mamba_checkpoint_alignment)
-            for g in pool_spec.groups
+            make_manager(g, pool, i, mamba_align=mamba_align, mamba_checkpoint_alignment=mamba_checkpoint_alignment)
+            for i, g in enumerate(pool_spec.groups)
         ]
         self.groups = groups = pool_spec.groups
         # mamba_cache_mode align: state groups cache their block-boundary states and take part in hits; the
@@ -47,7 +47,7 @@ class HybridCoordinator:
         # full attention first (a stable sort, as vLLM's), then the other kinds in group order
         self.spec_groups = sorted(kinds.items(), key=lambda kv: not kv[0][0])
 
-    def new_tables(self) -> list[list[Block]]:
+    def new_tables(self) -> list[list[int]]:
         return [m.new_table() for m in self.managers]
 
     def new_step_starts(self) -> None:
@@ -56,10 +56,10 @@ class HybridCoordinator:
 
     def get_num_blocks_to_allocate(
         self,
-        tables: list[list[Block]],
+        tables: list[list[int]],
         num_tokens: int,
         apply_admission_cap: bool = False,
-        new_computed_blocks: list[list[Block]] | None = None,
+        new_computed_blocks: list[list[int]] | None = None,
         num_computed_tokens: int = 0,
         *,
         query_start: int = 0,
@@ -91,27 +91,27 @@ class HybridCoordinator:
             for m, t, hit in zip(self.managers, tables, new_computed_blocks)
         )
 
-    def allocate_new_computed_blocks(self, tables: list[list[Block]], new_computed_blocks: list[list[Block]], num_computed_tokens: int) -> None:
+    def allocate_new_computed_blocks(self, tables: list[list[int]], new_computed_blocks: list[list[int]], num_computed_tokens: int) -> None:
         """Every group takes its hit blocks before any group takes a new block, so no group evicts another's hit."""
         for manager, table, hit in zip(self.managers, tables, new_computed_blocks):
             manager.add_local_computed_blocks(table, hit, num_computed_tokens)
 
-    def allocate_new_blocks(self, tables: list[list[Block]], num_tokens: int) -> None:
+    def allocate_new_blocks(self, tables: list[list[int]], num_tokens: int) -> None:
         for manager, table in zip(self.managers, tables):
             manager.allocate_new_blocks(table, num_tokens)
 
-    def remove_skipped_blocks(self, tables: list[list[Block]], processed_computed_tokens: int) -> int:
+    def remove_skipped_blocks(self, tables: list[list[int]], processed_computed_tokens: int) -> int:
         """Null the blocks each group no longer reads, against tokens whose step has settled; returns how many."""
         return sum(m.remove_skipped_blocks(t, processed_computed_tokens) for m, t in zip(self.managers, tables))
 
-    def free(self, tables: list[list[Block]]) -> None:
+    def free(self, tables: list[list[int]]) -> None:
         """Every group's blocks back to the pool, group by group, each tail first (`KVCacheCoordinator.free`)."""
         for manager, table in zip(self.managers, tables):
             manager.free(table)
 
     # --- prefix caching across the groups ---------------------------------------------------------------
 
-    def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[Block]], int, int]:
+    def find_longest_cache_hit(self, hashes: list[int], max_length: int) -> tuple[list[list[int]], int, int]:
         """Each group's hit blocks, the hit length in tokens, and the shared prefix some group caches beyond it
         (`HybridKVCacheCoordinator.find_longest_cache_hit`'s `num_uncached_common_prefix_tokens`: the longest
         hit any one group's lookup found, less the hit).
@@ -121,7 +121,7 @@ class HybridCoordinator:
         kind and one other kind, one pass suffices (vLLM stops there). Full groups are then truncated to the
         result. A sliding group's hit keeps null blocks before its run of cached blocks.
         """
-        hit_blocks: list[list[Block] | None] = [None] * len(self.groups)
+        hit_blocks: list[list[int] | None] = [None] * len(self.groups)
         hit_by_group = [0] * len(self.groups)
         simple = len(self.spec_groups) == 2 and self.spec_groups[0][0][0]
         hit_length = max_length
@@ -152,20 +152,20 @@ class HybridCoordinator:
                     del hit_blocks[g][-(-hit_length // bs):]
         return [b if b is not None else [] for b in hit_blocks], hit_length, longest - hit_length
 
-    def _get(self, block_hash: int, ids: list[int]) -> list[Block] | None:
+    def _get(self, block_hash: int, ids: list[int]) -> list[int] | None:
         """The cached block of each group in `ids` for `block_hash`, or None if any group misses."""
         get = self.pool.get_cached_block
         out = []
         for g in ids:
-            block = get((block_hash, g))
+            block = get(block_hash, g)
             if block is None:
                 return None
             out.append(block)
         return out
 
-    def _full_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[Block]], int]:
+    def _full_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[int]], int]:
         """Leading cached blocks, left to right until the first miss (`FullAttentionManager`)."""
-        blocks: list[list[Block]] = [[] for _ in ids]
+        blocks: list[list[int]] = [[] for _ in ids]
         for h in hashes[: max_length // bs]:
             cached = self._get(h, ids)
             if cached is None:
@@ -174,7 +174,7 @@ class HybridCoordinator:
                 out.append(b)
         return blocks, len(blocks[0]) * bs
 
-    def _mamba_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[Block]], int]:
+    def _mamba_hit(self, hashes: list[int], max_length: int, ids: list[int], bs: int) -> tuple[list[list[int]], int]:
         """From the right, the first block whose state every group in `ids` caches; the blocks before it are null
         blocks (`MambaManager.find_longest_cache_hit`: a state needs no blocks before it)."""
         null = self.pool.null_block
@@ -186,14 +186,14 @@ class HybridCoordinator:
 
     def _sliding_hit(
         self, hashes: list[int], max_length: int, ids: list[int], bs: int, window: int
-    ) -> tuple[list[list[Block]], int]:
+    ) -> tuple[list[list[int]], int]:
         """From the right, the first run of `cdiv(window - 1, bs)` cached blocks; the blocks before it are null
         blocks (`SlidingWindowManager.find_longest_cache_hit`). Without such a run, the leading cached blocks
         from the start of the prompt, if that is where the run touches."""
         need = -(-(window - 1) // bs)
         n = max_length // bs
         null = self.pool.null_block
-        blocks: list[list[Block]] = [[null] * n for _ in ids]
+        blocks: list[list[int]] = [[null] * n for _ in ids]
         run = 0
         for i in range(n - 1, -1, -1):
             cached = self._get(hashes[i], ids)
@@ -212,13 +212,14 @@ class HybridCoordinator:
         return blocks, run * bs
 
     def cache_blocks(
-        self, tables: list[list[Block]], hashes: list[int], start: int, end: int, reachable_boundaries: tuple[int, ...] = ()
+        self, tables: list[list[int]], hashes: list[int], start: int, end: int, reachable_boundaries: tuple[int, ...] = ()
     ) -> None:
         """Cache blocks [start, end) of every group under (hash, group id), skipping null blocks and hit blocks
         (`cache_full_blocks`); a block that repeats a cached prefix joins its key. A sliding group's blocks
         are cached before they leave the window, only those its manager's `reachable_block_mask` keeps under
         the retention interval (`reachable_boundaries`: token positions a later hit can resume at)."""
         pool, null = self.pool, self.pool.null_block
+        is_cached = pool.is_cached
         cacheable = self.cacheable_kinds
         for g, table in enumerate(tables):
             kind = self.groups[g].kind
@@ -226,7 +227,7 @@ class HybridCoordinator:
                 continue
             mask = self.managers[g].reachable_block_mask(start, end, self.retention_interval, reachable_boundaries)
             for i, (block, h) in enumerate(zip(table[start:end], hashes[start:end])):
-                if block is not null and block.block_hash is None and (mask is None or mask[i]):
-                    pool.cache_full_block(block, (h, g))
+                if block != null and not is_cached[block] and (mask is None or mask[i]):
+                    pool.cache_full_block(block, h, g)
                     if kind == "state":
                         self.cached_this_step.add((h, g))

@@ -10,11 +10,11 @@ import math
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 from kvsim.engine.paged.kv_cache_coordinator import CACHEABLE_KINDS, HybridCoordinator
-from kvsim.engine.paged.kv_cache_utils import block_hashes
+from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 
@@ -25,10 +25,10 @@ class HybridRequest:
     __slots__ = ("seq", "tables", "held", "quiet_until", "next_skip", "hashes", "num_cached", "hit", "boundaries",
                  "shared_prefix_boundary", "prefill_end")
 
-    def __init__(self, seq: Sequence, tables: list[list[Block]], hashes: list[int] | None = None):
+    def __init__(self, seq: Sequence, tables: list[list[int]], hashes: list[int] | None = None):
         self.seq = seq
         self.tables = tables
-        self.hashes = hashes  # chained hashes of the full blocks of its final length (prefix caching on)
+        self.hashes = hashes  # cache keys of the full blocks of its final length (prefix caching on)
         self.num_cached = 0  # leading blocks of every table already offered to the cache
         self.hit = 0  # prefix-cache hit at admission, in tokens (computed once the step runs)
         # token positions a later request can resume a hit at, whose sliding-window tails are cached under
@@ -98,7 +98,7 @@ class HybridPagedAllocator(KVAllocator):
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching, num_groups=len(self.groups))
         # vLLM's mamba_cache_mode: align (state groups cache their block-boundary states; prefill chunks end on
         # block boundaries) with prefix caching, as vllm serve runs hybrid models; none without
         has_state = any(g.kind == "state" for g in self.groups)
@@ -110,6 +110,7 @@ class HybridPagedAllocator(KVAllocator):
                                              mamba_checkpoint_alignment=self.mamba_checkpoint_alignment)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self._keys = RequestBlockKeys(self.block_size)
         self._reqs: dict[Sequence, HybridRequest] = {}
         # A decode run: blocks each token group opens per block_size tokens, and the smallest sliding window
         self._num_token_groups = sum(g.kind != "state" for g in self.groups)
@@ -135,7 +136,7 @@ class HybridPagedAllocator(KVAllocator):
         return self.pool.get_usage()
 
     def cached_block_hashes(self) -> Container[int]:
-        return self.pool.cached_block_hash_to_block
+        return self.pool.cached_hashes()
 
     def allocate(
         self,
@@ -155,8 +156,8 @@ class HybridPagedAllocator(KVAllocator):
         coordinator, free = self.coordinator, self.pool.num_free_blocks
         tables = coordinator.new_tables()
         hashes, hit_blocks, hit, query, uncached = None, None, 0, 0, 0
-        if self.enable_prefix_caching and seq.token_ids is not None:
-            hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        if self.enable_prefix_caching and self._keys.has_keys(seq):
+            hashes = self._keys.get(seq)[0]
             query = min(num_tokens, seq.num_final_tokens)
             hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
@@ -171,6 +172,7 @@ class HybridPagedAllocator(KVAllocator):
         if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit, query_start=hit,
                                                   prefill_end=prefill_end) + watermark > free:
             return None
+        self._keys.forget()
         req = HybridRequest(seq, tables, hashes)
         req.prefill_end = prefill_end
         if uncached:  # vLLM's `shared_prefix_boundary`: where the longest single group's hit ends
@@ -179,7 +181,7 @@ class HybridPagedAllocator(KVAllocator):
         self._reqs[seq] = req
         if hit:
             coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit)
-            req.held = [sum(b is not self.pool.null_block for b in t) for t in tables]
+            req.held = [len(t) - t.count(self.pool.null_block) for t in tables]
             req.num_cached = hit // self.block_size
             req.hit = hit
         if query:
@@ -213,9 +215,9 @@ class HybridPagedAllocator(KVAllocator):
         """The prefix-cache hit `allocate` would find for `seq` now and vLLM's `shared_prefix_boundary` (where
         the longest single group's hit ends, when longer; else 0), in tokens, changing nothing: what vLLM's
         scheduler splits an align-mode prefill chunk by before it allocates."""
-        if not self.enable_prefix_caching or seq.token_ids is None:
+        if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0, 0
-        hashes = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        hashes = self._keys.get(seq)[0]
         _, hit, uncached = self.coordinator.find_longest_cache_hit(hashes, min(num_tokens, seq.num_final_tokens) - 1)
         return hit, hit + uncached if uncached else 0
 
@@ -228,13 +230,13 @@ class HybridPagedAllocator(KVAllocator):
         null, blocks = self.pool.null_block, []
         for table in self._reqs.pop(seq).tables:
             start = 0
-            while start < len(table) and table[start] is null:
+            while start < len(table) and table[start] == null:
                 start += 1
             blocks += table[start:]
         return blocks
 
     def free_popped_blocks(self, blocks: list) -> None:
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(blocks[::-1])
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now, in every group (vLLM's
@@ -285,7 +287,7 @@ class HybridPagedAllocator(KVAllocator):
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of the slot group; None where the block was replaced by the null block (vLLM: block 0)."""
         null = self.pool.null_block
-        return [None if b is null else b.block_id for b in self._reqs[seq].tables[self._slot_group]]
+        return [None if b == null else b for b in self._reqs[seq].tables[self._slot_group]]
 
     @property
     def slot_window(self) -> int | None:
@@ -294,7 +296,7 @@ class HybridPagedAllocator(KVAllocator):
 
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """Every group's block ids as vLLM's `KVCacheBlocks.get_block_ids()` shows them (0: the null block)."""
-        return [[b.block_id for b in table] for table in self._reqs[seq].tables]
+        return [list(table) for table in self._reqs[seq].tables]
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Slots of positions [start, end) in the slot group's table; -1 where its block is the null block."""
@@ -303,7 +305,7 @@ class HybridPagedAllocator(KVAllocator):
         if start == end:
             return np.empty(0, dtype=np.int64)
         first, last = start // bs, (end - 1) // bs
-        ids = np.fromiter((b.block_id for b in table[first : last + 1]), dtype=np.int64, count=last - first + 1)
+        ids = np.array(table[first : last + 1], dtype=np.int64)  # (last - first + 1,)
         pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
         block_ids = ids[pos // bs - first]
         slots = block_ids * bs + pos % bs
@@ -337,12 +339,13 @@ class HybridPagedAllocator(KVAllocator):
         saved = 0
         if self.pool.num_shared_refs:  # a prefix hit held by several requests was counted once per holder
             seen: set[int] = set()
+            ref_count = self.pool.ref_count
             for req in self._reqs.values():
                 for g, table in enumerate(req.tables):
                     for b in table:
-                        if b.ref_count > 1 and b.block_id not in seen:
-                            seen.add(b.block_id)
-                            extra = b.ref_count - 1  # a shared block is full and computed for every holder
+                        if ref_count[b] > 1 and b not in seen:
+                            seen.add(b)
+                            extra = int(ref_count[b]) - 1  # a shared block is full and computed for every holder
                             kept = self.bytes_per_block - pad_bytes[g] if groups[g].kind == "state" else groups[g].block_size * token_bytes[g]
                             token -= extra * kept  # a shared state block holds one state
                             padding -= extra * pad_bytes[g]
@@ -377,7 +380,7 @@ class HybridPagedAllocator(KVAllocator):
             req.held[g] += len(table) - before[g]
         null = self.pool.null_block
         for g in self._state_groups:  # align mode pads a table with null blocks before its new states
-            req.held[g] = sum(b is not null for b in tables[g])
+            req.held[g] = len(tables[g]) - tables[g].count(null)
         if req.hashes is not None:
             self._register(req, total)
         self._refresh(req, computed)

@@ -1,9 +1,16 @@
-"""Block hashes for prefix caching, as vLLM 0.33.0's `kv_cache_utils.hash_block_tokens`: block j's hash is taken of
-its parent's hash and its token ids, so one hash names the whole prefix up to the block's end."""
+"""A block's identity for prefix caching, one for every paged allocator and group: `request_block_keys`, a
+request's exact structural keys (`Sequence.block_keys`, what a replay gives) or, for a request given only token
+ids, their chained hashes as vLLM 0.33.0's `kv_cache_utils.hash_block_tokens` takes them (block j's hash of its
+parent's hash and its token ids, so one key names the whole prefix up to the block's end)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvsim.engine.sequence import Sequence
 
 ROOT_HASH = 0x6B7673696D  # parent hash of a request's first block (vLLM's NONE_HASH)
 
@@ -30,3 +37,40 @@ def chain_block_hashes(hashes: list[int], token_blocks: list[bytes]) -> list[int
 def block_hashes(token_ids: np.ndarray, num_tokens: int, block_size: int) -> list[int]:
     """Chained hashes of the full blocks within the first `num_tokens` of `token_ids`."""
     return chain_block_hashes([], block_token_bytes(token_ids, num_tokens, block_size))
+
+
+class RequestBlockKeys:
+    """The cache keys of every full block of a request's final tokens, as a list and as an int64 array: its exact
+    `block_keys` where it has them (a replay's requests), else the chained hashes of its token ids.
+
+    Keys are made once per admission: a request refused at admission is retried every step, so the last
+    request keyed keeps its keys (`get`) until `forget`.
+    """
+
+    __slots__ = ("block_size", "_last")
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._last: tuple | None = None  # (seq, its token ids, its keys)
+
+    @staticmethod
+    def has_keys(seq: Sequence) -> bool:
+        """Whether `seq` can be keyed (it has exact keys or token ids)."""
+        return seq.block_keys is not None or seq.token_ids is not None
+
+    def get(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
+        last = self._last
+        if last is not None and last[0] is seq and last[1] is seq.token_ids:
+            return last[2]
+        if seq.block_keys is not None:
+            array = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
+            keys = (array.tolist(), array)
+        else:
+            chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+            keys = (chained, np.array(chained, dtype=np.int64))
+        self._last = (seq, seq.token_ids, keys)
+        return keys
+
+    def forget(self) -> None:
+        """The last request keyed was admitted: its keys now live with it."""
+        self._last = None

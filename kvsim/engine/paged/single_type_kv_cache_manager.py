@@ -3,36 +3,37 @@ needs for `num_tokens`, which of its blocks fall outside the attention window (r
 
 from __future__ import annotations
 
-from kvsim.engine.paged.block_pool import Block, BlockPool
+from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.size.kv_cache_spec import VllmGroup
 
 
 class SingleTypeManager:
     """vLLM's `SingleTypeKVCacheManager` for one group over the shared pool (prefix caching off).
 
-    The per-request block table is the caller's (`HybridCoordinator` keeps one per group and request); a
-    manager only reads and extends it. Tables hold the pool's null block where blocks were skipped:
+    The per-request block table (block ids) is the caller's (`HybridCoordinator` keeps one per group and request);
+    a manager only reads and extends it. Tables hold the pool's null block (id 0) where blocks were skipped:
 
         sliding window 8, block_size 4, 13 tokens computed (processed):
         table  [ null ][ 7 ][ 9 ][ 4 ]     tokens 0-3 lie before the window of token 13 (6-13): block freed
     """
 
-    def __init__(self, group: VllmGroup, pool: BlockPool):
+    def __init__(self, group: VllmGroup, pool: BlockPool, group_id: int = 0):
         self.group = group
+        self.group_id = group_id  # its index among the model's groups: its blocks are cached under (key, group_id)
         self.block_size = group.block_size
         self.pool = pool
         self.null_block = pool.null_block
 
-    def new_table(self) -> list[Block]:
+    def new_table(self) -> list[int]:
         """An empty block table for a new request."""
         return []
 
     def get_num_blocks_to_allocate(
         self,
-        table: list[Block],
+        table: list[int],
         num_tokens: int,
         apply_admission_cap: bool = False,
-        new_computed_blocks: list[Block] | None = None,
+        new_computed_blocks: list[int] | None = None,
         num_computed_tokens: int = 0,
     ) -> int:
         """New blocks `table` needs to hold `num_tokens` tokens (null blocks count as held, as in vLLM).
@@ -50,11 +51,10 @@ class SingleTypeManager:
             return max(required - len(table), 0)
         skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
         num_new = max(required - max(skipped, len(new_computed_blocks) + len(table)), 0)
-        null = self.null_block
-        evictable = sum(b.ref_count == 0 and b is not null for b in new_computed_blocks[max(0, skipped - len(table)) :])
-        return num_new + evictable
+        real = [b for b in new_computed_blocks[max(0, skipped - len(table)) :] if b != self.null_block]
+        return num_new + self.pool.num_evictable(real)
 
-    def add_local_computed_blocks(self, table: list[Block], new_computed_blocks: list[Block], num_computed_tokens: int) -> None:
+    def add_local_computed_blocks(self, table: list[int], new_computed_blocks: list[int], num_computed_tokens: int) -> None:
         """A new request's hit into its empty `table`: null blocks for what lies before the window, the rest
         touched (held once more, out of the free queue) (`add_local_computed_blocks`)."""
         assert not table
@@ -64,7 +64,7 @@ class SingleTypeManager:
         table += [self.null_block] * skipped
         table += hit
 
-    def allocate_new_blocks(self, table: list[Block], num_tokens: int) -> None:
+    def allocate_new_blocks(self, table: list[int], num_tokens: int) -> None:
         """Extend `table` to `cdiv(num_tokens, block_size)` blocks from the pool (`allocate_new_blocks`)."""
         num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new > 0:
@@ -80,7 +80,7 @@ class SingleTypeManager:
         """Which of blocks [start_block, end_block) `cache_blocks` caches; None: every one (full attention)."""
         return None
 
-    def remove_skipped_blocks(self, table: list[Block], processed_computed_tokens: int) -> int:
+    def remove_skipped_blocks(self, table: list[int], processed_computed_tokens: int) -> int:
         """Replace the blocks wholly before the skipped tokens with the null block and free them, the latest
         first, stopping at the first block already nulled (`_remove_blocks_in_range`). Returns how many."""
         skipped = self.get_num_skipped_tokens(processed_computed_tokens)
@@ -89,7 +89,7 @@ class SingleTypeManager:
         null = self.null_block
         freed = []
         for i in range(min(skipped // self.block_size, len(table)) - 1, -1, -1):
-            if table[i] is null:
+            if table[i] == null:
                 break
             freed.append(table[i])
             table[i] = null
@@ -97,13 +97,13 @@ class SingleTypeManager:
             self.pool.free_blocks(freed)
         return len(freed)
 
-    def free(self, table: list[Block]) -> None:
+    def free(self, table: list[int]) -> None:
         """Return every real block of `table`, tail first (`free`: `pop_blocks_for_free` trims the null head)."""
         null = self.null_block
         start = 0
-        while start < len(table) and table[start] is null:
+        while start < len(table) and table[start] == null:
             start += 1
-        self.pool.free_blocks(reversed(table[start:]))
+        self.pool.free_blocks(table[start:][::-1])
         table.clear()
 
 
@@ -222,12 +222,13 @@ class MambaManager(SingleTypeManager):
     hashes are taken at the block size (no sub-block hits), without speculative decoding or a KV connector.
     """
 
-    def __init__(self, group: VllmGroup, pool: BlockPool, *, align: bool = False, checkpoint_alignment: int = 0):
-        super().__init__(group, pool)
+    def __init__(self, group: VllmGroup, pool: BlockPool, group_id: int = 0, *, align: bool = False,
+                 checkpoint_alignment: int = 0):
+        super().__init__(group, pool, group_id)
         self.align = align
         self.checkpoint_alignment = checkpoint_alignment if align else 0
 
-    def new_table(self) -> list[Block]:
+    def new_table(self) -> list[int]:
         return MambaTable() if self.align else []
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -236,10 +237,10 @@ class MambaManager(SingleTypeManager):
 
     def get_num_blocks_to_allocate(
         self,
-        table: list[Block],
+        table: list[int],
         num_tokens: int,
         apply_admission_cap: bool = False,
-        new_computed_blocks: list[Block] | None = None,
+        new_computed_blocks: list[int] | None = None,
         num_computed_tokens: int = 0,
         *,
         query_start: int = 0,
@@ -254,7 +255,7 @@ class MambaManager(SingleTypeManager):
             return super().get_num_blocks_to_allocate(table, num_tokens, apply_admission_cap, new_computed_blocks,
                                                       num_computed_tokens)
         hits = new_computed_blocks or ()
-        if hits and cached_this_step and hits[-1].block_hash in cached_this_step:
+        if hits and cached_this_step and (int(self.pool.block_hash[hits[-1]]), self.group_id) in cached_this_step:
             return self.pool.num_blocks + 1
         bs = self.block_size
         num_new = -(-num_tokens // bs) - len(hits) - len(table)
@@ -265,11 +266,10 @@ class MambaManager(SingleTypeManager):
             table.checkpoint = (checkpoint, -(-num_tokens // bs) - 2) if checkpoint > 0 else None
         if num_new > 0:
             num_new = min(num_new, 1 + (checkpoint > 0))
-        null = self.null_block
-        return num_new + sum(b.ref_count == 0 and b is not null for b in hits)
+        return num_new + self.pool.num_evictable([b for b in hits if b != self.null_block])
 
     def _needs_internal_checkpoint(
-        self, table: list[Block], query_start: int, query_end: int, checkpoint_position: int, prefill_end: int
+        self, table: list[int], query_start: int, query_end: int, checkpoint_position: int, prefill_end: int
     ) -> bool:
         idx = -(-query_end // self.block_size) - 2
         return (
@@ -278,10 +278,10 @@ class MambaManager(SingleTypeManager):
             and is_mamba_prefill_checkpoint_valid(query_start, query_end, checkpoint_position, self.block_size,
                                                   self.checkpoint_alignment)
             and idx >= 0
-            and (idx >= len(table) or table[idx] is self.null_block)
+            and (idx >= len(table) or table[idx] == self.null_block)
         )
 
-    def allocate_new_blocks(self, table: list[Block], num_tokens: int) -> None:
+    def allocate_new_blocks(self, table: list[int], num_tokens: int) -> None:
         """Align mode: null blocks up to the checkpoint (if any) and the running state's block, which are new."""
         if not self.align:
             return super().allocate_new_blocks(table, num_tokens)
@@ -302,7 +302,7 @@ class MambaManager(SingleTypeManager):
             table += self.pool.get_new_blocks(num_new)
         table.allocated = True
 
-    def remove_skipped_blocks(self, table: list[Block], processed_computed_tokens: int) -> int:
+    def remove_skipped_blocks(self, table: list[int], processed_computed_tokens: int) -> int:
         """Align mode: free every state before the last settled token's block (skipping null gaps, from the
         last retired one on), then the previous allocation's running state once a later block holds it."""
         if not self.align:
@@ -315,7 +315,7 @@ class MambaManager(SingleTypeManager):
             if first < last:
                 freed = []
                 for i in range(last - 1, first - 1, -1):
-                    if table[i] is not null:
+                    if table[i] != null:
                         freed.append(table[i])
                         table[i] = null
                 if freed:
@@ -323,7 +323,7 @@ class MambaManager(SingleTypeManager):
                     num_freed += len(freed)
                 table.num_retired = last
         idx = table.last_state_block_idx
-        if idx is not None and idx < -(-processed_computed_tokens // bs) - 1 and table[idx] is not null:
+        if idx is not None and idx < -(-processed_computed_tokens // bs) - 1 and table[idx] != null:
             self.pool.free_blocks([table[idx]])
             table[idx] = null
             num_freed += 1
@@ -352,10 +352,10 @@ class MambaManager(SingleTypeManager):
                 mask[block - start_block] = True
         return mask
 
-    def free(self, table: list[Block]) -> None:
+    def free(self, table: list[int]) -> None:
         """Every real block back, tail first; an align-mode table has null gaps between its states."""
         null = self.null_block
-        self.pool.free_blocks([b for b in reversed(table) if b is not null])
+        self.pool.free_blocks([b for b in reversed(table) if b != null])
         table.clear()
 
 
@@ -368,10 +368,10 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
 }
 
 
-def make_manager(group: VllmGroup, pool: BlockPool, *, mamba_align: bool = False,
+def make_manager(group: VllmGroup, pool: BlockPool, group_id: int = 0, *, mamba_align: bool = False,
                  mamba_checkpoint_alignment: int = 0) -> SingleTypeManager:
     """The manager vLLM's `get_manager_for_kv_cache_spec` picks for `group`'s kind; a state group's in align
     mode (`mamba_align`, with the state layers' prefill `mamba_checkpoint_alignment`, 0: none)."""
     if group.kind == "state":
-        return MambaManager(group, pool, align=mamba_align, checkpoint_alignment=mamba_checkpoint_alignment)
-    return MANAGERS[group.kind](group, pool)
+        return MambaManager(group, pool, group_id, align=mamba_align, checkpoint_alignment=mamba_checkpoint_alignment)
+    return MANAGERS[group.kind](group, pool, group_id)

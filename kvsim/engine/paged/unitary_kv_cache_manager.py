@@ -12,8 +12,8 @@ from collections.abc import Container
 import numpy as np
 
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
-from kvsim.engine.paged.block_array_pool import BlockArrayPool
-from kvsim.engine.paged.kv_cache_utils import block_hashes
+from kvsim.engine.paged.block_pool import BlockPool
+from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -54,7 +54,6 @@ class PagedAllocator(KVAllocator):
     """
 
     paged = True
-    reads_block_keys = True
 
     def __init__(
         self,
@@ -81,14 +80,14 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = num_gpu_blocks(spec, budget_bytes)  # the null block included
         self.num_slots = self.num_blocks * self.block_size
         self.watermark_blocks = int(watermark * self.num_blocks)
-        self.pool = BlockArrayPool(self.num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(self.num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._reqs: dict[Sequence, PagedRequest] = {}
         self._sum_cap = 0  # token slots allocated, over admitted requests
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
-        self._hashed: tuple | None = None  # (seq, its token ids, their block hashes): the last request hashed
+        self._keys = RequestBlockKeys(self.block_size)
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -133,10 +132,10 @@ class PagedAllocator(KVAllocator):
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
-        if self.enable_prefix_caching and (seq.block_keys is not None or seq.token_ids is not None):
-            hashes = self._block_hashes(seq)
+        if self.enable_prefix_caching and self._keys.has_keys(seq):
+            hashes = self._keys.get(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks = self._find_longest_cache_hit(hashes[0], (query - 1) // bs)
+            hit_blocks = self._find_longest_cache_hit(hashes, (query - 1) // bs)
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
@@ -152,7 +151,7 @@ class PagedAllocator(KVAllocator):
             return None  # leaving `reserved_blocks` free
 
         if hashes is not None:
-            self._hashed = None  # admitted: its hashes move to its PagedRequest
+            self._keys.forget()  # admitted: its keys move to its PagedRequest
         req = PagedRequest(seq, hashes)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
@@ -174,10 +173,10 @@ class PagedAllocator(KVAllocator):
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
-        if not self.enable_prefix_caching or (seq.block_keys is None and seq.token_ids is None):
+        if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(self._block_hashes(seq)[0], (query - 1) // self.block_size)) * self.block_size
+        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -214,13 +213,15 @@ class PagedAllocator(KVAllocator):
 
     def free_popped_blocks(self, blocks: list) -> None:
         self._num_popped -= len(blocks)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(blocks[::-1])
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
         num_hashed = req.num_hashed
+        if num_tokens < (num_hashed + 1) * self.block_size or req.hashes is None:  # no block filled since
+            return  # (async scheduling calls this for every request at every step)
         self._cache_full_blocks(req, num_tokens)
         if req.num_hashed != num_hashed:  # else `quiet_until` is still what `_refresh` would make it
             self._refresh(req)
@@ -371,32 +372,31 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _block_hashes(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
-        """The cache keys of every full block of `seq`'s final tokens: its exact `block_keys` where it has them,
-        else the chained hashes of its token ids. Computed once per admission: a request refused at admission
-        is retried every step, so the last request keyed keeps its keys until admitted."""
-        hashed = self._hashed
-        if hashed is not None and hashed[0] is seq and hashed[1] is seq.token_ids:
-            return hashed[2]
-        if seq.block_keys is not None:
-            keys = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
-            hashes = (keys.tolist(), keys)
-        else:
-            chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
-            hashes = (chained, np.array(chained, dtype=np.int64))
-        self._hashed = (seq, seq.token_ids, hashes)
-        return hashes
-
-    def _find_longest_cache_hit(self, hashes: list[int], max_blocks: int) -> list[int]:
-        """The cached blocks of the leading hashes (at most `max_blocks`), up to the first miss."""
+    def _find_longest_cache_hit(self, keys: tuple[list[int], np.ndarray], max_blocks: int) -> list[int]:
+        """The cached blocks of the leading keys (at most `max_blocks`), up to the first miss: the table's
+        entries up to the first key it lacks, then those still live (an entry goes stale when its block is
+        evicted), checked at once."""
         pool = self.pool
-        get, is_primary, block_hash = pool.cached_block_hash_to_block.get, pool.is_primary, pool.block_hash
+        get = pool.cached_block_hash_to_block.get
         hits: list[int] = []
-        for h in hashes[:max_blocks]:
+        append = hits.append
+        for h in keys[0][:max_blocks] if max_blocks < len(keys[0]) else keys[0]:
             block = get(h)
-            if block is None or not is_primary[block] or block_hash[block] != h:  # a miss, or a stale entry
+            if block is None:
                 break
-            hits.append(block)
+            append(block)
+        n = len(hits)
+        if n > 8:
+            arr = np.array(hits, dtype=np.int64)  # (n,)
+            live = pool.is_primary[arr] & (pool.block_hash[arr] == keys[1][:n])
+            if not live.all():
+                del hits[int(np.argmin(live)):]  # a stale entry: the hit ends before it
+        elif n:
+            is_primary, block_hash, key_list = pool.is_primary, pool.block_hash, keys[0]
+            for i, block in enumerate(hits):
+                if not is_primary[block] or block_hash[block] != key_list[i]:
+                    del hits[i:]
+                    break
         return hits
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
