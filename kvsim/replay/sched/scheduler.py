@@ -480,13 +480,15 @@ class Scheduler:
         """
         decodes = out.decodes
         alloc = self.allocator
-        if alloc.decode_frees_blocks and (waiting_head is not None or alloc.enable_prefix_caching):
-            return  # blocks leaving a window could admit the queue head inside the run, or leave it uncached
+        if alloc.decode_frees_blocks and alloc.enable_prefix_caching:
+            return  # the run's growth would free blocks leaving a window before its settled steps cache them
         if any(seq.num_output_placeholders != 1 for seq in decodes):
             return
         n = len(decodes)
         k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]) - 1)
         k = min(k, alloc.max_decode_run(n))
+        if k >= 2 and waiting_head is not None and alloc.decode_frees_blocks:
+            k = self._steps_while_free_blocks_do_not_grow(decodes, k)
         if k < 2:
             return
         ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
@@ -497,6 +499,45 @@ class Scheduler:
             k = k1 + 1
         out.last_step_start_s = self.roofline.decode_run(n, ctx_sum, k - 1)
         self._grow_decode_run(out, k, self.roofline.decode_run(n, ctx_sum, k), waiting_head)
+
+    def _steps_while_free_blocks_do_not_grow(self, decodes: list[SchedSeq], k: int) -> int:
+        """Async scheduling with a refused queue head where decoding frees blocks (sliding or chunked windows):
+        the most steps, at most `k`, of a run over `decodes` in which stepping would never leave more blocks
+        free after a step's running loop than there are now, when the head was refused. Admission is monotone
+        in free blocks (nothing else it checks changes inside a run: seats, budget, and without prefix caching
+        the head's need), so the head stays refused through them.
+
+        Stepping, step j (1-based, this row being step 1) of request i grows it to c_i + j tokens (c_i its
+        computed tokens now) and first nulls what left each window at its settled tokens, c_i + j - 2 from the
+        second step on (one step in flight); each token group then holds ceil(total / block_size) blocks less
+        the whole blocks skipped (`remove_skipped_blocks`). Steps 2.. are compared with this step's blocks.
+        """
+        import numpy as np
+
+        alloc = self.allocator
+        mml = self.max_model_len
+        c = np.fromiter((s.num_computed_tokens for s in decodes), np.int64, len(decodes))
+        settled_now = np.maximum(c - np.fromiter((s.num_in_flight_tokens for s in decodes), np.int64, len(decodes)), 0)
+        total = np.minimum(c[:, None] + np.arange(2, k + 1), mml)  # (n, k - 1): tokens after steps 2..k
+        settled = c[:, None] + np.arange(0, k - 1)  # their settled tokens
+        total_now = np.minimum(c + 1, mml)
+        delta = np.zeros(k - 1, np.int64)
+        for g in alloc.groups:
+            if g.kind == "state":
+                continue  # a state group's blocks do not move while decoding (align mode runs no runs)
+            bs = g.block_size
+            if g.kind == "sliding":
+                skip, skip_now = np.maximum(settled - g.window + 1, 0), np.maximum(settled_now - g.window + 1, 0)
+            elif g.kind == "chunked":
+                skip, skip_now = settled // g.window * g.window, settled_now // g.window * g.window
+            else:
+                skip, skip_now = 0 * settled, 0 * settled_now
+            opened, opened_now = -(-total // bs), -(-total_now // bs)
+            held = opened - np.minimum(skip // bs, opened)
+            held_now = opened_now - np.minimum(skip_now // bs, opened_now)
+            delta += (held - held_now[:, None]).sum(axis=0)
+        grown = np.flatnonzero(delta < 0)  # fewer blocks held than now: more free
+        return k if not len(grown) else int(grown[0]) + 1  # steps 1 .. first such step - 1
 
     def _grow_decode_run(self, out: SchedulerOutput, k: int, run_time: float, waiting_head) -> None:
         """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step."""
