@@ -474,9 +474,12 @@ class Scheduler:
         starts. `postprocess` settles the outputs of the run's first k - 1 steps at once; its last step stays
         in flight, starting `last_step_start_s` after the run.
 
-        A queue head that failed to fit stays out only while memory shrinks: not where decoding frees blocks
-        (sliding or chunked windows), where runs also leave prefix caching alone (the run's growth would take
-        the window past blocks its settled steps cache only afterwards: tests found fewer hits than stepping).
+        A queue head that failed to fit stays out while memory does not grow. Where decoding frees blocks
+        (sliding or chunked windows) the run then covers only the steps in which stepping would leave no more
+        blocks free than now (`_steps_while_free_blocks_do_not_grow`), and once it has run, what left the
+        windows by its last step is nulled (`_null_left_windows`). There runs also leave prefix caching alone
+        (the run's growth would take the window past blocks its settled steps cache only afterwards: tests
+        found fewer hits than stepping).
         """
         decodes = out.decodes
         alloc = self.allocator
@@ -633,6 +636,8 @@ class Scheduler:
         finished = self._update_from_output(previous) if previous is not None else []
         if out.num_steps > 1:
             self._settle_run(out)
+            if self.allocator.decode_frees_blocks:
+                self._null_left_windows(out)
         return finished
 
     def _settle_run(self, out: SchedulerOutput) -> None:
@@ -648,6 +653,20 @@ class Scheduler:
                 settled = seq.num_computed_tokens - 1
                 if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
                     self._cache_settled(seq, settled)
+
+    def _null_left_windows(self, out: SchedulerOutput) -> None:
+        """Async scheduling, after a decode run has run (its KV written): null what left the windows by its last
+        step, as stepping would have (each step nulls at its settled tokens, computed - 2 at the run's last step
+        now that the run has advanced). `_grow_decode_run` nulled up to the run's middle step only; without this
+        the next row's earlier requests would miss blocks that later ones still hold (a preemption stepping
+        does not have)."""
+        alloc = self.allocator
+        for seq in out.decodes:
+            in_flight = seq.num_in_flight_tokens
+            seq.num_in_flight_tokens = 2  # settled: the tokens before the run's last step's
+            ok = alloc.append_slots(seq, 0)  # nulls, and needs no new block
+            assert ok, seq
+            seq.num_in_flight_tokens = in_flight
 
     def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
         """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
