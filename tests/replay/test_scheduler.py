@@ -635,7 +635,8 @@ def test_async_decode_runs_on_a_sliding_window_model_wait_out_a_refused_head_exa
     """Async scheduling on a full + sliding-window model, a request waiting for memory: a run is booked only over
     steps in which stepping frees no more blocks than the step that refused the queue head (blocks leaving the
     window could admit it inside the run otherwise). Rows with runs and the step-by-step replay agree on every
-    request's admission and finish step, preemptions and computed tokens."""
+    request's admission and finish step, preemptions and computed tokens, and a run's memory breakdown is its
+    middle step's, blocks that left the windows by then nulled."""
     import random
 
     def replay(seqs, allow_runs: bool, window: int):
@@ -661,6 +662,7 @@ def test_async_decode_runs_on_a_sliding_window_model_wait_out_a_refused_head_exa
             events += [("admit", seq.seq_id, steps) for seq in out.admitted]
             if out.num_steps > 1 and sched.waiting:
                 waited_out[0] += 1
+            memory[allow_runs][steps + (out.num_steps - 1) // 2] = out.breakdown  # a run's: its middle step's
             steps += out.num_steps
             preempted += len(out.preempted)
             tokens += out.num_prefill_tokens + out.num_decode_tokens
@@ -673,9 +675,11 @@ def test_async_decode_runs_on_a_sliding_window_model_wait_out_a_refused_head_exa
     for window in (8, 10):  # 10: blocks leave the window in steps that open none
         for _ in range(15):
             seqs = [(rng.randint(4, 40), rng.randint(8, 70)) for _ in range(rng.randint(4, 10))]
+            memory = {True: {}, False: {}}
             with_runs = replay(seqs, True, window)
             exact = replay(seqs, False, window)
             assert with_runs == exact, (window, seqs)
+            assert all(memory[False][step] == b for step, b in memory[True].items()), (window, seqs)
             preempted += exact[2] > 0
     # runs waited out a refused head, some cut short where stepping would free blocks; preemptions covered
     assert waited_out[0] >= 20 and capped[0] >= 10 and preempted >= 3

@@ -74,6 +74,11 @@ class Scheduler:
         self.cache = cache
         self.roofline = roofline
         self.allow_runs = allow_runs and roofline is not None
+        # async runs where decoding frees blocks: the middle step's breakdown after nulling what left the windows
+        # there, as stepping shows it (sliding windows only: a run is shorter than twice the smallest, so the
+        # first step's block stays; a chunk boundary could drop it before the run's KV is written)
+        self._null_at_run_middle = async_scheduling and allocator.decode_frees_blocks and all(
+            g.kind != "chunked" for g in getattr(allocator, "groups", ()))
         self.make_token_ids = make_token_ids  # SchedSeq -> (prompt + max_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
@@ -554,6 +559,12 @@ class Scheduler:
             ok = alloc.append_slots(seq, mid + 1)
             assert ok, seq
             seq.num_computed_tokens += mid
+        if self._null_at_run_middle and mid:
+            for seq in decodes:  # async: the middle step's settled tokens are computed - 1 there
+                in_flight, seq.num_in_flight_tokens = seq.num_in_flight_tokens, 1
+                ok = alloc.append_slots(seq, 1)  # nulls, and needs no new block
+                assert ok, seq
+                seq.num_in_flight_tokens = in_flight
         out.breakdown = alloc.breakdown(waiting_head)
         for seq in decodes:
             ok = alloc.append_slots(seq, k - mid)
