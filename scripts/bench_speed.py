@@ -28,7 +28,8 @@ Four measurements (issue 24), each the minimum of --runs runs (the machine is sh
    Goals: kvsim/nano <= 0.25, kvsim/vLLM <= 0.05.
 4. async: workloads/poisson.yaml accounting only, every allocator in one process, with async scheduling (a
    workload's default) and with `scheduler: {async_scheduling: false}`, the two alternately; then the same on
-   the Mooncake conversation trace, paged-16 + prefix caching. Replay CPU seconds, rows of the step records,
+   workloads/sliding-window.yaml (a sliding-window model) and on the Mooncake conversation trace, paged-16 +
+   prefix caching. Replay CPU seconds, rows of the step records,
    and their ratio. Goal: <= 1.2x.
 """
 
@@ -117,7 +118,8 @@ def bench_prefix(args, out: list) -> None:
 
 
 def bench_async(args, out: list) -> None:
-    cases = [("poisson.yaml", None, None, "workloads/poisson.yaml (five allocators)")]
+    cases = [("poisson.yaml", None, None, "workloads/poisson.yaml (five allocators)"),
+             ("sliding-window.yaml", None, None, "workloads/sliding-window.yaml (Gemma 3 27B, three allocators)")]
     if args.trace.is_file():
         cases.append(("mooncake-conversation.yaml", args.trace, True, "the Mooncake conversation trace, paged-16+prefix"))
     else:

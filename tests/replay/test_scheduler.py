@@ -613,3 +613,74 @@ def test_async_cache_blocks_is_skipped_only_where_it_would_cache_nothing(allow_r
         preempted += skipping[2] > 0
         fewer_asks += skipping[3] < always[3]
     assert preempted >= 3 and fewer_asks >= 10  # the comparison covered preemptions and skipped calls
+
+
+def _sliding_window_scheduler(budget_bytes: int, window: int, **kwargs) -> Scheduler:
+    """A mixed model as the replay builds it: a full and a sliding group of block size 4 in one pool (a block of
+    each group per 16 bytes of `budget_bytes`)."""
+    from kvsim.size.kv_cache_spec import KVCacheGroupSpec, PoolSpec, VllmGroup
+
+    pool = PoolSpec((VllmGroup("full", 1, 4, 16, 16, blocks_per_request=32),
+                     VllmGroup("sliding", 1, 4, 16, 16, blocks_per_request=window // 4 + 1, window=window)), 1, 16)
+    spec = KVCacheSpec(
+        groups=(KVCacheGroupSpec("full", 1, bytes_per_token=4), KVCacheGroupSpec("sliding", 1, bytes_per_token=4, window=window)),
+        block_size=4, dtype="bf16", dtype_bytes=2, num_kv_heads=1, head_dim=1, num_attention_layers=2, pool=pool,
+    )
+    allocator = make_allocator(AllocatorConfig("paged", block_size=4), spec, budget_bytes, max_model_len=128)
+    return Scheduler(allocator, max_num_batched_tokens=24, max_model_len=128, roofline=roofline(),
+                     async_scheduling=True, **kwargs)
+
+
+def test_async_decode_runs_on_a_sliding_window_model_wait_out_a_refused_head_exactly():
+    """Async scheduling on a full + sliding-window model, a request waiting for memory: a run is booked only over
+    steps in which stepping frees no more blocks than the step that refused the queue head (blocks leaving the
+    window could admit it inside the run otherwise). Rows with runs and the step-by-step replay agree on every
+    request's admission and finish step, preemptions and computed tokens, and a run's memory breakdown is its
+    middle step's, blocks that left the windows by then nulled."""
+    import random
+
+    def replay(seqs, allow_runs: bool, window: int):
+        sched = _sliding_window_scheduler(640, window, max_num_seqs=6, allow_runs=allow_runs)  # 39 blocks
+        bound = sched._steps_while_free_blocks_do_not_grow
+
+        def counted(decodes, k):
+            k1 = bound(decodes, k)
+            capped[0] += k1 < k
+            return k1
+
+        sched._steps_while_free_blocks_do_not_grow = counted
+        seqs = [make_seq(i, p, o) for i, (p, o) in enumerate(seqs)]
+        for seq in seqs:
+            assert sched.add_request(seq) is None
+        steps, events, preempted, tokens = 0, [], 0, 0
+        while sched.has_work:
+            out, _ = sched.schedule()
+            if not out.prefills and not out.decodes:
+                for seq in sched.flush() if sched.has_in_flight else []:
+                    events.append(("finish", seq.seq_id, steps))
+                continue
+            events += [("admit", seq.seq_id, steps) for seq in out.admitted]
+            if out.num_steps > 1 and sched.waiting:
+                waited_out[0] += 1
+            memory[allow_runs][steps + (out.num_steps - 1) // 2] = out.breakdown  # a run's: its middle step's
+            steps += out.num_steps
+            preempted += len(out.preempted)
+            tokens += out.num_prefill_tokens + out.num_decode_tokens
+            events += [("finish", seq.seq_id, steps) for seq in sched.postprocess(out)]
+        return steps, sorted(events), preempted, tokens, [s.num_preemptions for s in seqs]
+
+    rng = random.Random(2)
+    waited_out, capped = [0], [0]
+    preempted = 0
+    for window in (8, 10):  # 10: blocks leave the window in steps that open none
+        for _ in range(15):
+            seqs = [(rng.randint(4, 40), rng.randint(8, 70)) for _ in range(rng.randint(4, 10))]
+            memory = {True: {}, False: {}}
+            with_runs = replay(seqs, True, window)
+            exact = replay(seqs, False, window)
+            assert with_runs == exact, (window, seqs)
+            assert all(memory[False][step] == b for step, b in memory[True].items()), (window, seqs)
+            preempted += exact[2] > 0
+    # runs waited out a refused head, some cut short where stepping would free blocks; preemptions covered
+    assert waited_out[0] >= 20 and capped[0] >= 10 and preempted >= 3
+

@@ -74,6 +74,11 @@ class Scheduler:
         self.cache = cache
         self.roofline = roofline
         self.allow_runs = allow_runs and roofline is not None
+        # async runs where decoding frees blocks: the middle step's breakdown after nulling what left the windows
+        # there, as stepping shows it (sliding windows only: a run is shorter than twice the smallest, so the
+        # first step's block stays; a chunk boundary could drop it before the run's KV is written)
+        self._null_at_run_middle = async_scheduling and allocator.decode_frees_blocks and all(
+            g.kind != "chunked" for g in getattr(allocator, "groups", ()))
         self.make_token_ids = make_token_ids  # SchedSeq -> (prompt + max_tokens,) ids, made at admission
         self.bytes_per_token = allocator.spec.bytes_per_token
         self.block_size = allocator.spec.block_size
@@ -474,19 +479,24 @@ class Scheduler:
         starts. `postprocess` settles the outputs of the run's first k - 1 steps at once; its last step stays
         in flight, starting `last_step_start_s` after the run.
 
-        A queue head that failed to fit stays out only while memory shrinks: not where decoding frees blocks
-        (sliding or chunked windows), where runs also leave prefix caching alone (the run's growth would take
-        the window past blocks its settled steps cache only afterwards: tests found fewer hits than stepping).
+        A queue head that failed to fit stays out while memory does not grow. Where decoding frees blocks
+        (sliding or chunked windows) the run then covers only the steps in which stepping would leave no more
+        blocks free than now (`_steps_while_free_blocks_do_not_grow`), and once it has run, what left the
+        windows by its last step is nulled (`_null_left_windows`). There runs also leave prefix caching alone
+        (the run's growth would take the window past blocks its settled steps cache only afterwards: tests
+        found fewer hits than stepping).
         """
         decodes = out.decodes
         alloc = self.allocator
-        if alloc.decode_frees_blocks and (waiting_head is not None or alloc.enable_prefix_caching):
-            return  # blocks leaving a window could admit the queue head inside the run, or leave it uncached
+        if alloc.decode_frees_blocks and alloc.enable_prefix_caching:
+            return  # the run's growth would free blocks leaving a window before its settled steps cache them
         if any(seq.num_output_placeholders != 1 for seq in decodes):
             return
         n = len(decodes)
         k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]) - 1)
         k = min(k, alloc.max_decode_run(n))
+        if k >= 2 and waiting_head is not None and alloc.decode_frees_blocks:
+            k = self._steps_while_free_blocks_do_not_grow(decodes, k)
         if k < 2:
             return
         ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
@@ -497,6 +507,45 @@ class Scheduler:
             k = k1 + 1
         out.last_step_start_s = self.roofline.decode_run(n, ctx_sum, k - 1)
         self._grow_decode_run(out, k, self.roofline.decode_run(n, ctx_sum, k), waiting_head)
+
+    def _steps_while_free_blocks_do_not_grow(self, decodes: list[SchedSeq], k: int) -> int:
+        """Async scheduling with a refused queue head where decoding frees blocks (sliding or chunked windows):
+        the most steps, at most `k`, of a run over `decodes` in which stepping would never leave more blocks
+        free after a step's running loop than there are now, when the head was refused. Admission is monotone
+        in free blocks (nothing else it checks changes inside a run: seats, budget, and without prefix caching
+        the head's need), so the head stays refused through them.
+
+        Stepping, step j (1-based, this row being step 1) of request i grows it to c_i + j tokens (c_i its
+        computed tokens now) and first nulls what left each window at its settled tokens, c_i + j - 2 from the
+        second step on (one step in flight); each token group then holds ceil(total / block_size) blocks less
+        the whole blocks skipped (`remove_skipped_blocks`). Steps 2.. are compared with this step's blocks.
+        """
+        import numpy as np
+
+        alloc = self.allocator
+        mml = self.max_model_len
+        c = np.fromiter((s.num_computed_tokens for s in decodes), np.int64, len(decodes))
+        settled_now = np.maximum(c - np.fromiter((s.num_in_flight_tokens for s in decodes), np.int64, len(decodes)), 0)
+        total = np.minimum(c[:, None] + np.arange(2, k + 1), mml)  # (n, k - 1): tokens after steps 2..k
+        settled = c[:, None] + np.arange(0, k - 1)  # their settled tokens
+        total_now = np.minimum(c + 1, mml)
+        delta = np.zeros(k - 1, np.int64)
+        for g in alloc.groups:
+            if g.kind == "state":
+                continue  # a state group's blocks do not move while decoding (align mode runs no runs)
+            bs = g.block_size
+            if g.kind == "sliding":
+                skip, skip_now = np.maximum(settled - g.window + 1, 0), np.maximum(settled_now - g.window + 1, 0)
+            elif g.kind == "chunked":
+                skip, skip_now = settled // g.window * g.window, settled_now // g.window * g.window
+            else:
+                skip, skip_now = 0 * settled, 0 * settled_now
+            opened, opened_now = -(-total // bs), -(-total_now // bs)
+            held = opened - np.minimum(skip // bs, opened)
+            held_now = opened_now - np.minimum(skip_now // bs, opened_now)
+            delta += (held - held_now[:, None]).sum(axis=0)
+        grown = np.flatnonzero(delta < 0)  # fewer blocks held than now: more free
+        return k if not len(grown) else int(grown[0]) + 1  # steps 1 .. first such step - 1
 
     def _grow_decode_run(self, out: SchedulerOutput, k: int, run_time: float, waiting_head) -> None:
         """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step."""
@@ -510,6 +559,12 @@ class Scheduler:
             ok = alloc.append_slots(seq, mid + 1)
             assert ok, seq
             seq.num_computed_tokens += mid
+        if self._null_at_run_middle and mid:
+            for seq in decodes:  # async: the middle step's settled tokens are computed - 1 there
+                in_flight, seq.num_in_flight_tokens = seq.num_in_flight_tokens, 1
+                ok = alloc.append_slots(seq, 1)  # nulls, and needs no new block
+                assert ok, seq
+                seq.num_in_flight_tokens = in_flight
         out.breakdown = alloc.breakdown(waiting_head)
         for seq in decodes:
             ok = alloc.append_slots(seq, k - mid)
@@ -592,6 +647,8 @@ class Scheduler:
         finished = self._update_from_output(previous) if previous is not None else []
         if out.num_steps > 1:
             self._settle_run(out)
+            if self.allocator.decode_frees_blocks:
+                self._null_left_windows(out)
         return finished
 
     def _settle_run(self, out: SchedulerOutput) -> None:
@@ -607,6 +664,20 @@ class Scheduler:
                 settled = seq.num_computed_tokens - 1
                 if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
                     self._cache_settled(seq, settled)
+
+    def _null_left_windows(self, out: SchedulerOutput) -> None:
+        """Async scheduling, after a decode run has run (its KV written): null what left the windows by its last
+        step, as stepping would have (each step nulls at its settled tokens, computed - 2 at the run's last step
+        now that the run has advanced). `_grow_decode_run` nulled up to the run's middle step only; without this
+        the next row's earlier requests would miss blocks that later ones still hold (a preemption stepping
+        does not have)."""
+        alloc = self.allocator
+        for seq in out.decodes:
+            in_flight = seq.num_in_flight_tokens
+            seq.num_in_flight_tokens = 2  # settled: the tokens before the run's last step's
+            ok = alloc.append_slots(seq, 0)  # nulls, and needs no new block
+            assert ok, seq
+            seq.num_in_flight_tokens = in_flight
 
     def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
         """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
