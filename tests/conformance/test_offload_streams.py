@@ -130,6 +130,24 @@ def test_transfers_on_a_faster_host_link_are_caught(vllm_loaded, monkeypatch):
     assert c.differs and c.differing_steps > 0
 
 
+def test_a_store_whose_blocks_are_reused_is_flushed_and_waited_for(vllm_loaded, monkeypatch):
+    """offload-fence: requests finish while the store of their last prompt chunks is in flight, and the next step
+    reallocates the blocks it reads. vLLM flushes those stores (`_block_id_to_pending_jobs`, no preemption in the
+    stream) and the worker waits for them. Without the fence, kvsim's steps start earlier: the harness sees it."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-fence")
+    vllm = run_vllm(rs)
+    assert vllm.num_preemptions == 0 and _events(vllm)["flush"] >= 3
+    assert not compare(run_kvsim(rs), vllm).differs
+    monkeypatch.setattr(OffloadingConnector, "request_finished", lambda self, seq: None)
+    monkeypatch.setattr(OffloadingConnector, "_flush_jobs", lambda self, job_ids: None)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
 def test_cli_checks_a_workload_file(vllm_loaded, cli, tmp_path):
     """`kvsim conformance WORKLOAD.yaml` runs that file (named by its stem) instead of the built-in streams; a
     missing file is one line, exit code 2."""

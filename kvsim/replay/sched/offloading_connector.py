@@ -23,8 +23,10 @@ each job starts after the ones submitted before it in its direction), overlappin
 the step that carries it; a store with the step after it (the worker defers stores to the next step's start,
 `prepare_store_kv`). Bytes are one rank's (every rank moves its own slice over its own link at once).
 
-Left out (accounting only): the block-reuse flush of finished requests' stores (`_block_id_to_pending_jobs`:
-it only makes the worker wait), `sync_load_budget_bytes`, `max_load_tokens`/`max_offload_tokens`, cache resets.
+A store's source blocks are fenced (`_block_id_to_pending_jobs`: from the request's finish on, `request_finished`):
+a step that allocates one of them flushes the store, and the worker waits for it before the step runs.
+
+Left out: `max_load_tokens`/`max_offload_tokens` (per-request parameters), cache resets.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class TransferJob:
     cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
     first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
     copied: bool = False  # with cache tensors: its blocks have moved
+    # a store's source blocks a reallocation must wait for (vLLM's `TransferJobStatus`): those of sliding-window
+    # groups from its creation, the others once its request has finished
+    fenced_block_ids: list = field(default_factory=list)
+    deferred_fence_block_ids: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,6 +72,9 @@ class RequestOffloadState:
     finished_signaled: bool = False
     load_ready: bool = False  # its load finished (vLLM's `finished_recving_kv_req_ids`)
     load_start_s: float = 0.0
+    block_ids: list | None = None  # its GPU block ids as the connector saw them scheduled (vLLM's
+    # `RequestGroupState.block_ids`); None until it is next scheduled, which hands over its whole table
+    finished: bool = False  # `request_finished` was called (vLLM's `req.is_finished()`)
 
 
 class OffloadingConnector:
@@ -94,7 +103,11 @@ class OffloadingConnector:
         self._chunks_being_loaded: set | None = set() if allocator is None or allocator.enable_prefix_caching else None
         self._job_counter = 0
         self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
-        self._flush: list[TransferJob] = []
+        self._flush: dict[int, TransferJob] = {}  # this step's jobs to flush (vLLM's `jobs_to_flush`)
+        # store jobs by the GPU blocks they read, whose reallocation flushes them (`_block_id_to_pending_jobs`),
+        # and the block ids this step allocated (`_current_batch_allocated_block_ids`)
+        self._block_id_to_pending_jobs: dict[int, set[int]] = {}
+        self._allocated: set[int] = set()
         self.now = 0.0  # the replay's clock when the scheduler runs (set by the step loop)
         # Requests finished since the last step reach the tier in vLLM's `finished_req_ids` order: the iteration
         # order of a set of request id strings, which follows the process's string hash seed (PYTHONHASHSEED).
@@ -149,6 +162,7 @@ class OffloadingConnector:
         """Tokens past the GPU hit `num_computed_tokens` the tier can load, or None to skip the request now."""
         status = self._status(seq)
         status.next_stored_chunk_idx = 0  # restarting at token 0: offer every chunk again
+        status.block_ids = None
         if status.transfer_jobs:
             return None
         num_tokens = seq.num_tokens
@@ -183,7 +197,12 @@ class OffloadingConnector:
         return num_hit_tokens
 
     def update_state_after_alloc(self, seq, num_external_tokens: int) -> None:
-        """Pin the hit chunks and queue their load (`update_state_after_alloc`); nothing without a hit."""
+        """Pin the hit chunks and queue their load (`update_state_after_alloc`); nothing without a hit. The
+        request's blocks count as allocated this step either way."""
+        if self.allocator is not None:
+            for table in self.allocator.block_tables(seq):
+                self._allocated.update(table)
+            self._allocated.discard(0)
         if num_external_tokens == 0:
             return
         status = self._req_status[seq.seq_id]
@@ -218,13 +237,14 @@ class OffloadingConnector:
     def build_connector_meta(self, scheduled: list, finished: list, preempted: list) -> None:
         """Flushes for `preempted`, stores for `scheduled` ((seq, tokens computed by the end of the step)) and
         then `finished` requests, and `on_request_finished` for the finished (`_build_connector_meta`)."""
+        self._update_req_states(scheduled)
         for seq in preempted:
             status = self._req_status.get(seq.seq_id)
             if status is not None:
-                flushed = [self._jobs[j] for j in sorted(status.transfer_jobs) if self._jobs[j].is_store]
-                self._flush.extend(flushed)
-                if self.events is not None:
-                    self.events.extend((3, job.job_id) for job in flushed)  # FLUSH
+                self._flush_jobs(j for j in status.transfer_jobs if self._jobs[j].is_store)
+        pending = self._block_id_to_pending_jobs
+        if pending and not self._allocated.isdisjoint(pending):  # stores reading blocks reallocated this step
+            self._flush_jobs(j for bid in self._allocated if bid in pending for j in pending[bid])
         for seq, num_tokens_after_batch in scheduled:
             self._store(seq, num_tokens_after_batch)
         if self.finished_in_set_order and len(finished) > 1:  # vLLM's order: a set of request id strings
@@ -234,6 +254,9 @@ class OffloadingConnector:
         for seq in finished:
             self._store(seq, max(seq.num_prompt_tokens, seq.num_tokens - 1))
         self._finishing = set()
+        if self.events is not None:
+            self.events.extend((3, job_id) for job_id in self._flush)  # FLUSH
+        self._allocated = set()
         for seq in finished:
             status = self._req_status.get(seq.seq_id)
             if status is None:
@@ -242,6 +265,39 @@ class OffloadingConnector:
             self.manager.on_request_finished(status.req_context)
             if not status.transfer_jobs:
                 del self._req_status[seq.seq_id]
+
+    def _update_req_states(self, scheduled: list) -> None:
+        """The block ids each scheduled request got this step: its whole table when it was (re)admitted since
+        it was last scheduled, else the blocks past those the connector has (`_update_req_states`)."""
+        if self.allocator is None:
+            return
+        for seq, _ in scheduled:
+            status = self._req_status.get(seq.seq_id)
+            if status is None:
+                continue
+            tables = self.allocator.block_tables(seq)
+            if status.block_ids is None:
+                status.block_ids = [[] for _ in tables]
+            for held, table in zip(status.block_ids, tables):
+                new = table[len(held):]
+                held.extend(new)
+                self._allocated.update(new)
+        self._allocated.discard(0)
+
+    def _flush_jobs(self, job_ids) -> None:
+        for job_id in job_ids:
+            self._flush[job_id] = self._jobs[job_id]
+
+    def request_finished(self, seq) -> None:
+        """`request_finished`, before the request's blocks are freed: the blocks its stores in flight read are
+        fenced from now on (a reallocation waits for the store)."""
+        status = self._req_status.get(seq.seq_id)
+        if status is None:
+            return
+        status.finished = True
+        for job_id in status.transfer_jobs:
+            for bid in self._jobs[job_id].deferred_fence_block_ids:
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
 
     def _store(self, seq, num_tokens_after_batch: int) -> None:
         """`_build_store_jobs` for one request: prompt chunks from `next_stored_chunk_idx`, all or nothing."""
@@ -267,9 +323,15 @@ class OffloadingConnector:
         status.transfer_jobs.add(job.job_id)
         job.cpu_chunk_ids = list(out.chunk_ids)
         if self.allocator is not None:  # each stored chunk's GPU blocks, in chunk order
-            table, B, stored = self.allocator.block_tables(seq)[0], self.blocks_per_chunk, set(out.keys_to_store)
+            table, B, stored = status.block_ids[0], self.blocks_per_chunk, set(out.keys_to_store)
             job.gpu_block_ids = [table[i * B + b] for i in range(start, num_chunks) if status.offload_keys[i] in stored
                                  for b in range(B)]
+            job.deferred_fence_block_ids = job.gpu_block_ids
+            if status.finished:  # a finished request's store: its blocks are fenced now
+                for bid in job.gpu_block_ids:
+                    self._block_id_to_pending_jobs.setdefault(bid, set()).add(job.job_id)
+                    if bid in self._allocated:
+                        self._flush[job.job_id] = job
         if self.events is not None:
             self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
         if self.host_pool is not None and seq.seq_id in self._finishing:  # its blocks are free: copy them before
@@ -289,7 +351,7 @@ class OffloadingConnector:
         (those of preempted requests) that this step created go first, and the step waits until every job to
         flush has finished; its loads start then; its stores when its forward pass ends (vLLM defers them to the
         next step's start). Returns the wait."""
-        flush, self._flush = self._flush, []
+        flush, self._flush = sorted(self._flush.values(), key=lambda job: job.job_id), {}
         for job in flush:
             if job.finish_s is None:
                 self._start(job, now)
@@ -351,10 +413,23 @@ class OffloadingConnector:
                     self._chunks_being_loaded.difference_update(job.keys)
                 status.load_ready = True
                 self.load_wait_s += job.finish_s - status.load_start_s
+            if self._block_id_to_pending_jobs:
+                self._remove_pending_job(job.job_id, job.fenced_block_ids)
+                if status.finished:
+                    self._remove_pending_job(job.job_id, job.deferred_fence_block_ids)
             del self._jobs[job.job_id]
             status.transfer_jobs.discard(job.job_id)
             if status.finished_signaled and not status.transfer_jobs:
                 del self._req_status[job.seq.seq_id]
+
+    def _remove_pending_job(self, job_id: int, block_ids: list) -> None:
+        pending = self._block_id_to_pending_jobs
+        for bid in block_ids:
+            jobs = pending.get(bid)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del pending[bid]
 
     def take_row(self) -> tuple[int, int, int, int]:
         """This row's (CPU hit tokens, loaded bytes, stored bytes, GPU hit tokens of the loads started), reset."""

@@ -661,8 +661,10 @@ class Scheduler:
             running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
             self.running = [seq for seq in self.running if seq.seq_id not in done]
-            if self.connector is not None:  # connector: they reach it at the next schedule()
-                self._finished_for_connector += finished
+            if self.connector is not None:  # connector: they reach it at the next schedule(); their stores in
+                self._finished_for_connector += finished  # flight are fenced before their blocks are freed
+                for seq in finished:
+                    self.connector.request_finished(seq)
             for seq in finished:
                 if seq.seq_id in running_ids:
                     self._free_finished(seq)
