@@ -409,12 +409,11 @@ class Scheduler:
         """Blocks the requests still prefilling after this step (loads waiting included) need to hold all their
         tokens (vLLM's `_inflight_prefill_reserved_blocks` over `_inflight_prefills`)."""
         after = {seq.seq_id: start + n for seq, start, n in out.prefills}
-        bs, alloc = self.block_size, self.allocator
+        alloc = self.allocator
         reserved = 0
         for seq in (*self.running, *self.loading):
             if after.get(seq.seq_id, seq.num_computed_tokens) < seq.num_tokens:
-                need = -(-min(seq.num_tokens, self.max_model_len) // bs)
-                reserved += max(0, need - alloc.num_blocks_held(seq))
+                reserved += alloc.num_blocks_to_finish(seq)
         return reserved
 
     def _build_connector_meta(self, out: SchedulerOutput) -> None:
