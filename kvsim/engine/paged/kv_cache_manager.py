@@ -169,15 +169,15 @@ class HybridPagedAllocator(KVAllocator):
             hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         prefill_end = max(seq.num_prompt_tokens, num_tokens - 1)  # num_tokens: vLLM's request.num_tokens
-        if full_sequence_must_fit:
-            full = min(num_tokens, self.max_model_len)
-            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit, query_start=hit,
-                                                          prefill_end=prefill_end)
-            if need + watermark > free:
-                return None
         ext = num_external_computed_tokens
         if ext and hit_blocks is None:
             hit_blocks = [[] for _ in tables]
+        if full_sequence_must_fit:  # a window skips what lies before it at the hit's end, the CPU tier's included
+            full = min(num_tokens, self.max_model_len)
+            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit + ext, query_start=hit + ext,
+                                                          prefill_end=prefill_end)
+            if need + watermark > free:
+                return None
         total = min(hit + ext + min(num_new_tokens, num_tokens - hit - ext), self.max_model_len)
         if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit + ext, query_start=hit + ext,
                                                   prefill_end=prefill_end) + watermark + reserved_blocks > free:
@@ -246,6 +246,14 @@ class HybridPagedAllocator(KVAllocator):
     def shared_prefix_boundary(self, seq: Sequence) -> int:
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
         return self._reqs[seq].shared_prefix_boundary
+
+    def remove_skipped_blocks(self, seq: Sequence, processed_computed_tokens: int) -> None:
+        """Null and free the blocks each window group no longer reads at `processed_computed_tokens` (vLLM calls
+        it for a finished request before a KV connector sees its block table)."""
+        req = self._reqs[seq]
+        managers = self.coordinator.managers
+        for g in self._skipping:
+            req.held[g] -= managers[g].remove_skipped_blocks(req.tables[g], processed_computed_tokens)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""

@@ -660,11 +660,13 @@ class Scheduler:
             running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
             self.running = [seq for seq in self.running if seq.seq_id not in done]
-            if self.connector is not None:  # connector: they reach it at the next schedule(); their stores in
-                self._finished_for_connector += finished  # flight are fenced before their blocks are freed
-                for seq in finished:
-                    self.connector.request_finished(seq)
+            if self.connector is not None:  # connector: they reach it at the next schedule()
+                self._finished_for_connector += finished
             for seq in finished:
+                if self.connector is not None:  # connector: `_connector_finished` frees the blocks that left a window
+                    if seq.seq_id in running_ids:  # (settled tokens), then fences the stores in flight
+                        self.allocator.remove_skipped_blocks(seq, max(0, seq.num_computed_tokens - seq.num_in_flight_tokens))
+                    self.connector.request_finished(seq)
                 if seq.seq_id in running_ids:
                     self._free_finished(seq)
                 elif seq in self.swapped:  # async: finished by output that was in flight when it was swapped out
