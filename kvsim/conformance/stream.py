@@ -87,7 +87,7 @@ def resolve(stream: Stream) -> ResolvedStream:
         from kvsim.size.vllm_capacity import bytes_per_block
 
         offload = OffloadSetup(o.cpu_bytes, o.policy, o.block_size, o.store_threshold, o.max_tracker_size,
-                               bytes_per_block(kv_spec), get_host_link(gpu)[0])  # one block id of the pool
+                               o.sync_load_budget_bytes, bytes_per_block(kv_spec), get_host_link(gpu)[0])  # one block id of the pool
     setup = EngineSetup(
         num_gpu_blocks=num_gpu_blocks,
         block_size=config.block_size,

@@ -60,6 +60,7 @@ class TransferJob:
     cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
     first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
     copied: bool = False  # with cache tensors: its blocks have moved
+    sync: bool = False  # a load within the step (`sync_load_budget_bytes`): its own queue, and the step waits
     # a store's source blocks a reallocation must wait for (vLLM's `TransferJobStatus`): those of sliding-window
     # groups from its creation, the others once its request has finished
     fenced_block_ids: list = field(default_factory=list)
@@ -113,7 +114,8 @@ class OffloadingConnector:
     def __init__(self, *, block_size: int, blocks_per_chunk: int, num_chunks: int, bytes_per_block: int,
                  host_bandwidth_bytes_per_s: float, policy: str = "lru", store_threshold: int = 0,
                  max_tracker_size: int = 64_000, allocator=None, groups: tuple[GroupOffloadConfig, ...] | None = None,
-                 retention_interval: int | None = 0) -> None:
+                 retention_interval: int | None = 0, sync_load_budget_bytes: int = 0,
+                 kv_bytes_per_token: int = 0) -> None:
         assert block_size > 0 and blocks_per_chunk > 0 and host_bandwidth_bytes_per_s > 0
         if groups is None:  # one full-attention group
             groups = (GroupOffloadConfig(0, "full", block_size, block_size * blocks_per_chunk, blocks_per_chunk, None),)
@@ -125,6 +127,12 @@ class OffloadingConnector:
         self._lookup_groups = self._full_groups + self._sliding_groups
         self.alignment_tokens = alignment_tokens(groups, blocks_per_chunk)
         self.retention_interval = retention_interval  # vLLM's prefix_cache_retention_interval (its default: 0)
+        # loads within the step, up to this many bytes a step (one rank's), priced at `kv_bytes_per_token` (the
+        # offloaded groups' bytes a token, summed: it overestimates windows, which load less, as vLLM's does)
+        self.sync_load_budget_bytes = sync_load_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token or bytes_per_block // block_size
+        self._sync_loads: set = set()  # this step's requests that load synchronously
+        self._sync_load_bytes = 0
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.tokens_per_chunk = block_size * blocks_per_chunk
@@ -139,7 +147,8 @@ class OffloadingConnector:
         # None without one: a request then loads a chunk another load is reading, into its own blocks)
         self._chunks_being_loaded: set | None = set() if allocator is None or allocator.enable_prefix_caching else None
         self._job_counter = 0
-        self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
+        self._free_at = {"load": 0.0, "store": 0.0, "sync": 0.0}  # per queue: when it drains (vLLM's handlers:
+        # loads, stores, and the expedited loads waited on within the step)
         self._flush: dict[int, TransferJob] = {}  # this step's jobs to flush (vLLM's `jobs_to_flush`)
         # store jobs by the GPU blocks they read, whose reallocation flushes them (`_block_id_to_pending_jobs`),
         # and the block ids this step allocated (`_current_batch_allocated_block_ids`)
@@ -212,7 +221,27 @@ class OffloadingConnector:
             return None
         self._update_offload_keys(status, seq.num_tokens)
         status.num_locally_computed_tokens = num_computed_tokens
-        return self._lookup_complete_chunks(status)
+        num_hit_tokens = self._lookup_complete_chunks(status)
+        self._reserve_sync_load(seq, num_computed_tokens, num_hit_tokens)
+        return num_hit_tokens
+
+    def _reserve_sync_load(self, seq, num_computed_tokens: int, num_hit_tokens: int | None) -> None:
+        """`_reserve_sync_load`: a hit that leaves a token to compute and whose bytes fit what is left of this
+        step's `sync_load_budget_bytes` loads within the step."""
+        self._sync_loads.discard(seq.seq_id)
+        if (not self.sync_load_budget_bytes or not num_hit_tokens
+                or num_computed_tokens + num_hit_tokens >= seq.num_tokens):
+            return
+        num_bytes = num_hit_tokens * self.kv_bytes_per_token
+        if self._sync_load_bytes + num_bytes > self.sync_load_budget_bytes:
+            return
+        self._sync_load_bytes += num_bytes
+        self._sync_loads.add(seq.seq_id)
+
+    def is_sync_load(self, seq) -> bool:
+        """Whether the hit `get_num_new_matched_tokens` just found for `seq` loads within the step: the request is
+        then scheduled at once with the hit as computed tokens (vLLM's `load_kv_async` False)."""
+        return seq.seq_id in self._sync_loads
 
     def _lookup_complete_chunks(self, status: RequestOffloadState) -> int | None:
         """`_lookup_complete_chunks`: full-attention groups look up a prefix from the GPU hit on, sliding windows
@@ -294,6 +323,7 @@ class OffloadingConnector:
         if num_external_tokens == 0:
             return
         status = self._req_status[seq.seq_id]
+        sync = seq.seq_id in self._sync_loads
         local = status.num_locally_computed_tokens
         num_cached = local + num_external_tokens
         B = self.blocks_per_chunk
@@ -324,13 +354,14 @@ class OffloadingConnector:
         job.cpu_chunk_ids = list(chunk_ids)
         job.first_block = first_block
         job.gpu_block_ids = gpu_block_ids
+        job.sync = sync
         if self.events is not None:
             self.events.append((6, seq.index, num_external_tokens))  # HIT
             self.events.append((1, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # LOAD
         status.transfer_jobs.add(job.job_id)
         status.load_ready = False
         status.load_start_s = self.now
-        if self._chunks_being_loaded is not None:
+        if self._chunks_being_loaded is not None and not sync:  # a sync load completes before the forward pass
             self._chunks_being_loaded.update(keys)
         self.cpu_hit_tokens += num_external_tokens
         self.row_hit_tokens += num_external_tokens
@@ -345,7 +376,7 @@ class OffloadingConnector:
         for seq in preempted:
             status = self._req_status.get(seq.seq_id)
             if status is not None:
-                self._flush_jobs(j for j in status.transfer_jobs if self._jobs[j].is_store)
+                self._flush_jobs(j for j in status.transfer_jobs if self._jobs[j].is_store or self._jobs[j].sync)
         pending = self._block_id_to_pending_jobs
         if pending and not self._allocated.isdisjoint(pending):  # stores reading blocks reallocated this step
             self._flush_jobs(j for bid in self._allocated if bid in pending for j in pending[bid])
@@ -361,6 +392,8 @@ class OffloadingConnector:
         if self.events is not None:
             self.events.extend((3, job_id) for job_id in self._flush)  # FLUSH
         self._allocated = set()
+        self._sync_loads = set()
+        self._sync_load_bytes = 0
         for seq in finished:
             status = self._req_status.get(seq.seq_id)
             if status is None:
@@ -564,9 +597,13 @@ class OffloadingConnector:
             if job.finish_s is None:
                 self._start(job, now)
         wait = max([0.0] + [job.finish_s - now for job in flush])
-        for job in self._unsubmitted:
+        for job in self._unsubmitted:  # loads (synchronous ones on their own queue) start now
+            if job.finish_s is None and not job.is_store:
+                self._start(job, now + wait)
+        wait = max([wait] + [job.finish_s - now for job in self._unsubmitted if job.sync])  # the step waits for them
+        for job in self._unsubmitted:  # stores when the forward pass ends
             if job.finish_s is None:
-                self._start(job, now + wait + (dt if job.is_store else 0.0))
+                self._start(job, now + wait + dt)
         self._unsubmitted.clear()
         return wait
 
@@ -591,9 +628,10 @@ class OffloadingConnector:
     def _start(self, job: TransferJob, ready_s: float) -> None:
         if self.host_pool is not None:
             self._copy(job)
-        job.start_s = max(ready_s, self._free_at[job.is_store])
+        queue = "store" if job.is_store else ("sync" if job.sync else "load")
+        job.start_s = max(ready_s, self._free_at[queue])
         job.finish_s = job.start_s + job.num_bytes / self.host_bandwidth
-        self._free_at[job.is_store] = job.finish_s
+        self._free_at[queue] = job.finish_s
         if job.is_store:
             self.cpu_stored_bytes += job.num_bytes
             self.row_stored_bytes += job.num_bytes
@@ -617,9 +655,9 @@ class OffloadingConnector:
                 self.manager.complete_store(job.keys, status.req_context)
             else:
                 self.manager.complete_load(job.keys, status.req_context)
-                if self._chunks_being_loaded:
+                if self._chunks_being_loaded and not job.sync:
                     self._chunks_being_loaded.difference_update(job.keys)
-                status.load_ready = True
+                status.load_ready = not job.sync
                 self.load_wait_s += job.finish_s - status.load_start_s
             if self._block_id_to_pending_jobs:
                 self._remove_pending_job(job.job_id, job.fenced_block_ids)
@@ -685,6 +723,8 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
         for i, (g, vg) in enumerate(zip(tier.groups, startup.groups))
     )
     retention = allocator.prefix_cache_retention_interval if spec.pool is not None else 0
+    # `kv_bytes_per_token`: each offloaded group's layers' bytes a token on one rank, summed
+    bytes_per_token = sum(g.num_layers * g.page_bytes // g.block_size for g in startup.groups)
     with_link = get_host_link(gpu)
     return OffloadingConnector(
         block_size=spec.block_size,
@@ -698,4 +738,6 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
         allocator=allocator,
         groups=groups,
         retention_interval=retention,
+        sync_load_budget_bytes=offload.sync_load_budget_bytes,
+        kv_bytes_per_token=bytes_per_token,
     )
