@@ -83,7 +83,8 @@ def test_a_cpu_hit_that_re_offers_its_gpu_hit_chunks_is_caught(vllm_loaded, monk
     def re_offer(self, seq, num_external_tokens):
         original(self, seq, num_external_tokens)
         if num_external_tokens:
-            self._req_status[seq.seq_id].next_stored_chunk_idx = 0
+            for group in self._req_status[seq.seq_id].groups:
+                group.next_stored_chunk_idx = 0
 
     monkeypatch.setattr(OffloadingConnector, "update_state_after_alloc", re_offer)
     c = compare(run_kvsim(rs), vllm)
