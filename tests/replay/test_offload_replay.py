@@ -288,3 +288,13 @@ def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
             run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
     finally:
         HostKVPool.store = store
+
+
+def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: 64MiB}")
+    assert load_workload(path).offload.sync_load_budget_bytes == 64 << 20
+    assert load_workload(write(tmp_path, same_prompt_twice(0))).offload.sync_load_budget_bytes == 0
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: -1}")
+    with pytest.raises(KvsimError) as exc:
+        load_workload(path)
+    assert "sync_load_budget_bytes" in str(exc.value) and str(path) in str(exc.value)
