@@ -8,7 +8,8 @@ their order and times each job as kvsim's replay does (`kvsim.replay.sched.offlo
 
 1. `handle_preemptions`: the jobs to flush that this step created are submitted first; the step then waits until
    every job to flush has finished.
-2. `start_kv_transfers`: the step's loads start (each after the loads submitted before it: one queue a direction).
+2. `start_kv_transfers`: the step's loads start (each after the loads submitted before it: one queue a direction);
+   a synchronous load (`sync_load_budget_bytes`) on its own queue (the expedited handler), and the step waits for it.
 3. The forward pass runs for the step's time.
 4. `prepare_store_kv`: the step's stores are submitted when it ends (vLLM defers them to the next step's start; a
    step follows the one before it at once, and an idle engine with jobs in flight keeps stepping).
@@ -29,6 +30,8 @@ class WorkerJob:
     is_store: bool
     num_bytes: int
     finish_s: float | None = None
+    queue: str = ""  # "load", "store" or "sync"
+    sync: bool = False
 
 
 class SimulatedOffloadWorker:
@@ -38,16 +41,18 @@ class SimulatedOffloadWorker:
         self.bytes_per_block = bytes_per_block
         self.host_bandwidth = host_bandwidth_bytes_per_s
         self._jobs: dict[int, WorkerJob] = {}
-        self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
+        self._free_at = {"load": 0.0, "store": 0.0, "sync": 0.0}  # per queue: when it drains
 
     def _submit(self, job: WorkerJob, ready_s: float) -> None:
-        start = max(ready_s, self._free_at[job.is_store])
+        queue = "store" if job.is_store else ("sync" if job.sync else "load")
+        start = max(ready_s, self._free_at[queue])
         job.finish_s = start + job.num_bytes / self.host_bandwidth
-        self._free_at[job.is_store] = job.finish_s
+        self._free_at[queue] = job.finish_s
 
     def _job(self, job_id: int, entry, is_store: bool) -> WorkerJob:
         gpu = entry.src_spec if is_store else entry.dst_spec
-        job = WorkerJob(job_id, entry.req_id, is_store, len(gpu.block_ids) * self.bytes_per_block)
+        job = WorkerJob(job_id, entry.req_id, is_store, len(gpu.block_ids) * self.bytes_per_block,
+                        sync=not is_store and bool(entry.sync))
         self._jobs[job_id] = job
         return job
 
@@ -64,8 +69,13 @@ class SimulatedOffloadWorker:
                 self._submit(self._job(job_id, entry, True), start_s)
         finish = [self._jobs[j].finish_s for j in flush if j in self._jobs]
         wait = max([0.0] + [f - start_s for f in finish])
+        sync_finish = []
         for job_id, entry in meta.load_jobs.items():  # start_kv_transfers
-            self._submit(self._job(job_id, entry, False), start_s + wait)
+            job = self._job(job_id, entry, False)
+            self._submit(job, start_s + wait)
+            if job.sync:
+                sync_finish.append(job.finish_s)
+        wait = max([wait] + [f - start_s for f in sync_finish])  # the step waits for its synchronous loads
         for job_id, entry in stores.items():  # prepare_store_kv: at the step's end
             self._submit(self._job(job_id, entry, True), start_s + wait + forward_s)
         return wait
@@ -81,7 +91,7 @@ class SimulatedOffloadWorker:
         """`get_finished` at `t`: the jobs finished by then ({job id: 1}, one worker) and the requests whose load
         finished (`finished_recving`); they are forgotten."""
         done = sorted(j for j, job in self._jobs.items() if job.finish_s <= t)
-        recving = {self._jobs[j].req_id for j in done if not self._jobs[j].is_store}
+        recving = {self._jobs[j].req_id for j in done if not self._jobs[j].is_store and not self._jobs[j].sync}
         for j in done:
             del self._jobs[j]
         return {j: 1 for j in done}, recving

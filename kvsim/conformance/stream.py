@@ -84,8 +84,10 @@ def resolve(stream: Stream) -> ResolvedStream:
         from kvsim.models.interconnect import get_host_link
 
         o = workload.offload
+        from kvsim.size.vllm_capacity import bytes_per_block
+
         offload = OffloadSetup(o.cpu_bytes, o.policy, o.block_size, o.store_threshold, o.max_tracker_size,
-                               kv_spec.bytes_per_token * config.block_size, get_host_link(gpu)[0])
+                               o.sync_load_budget_bytes, bytes_per_block(kv_spec), get_host_link(gpu)[0])  # one block id of the pool
     setup = EngineSetup(
         num_gpu_blocks=num_gpu_blocks,
         block_size=config.block_size,

@@ -58,6 +58,7 @@ class OffloadSetup:
     block_size: int | None  # tokens per CPU chunk (None: one GPU block)
     store_threshold: int
     max_tracker_size: int
+    sync_load_budget_bytes: int
     bytes_per_block: int
     host_bandwidth_bytes_per_s: float
 
@@ -94,6 +95,8 @@ def build_scheduler(setup: EngineSetup):
         o = setup.offload
         extra = {"cpu_bytes_to_use": o.cpu_bytes, "eviction_policy": o.policy, "store_threshold": o.store_threshold,
                  "max_tracker_size": o.max_tracker_size}
+        if o.sync_load_budget_bytes:
+            extra["sync_load_budget_bytes"] = o.sync_load_budget_bytes
         if o.block_size is not None:
             extra["block_size"] = o.block_size
         kv_transfer_config = import_vllm("vllm.config.kv_transfer").KVTransferConfig(

@@ -138,6 +138,10 @@ class KVAllocator(ABC):
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq` (0: none)."""
         return 0
 
+    def remove_skipped_blocks(self, seq: Sequence, processed_computed_tokens: int) -> None:
+        """Free admitted `seq`'s blocks no window reads once `processed_computed_tokens` are settled (vLLM's
+        `KVCacheManager.remove_skipped_blocks`); nothing for models without sliding or chunked windows."""
+
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq` and hand back its blocks without returning them (vLLM's `pop_blocks_for_free`, for the
         frees a KV connector defers under async scheduling); `free_popped_blocks` returns them later. Paged

@@ -106,6 +106,11 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if cache is not None and cache.enabled:  # the blocks really move to a host pool and back
             from kvsim.engine.tensors.host_pool import HostKVPool
 
+            if len(connector.groups) > 1:
+                raise KvsimError(f"with cache tensors the CPU tier's host pool holds one KV cache group's blocks, and "
+                                 f"{ctx.model.name} has {len(connector.groups)}: give --no-tensors to replay its tier "
+                                 "(accounting only)", source=ctx.source, field="offload")
+
             connector.host_pool = HostKVPool(cache, connector.manager.num_chunks, connector.tokens_per_chunk)
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []

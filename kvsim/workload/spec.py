@@ -97,13 +97,16 @@ class OffloadConfig:
     """The CPU KV tier (vLLM's `--kv-offloading-size` and `kv_connector_extra_config`): `cpu_bytes` of host memory
     for the whole engine, the manager's eviction `policy` (lru or arc), the connector's `block_size` (tokens per
     CPU chunk, a multiple of the GPU block; None: one GPU block), and `store_threshold` (>= 2: store a chunk only
-    once it was offered that many times, over `max_tracker_size` tracked keys)."""
+    once it was offered that many times, over `max_tracker_size` tracked keys). `sync_load_budget_bytes` (> 0):
+    a CPU hit whose bytes fit the step's budget loads within the step, the request computing in it, rather than
+    waiting for an asynchronous load."""
 
     cpu_bytes: int
     policy: str = "lru"
     block_size: int | None = None
     store_threshold: int = 0
     max_tracker_size: int = 64_000
+    sync_load_budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,7 @@ def _offload(f: Fields | None, allocators: tuple[AllocatorConfig, ...], source: 
         block_size=f.int("block_size", None, min=1),
         store_threshold=f.int("store_threshold", 0, min=0),
         max_tracker_size=f.int("max_tracker_size", 64_000, min=1),
+        sync_load_budget_bytes=f.bytes("sync_load_budget_bytes", 0, allow_zero=True),
     )
     f.done()
     flat = [a.label for a in allocators if a.kind != "paged"]

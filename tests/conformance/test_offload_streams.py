@@ -83,7 +83,8 @@ def test_a_cpu_hit_that_re_offers_its_gpu_hit_chunks_is_caught(vllm_loaded, monk
     def re_offer(self, seq, num_external_tokens):
         original(self, seq, num_external_tokens)
         if num_external_tokens:
-            self._req_status[seq.seq_id].next_stored_chunk_idx = 0
+            for group in self._req_status[seq.seq_id].groups:
+                group.next_stored_chunk_idx = 0
 
     monkeypatch.setattr(OffloadingConnector, "update_state_after_alloc", re_offer)
     c = compare(run_kvsim(rs), vllm)
@@ -130,6 +131,24 @@ def test_transfers_on_a_faster_host_link_are_caught(vllm_loaded, monkeypatch):
     assert c.differs and c.differing_steps > 0
 
 
+def test_a_store_whose_blocks_are_reused_is_flushed_and_waited_for(vllm_loaded, monkeypatch):
+    """offload-fence: requests finish while the store of their last prompt chunks is in flight, and the next step
+    reallocates the blocks it reads. vLLM flushes those stores (`_block_id_to_pending_jobs`, no preemption in the
+    stream) and the worker waits for them. Without the fence, kvsim's steps start earlier: the harness sees it."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-fence")
+    vllm = run_vllm(rs)
+    assert vllm.num_preemptions == 0 and _events(vllm)["flush"] >= 3
+    assert not compare(run_kvsim(rs), vllm).differs
+    monkeypatch.setattr(OffloadingConnector, "request_finished", lambda self, seq: None)
+    monkeypatch.setattr(OffloadingConnector, "_flush_jobs", lambda self, job_ids: None)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
 def test_cli_checks_a_workload_file(vllm_loaded, cli, tmp_path):
     """`kvsim conformance WORKLOAD.yaml` runs that file (named by its stem) instead of the built-in streams; a
     missing file is one line, exit code 2."""
@@ -145,3 +164,79 @@ def test_cli_checks_a_workload_file(vllm_loaded, cli, tmp_path):
     missing = cli(["conformance", str(tmp_path / "nope.yaml")])
     assert missing.exit_code == 2
     assert "no such workload file" in missing.output
+
+
+def test_the_sliding_window_streams_load_and_store_every_group(vllm_loaded):
+    """offload-gpt-oss and offload-gemma3, counted on vLLM's side: CPU hits, evictions and flushes, and loads whose
+    GPU blocks span both kinds of group (a sliding group's blocks before its window are not loaded)."""
+    from kvsim.conformance.sides import run_vllm
+
+    for name, hits in (("offload-gpt-oss", 40), ("offload-gemma3", 10)):
+        seen = _events(run_vllm(_resolve(name)))
+        assert seen["cpu hit"] >= hits and seen["evict"] >= 50 and seen["flush"] >= 1, (name, seen)
+
+
+def test_a_sliding_window_that_stores_every_chunk_is_caught(vllm_loaded, monkeypatch):
+    """A changed rule: kvsim's sliding groups store every chunk (a dense mask), where vLLM's default retention 0
+    keeps only the window before the prompt's reachable boundary. The stores differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched import offloading_connector
+
+    rs = _resolve("offload-gpt-oss")
+    vllm = run_vllm(rs)
+    assert not compare(run_kvsim(rs), vllm).differs
+    monkeypatch.setattr(offloading_connector, "reachable_block_mask", lambda *args: None)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and any(line.startswith("CPU tier, ") for line in c.schedule_difference)
+
+
+def test_a_sliding_window_looked_up_as_a_prefix_is_caught(vllm_loaded, monkeypatch):
+    """A changed rule: the sliding group is looked up as a prefix from the GPU hit on (as a full-attention group)
+    rather than a run of window chunks from the right. The CPU hits differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.offload.manager import LookupResult
+    from kvsim.replay.sched import offloading_connector
+
+    def as_prefix(lookup, keys, window_chunks, req_context, initial_window):
+        hits = 0
+        for key in keys:
+            if lookup(key, req_context) is LookupResult.MISS:
+                break
+            hits += 1
+        return hits
+
+    rs = _resolve("offload-gemma3")
+    vllm = run_vllm(rs)
+    monkeypatch.setattr(offloading_connector, "sliding_window_lookup", as_prefix)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
+def test_loads_within_the_step_follow_the_sync_load_budget(vllm_loaded, monkeypatch):
+    """offload-sync: vLLM's connector marks most hits as synchronous loads (`TransferJob.sync`, within the step's
+    `sync_load_budget_bytes`), some as asynchronous. kvsim ignoring the budget (every load asynchronous) is caught."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.vllm_import import import_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    worker = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    sync = Counter()
+    build = worker.OffloadingConnectorScheduler._build_connector_meta
+
+    def counting(self, scheduler_output):
+        meta = build(self, scheduler_output)
+        sync.update(bool(job.sync) for job in meta.load_jobs.values())
+        return meta
+
+    rs = _resolve("offload-sync")
+    monkeypatch.setattr(worker.OffloadingConnectorScheduler, "_build_connector_meta", counting)
+    vllm = run_vllm(rs)
+    monkeypatch.undo()
+    assert sync[True] >= 30 and sync[False] >= 3, sync
+    assert not compare(run_kvsim(rs), vllm).differs
+    monkeypatch.setattr(OffloadingConnector, "_reserve_sync_load", lambda self, seq, computed, hit: None)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0

@@ -154,14 +154,32 @@ def test_an_offload_on_a_flat_allocator_is_one_line_naming_the_file_and_field(tm
     assert str(path) in str(exc.value) and "offload" in str(exc.value) and exc.value.field == "offload"
 
 
-def test_an_unsupported_model_is_refused_naming_offload(tmp_path):
+def test_a_state_model_is_refused_naming_offload(tmp_path):
     path = write(tmp_path, same_prompt_twice(0))
-    path.write_text(path.read_text().replace("qwen3-0.6b", "gemma-3-27b"))  # sliding window + full: two groups
+    path.write_text(path.read_text().replace("qwen3-0.6b", "qwen3-next-80b-a3b"))  # full attention + gated delta net
     with pytest.raises(KvsimError) as exc:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert exc.value.field == "offload" and str(path) in str(exc.value)
-    assert "7 KV cache groups (sliding window, full attention)" in str(exc.value)
-    assert "does not follow yet" in str(exc.value)
+    assert "Mamba state groups" in str(exc.value) and "does not follow yet" in str(exc.value)
+
+
+def test_a_sliding_window_model_replays_its_tier_and_refuses_tensors(tmp_path):
+    """gemma-3-27b (6 sliding groups of window 1,024 + 1 full group): the 512-token prompt seen again loads from
+    every group; with cache tensors the host pool (one group's blocks) refuses it in one line."""
+    path = write(tmp_path, same_prompt_twice(10_000), budget="2GiB")
+    path.write_text(path.read_text().replace("qwen3-0.6b", "gemma-3-27b"))
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    # Under vLLM's default retention (0) a sliding group stores only the chunks a hit can reach: the window's 64
+    # blocks before the prompt's reachable boundary, (512 - 1) // 16 * 16 = 496 tokens, i.e. chunks 0-30. The full
+    # group stores all 32. The lookup stops one token short (511); the full group hits 32 chunks, the sliding ones
+    # 31 (chunk 31 misses), so the hit is 31 chunks, 496 tokens, and the last 16 are computed again.
+    assert run.offload["cpu_hit_tokens"] == 496
+    assert run.steps["num_prefill_tokens"].sum() == 512 + 16
+    # blocks moved: stored 32 + 6 x 31 = 218, loaded 7 x 31 = 217 (no block lies before a window of 1,024)
+    assert run.offload["cpu_stored_bytes"] * 217 == run.offload["cpu_loaded_bytes"] * 218 > 0
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
+    assert exc.value.field == "offload" and "--no-tensors" in str(exc.value)
 
 
 def test_a_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
@@ -270,3 +288,13 @@ def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
             run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
     finally:
         HostKVPool.store = store
+
+
+def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: 64MiB}")
+    assert load_workload(path).offload.sync_load_budget_bytes == 64 << 20
+    assert load_workload(write(tmp_path, same_prompt_twice(0))).offload.sync_load_budget_bytes == 0
+    path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: -1}")
+    with pytest.raises(KvsimError) as exc:
+        load_workload(path)
+    assert "sync_load_budget_bytes" in str(exc.value) and str(path) in str(exc.value)

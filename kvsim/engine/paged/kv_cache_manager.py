@@ -146,10 +146,18 @@ class HybridPagedAllocator(KVAllocator):
         num_tokens: int | None = None,
         full_sequence_must_fit: bool = False,
         apply_watermark: bool = True,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
     ) -> int | None:
         """Admit `seq` with room for `num_new_tokens`, or None (nothing changed): `allocate_slots` for a waiting
         request. With `full_sequence_must_fit` every group must have room for all `num_tokens` first, a sliding
-        or chunked group capped at its `max_admission_blocks_per_request`."""
+        or chunked group capped at its `max_admission_blocks_per_request`.
+
+        A CPU tier's hit (`num_external_computed_tokens` past the prefix-cache hit) takes blocks in every group
+        but those before a window (`allocate_external_computed_blocks`, after every group took its hit blocks);
+        with `delay_cache_blocks` (an asynchronous load) nothing past the prefix-cache hit is cached until
+        `cache_blocks`; `reserved_blocks` stay free for other requests (this allocation only)."""
         assert seq not in self._reqs, f"{seq} is already admitted"
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
@@ -162,15 +170,18 @@ class HybridPagedAllocator(KVAllocator):
             hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
         prefill_end = max(seq.num_prompt_tokens, num_tokens - 1)  # num_tokens: vLLM's request.num_tokens
-        if full_sequence_must_fit:
+        ext = num_external_computed_tokens
+        if ext and hit_blocks is None:
+            hit_blocks = [[] for _ in tables]
+        if full_sequence_must_fit:  # a window skips what lies before it at the hit's end, the CPU tier's included
             full = min(num_tokens, self.max_model_len)
-            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit, query_start=hit,
+            need = coordinator.get_num_blocks_to_allocate(tables, full, True, hit_blocks, hit + ext, query_start=hit + ext,
                                                           prefill_end=prefill_end)
             if need + watermark > free:
                 return None
-        total = min(hit + min(num_new_tokens, num_tokens - hit), self.max_model_len)
-        if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit, query_start=hit,
-                                                  prefill_end=prefill_end) + watermark > free:
+        total = min(hit + ext + min(num_new_tokens, num_tokens - hit - ext), self.max_model_len)
+        if coordinator.get_num_blocks_to_allocate(tables, total, False, hit_blocks, hit + ext, query_start=hit + ext,
+                                                  prefill_end=prefill_end) + watermark + reserved_blocks > free:
             return None
         self._keys.forget()
         req = HybridRequest(seq, tables, hashes)
@@ -179,15 +190,17 @@ class HybridPagedAllocator(KVAllocator):
             req.boundaries += (hit + uncached,)
             req.shared_prefix_boundary = hit + uncached
         self._reqs[seq] = req
-        if hit:
-            coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit)
+        if hit or ext:
+            coordinator.allocate_new_computed_blocks(tables, hit_blocks, hit + ext)
+            if ext:
+                coordinator.allocate_new_blocks(tables, hit + ext)
             req.held = [len(t) - t.count(self.pool.null_block) for t in tables]
             req.num_cached = hit // self.block_size
             req.hit = hit
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._grow(req, hit, total, hit)
+        self._grow(req, hit, total, hit + ext, cache=not delay_cache_blocks)
         return hit
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -221,9 +234,28 @@ class HybridPagedAllocator(KVAllocator):
         _, hit, uncached = self.coordinator.find_longest_cache_hit(hashes, min(num_tokens, seq.num_final_tokens) - 1)
         return hit, hit + uncached if uncached else 0
 
+    def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """The prefix-cache hit `allocate` would find for `seq` now, in tokens (what a KV connector is handed)."""
+        return self.get_computed_blocks(seq, num_tokens)[0]
+
+    def num_blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks admitted `seq` still needs to hold all its tokens, window groups capped at their admission
+        bound (vLLM's `Scheduler._request_remaining_blocks`, no speculative tokens)."""
+        req = self._reqs[seq]
+        full = min(seq.num_tokens, self.max_model_len)
+        return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, prefill_end=req.prefill_end)
+
     def shared_prefix_boundary(self, seq: Sequence) -> int:
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
         return self._reqs[seq].shared_prefix_boundary
+
+    def remove_skipped_blocks(self, seq: Sequence, processed_computed_tokens: int) -> None:
+        """Null and free the blocks each window group no longer reads at `processed_computed_tokens` (vLLM calls
+        it for a finished request before a KV connector sees its block table)."""
+        req = self._reqs[seq]
+        managers = self.coordinator.managers
+        for g in self._skipping:
+            req.held[g] -= managers[g].remove_skipped_blocks(req.tables[g], processed_computed_tokens)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""
@@ -364,9 +396,10 @@ class HybridPagedAllocator(KVAllocator):
 
     # --- internals ---------------------------------------------------------------------------------------
 
-    def _grow(self, req: HybridRequest, computed: int, total: int, query_start: int = 0) -> bool:
+    def _grow(self, req: HybridRequest, computed: int, total: int, query_start: int = 0, *, cache: bool = True) -> bool:
         """Null what left each window at `computed` (settled) tokens, then give every group room for `total`
-        tokens, or False. `query_start`: where the chunk starts (align-mode state groups' checkpoint)."""
+        tokens, or False. `query_start`: where the chunk starts (align-mode state groups' checkpoint). `cache`
+        False: cache nothing new yet (a load in flight)."""
         coordinator, tables = self.coordinator, req.tables
         for g in self._skipping:  # the other groups skip nothing
             req.held[g] -= coordinator.managers[g].remove_skipped_blocks(tables[g], computed)
@@ -381,7 +414,7 @@ class HybridPagedAllocator(KVAllocator):
         null = self.pool.null_block
         for g in self._state_groups:  # align mode pads a table with null blocks before its new states
             req.held[g] = len(tables[g]) - tables[g].count(null)
-        if req.hashes is not None:
+        if req.hashes is not None and cache:
             self._register(req, total)
         self._refresh(req, computed)
         return True

@@ -170,6 +170,11 @@ class PagedAllocator(KVAllocator):
         """Blocks in `seq`'s block table."""
         return len(self._reqs[seq].table)
 
+    def num_blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks admitted `seq` still needs to hold all its tokens (vLLM's `_request_remaining_blocks`)."""
+        need = -(-min(seq.num_tokens, self.max_model_len) // self.block_size)
+        return max(0, need - len(self._reqs[seq].table))
+
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""

@@ -2,19 +2,24 @@
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py), over kvsim.offload's
 `CPUOffloadingManager`, with the worker side's transfers on the replay's clock.
 
-One KV cache group of full attention (or MLA): the replay refuses the tier on mixed models. What it follows, hook
-by hook (docs/cpu-tier.md has the rules as read):
+Every KV cache group of full attention, MLA, sliding-window or chunked local attention, each with its own keys
+(`kvsim.replay.sched.offload_groups`); a model with a Mamba state group is refused (its align-mode states reach the
+tier by a copy-on-write hand-off the replay does not follow). What it follows, hook by hook (docs/cpu-tier.md has
+the rules as read):
 
 - `get_num_new_matched_tokens(seq, num_computed_tokens)`: on admission, after the GPU prefix hit (block aligned);
   resets `next_stored_chunk_idx` to 0; None (skip the request this step) while it has transfers in flight, when a
   hit chunk is still being written (HIT_PENDING) or being loaded by another request; else the tokens past the GPU
-  hit that whole chunks in the tier cover (0 when less than one chunk), `_lookup_complete_chunks`.
+  hit that whole chunks in the tier cover (0 when less than one chunk), `_lookup_complete_chunks`: full-attention
+  groups from the GPU hit on, sliding windows from the right, tightening the hit in turn until it converges.
 - `update_state_after_alloc(seq, num_external_tokens)`: pins the chunks (`prepare_load`) and queues a load job;
   the request then skips the chunks it loaded when it stores (`OffloadPolicy.CHUNK_LEVEL`).
 - `build_connector_meta(scheduled, finished, preempted)`: the end of `schedule()`: the in-flight stores of
   preempted requests are flushed (the worker waits for them); each scheduled request, then each finished one,
   offers its prompt chunks computed by the end of the step from `next_stored_chunk_idx` on (`_build_store_jobs`:
-  prompt only, all or nothing, a refused offer made again next step); `on_request_finished` for the finished.
+  prompt only, all or nothing, a refused offer made again next step; a sliding window's chunks only where a later
+  hit can reach them, and never from a block it freed and the pool handed out again); `on_request_finished` for
+  the finished.
 - `complete_until(t)`: the worker side's reports (`update_connector_output`): the jobs finished by `t` complete
   (`complete_store` / `complete_load`); a finished load makes its request ready (`finished_recving`).
 
@@ -23,8 +28,10 @@ each job starts after the ones submitted before it in its direction), overlappin
 the step that carries it; a store with the step after it (the worker defers stores to the next step's start,
 `prepare_store_kv`). Bytes are one rank's (every rank moves its own slice over its own link at once).
 
-Left out (accounting only): the block-reuse flush of finished requests' stores (`_block_id_to_pending_jobs`:
-it only makes the worker wait), `sync_load_budget_bytes`, `max_load_tokens`/`max_offload_tokens`, cache resets.
+A store's source blocks are fenced (`_block_id_to_pending_jobs`: from the request's finish on, `request_finished`):
+a step that allocates one of them flushes the store, and the worker waits for it before the step runs.
+
+Left out: `max_load_tokens`/`max_offload_tokens` (per-request parameters), cache resets.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from dataclasses import dataclass, field
 from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.offload.manager import CPUOffloadingManager, LookupResult
 from kvsim.offload.request_context import ReqContext, make_offload_key
+from kvsim.replay.sched.offload_groups import (GroupOffloadConfig, alignment_tokens, cdiv, reachable_block_mask,
+                                               sliding_window_lookup)
 
 
 @dataclass(slots=True)
@@ -51,21 +60,48 @@ class TransferJob:
     cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
     first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
     copied: bool = False  # with cache tensors: its blocks have moved
+    sync: bool = False  # a load within the step (`sync_load_budget_bytes`): its own queue, and the step waits
+    # a store's source blocks a reallocation must wait for (vLLM's `TransferJobStatus`): those of sliding-window
+    # groups from its creation, the others once its request has finished
+    fenced_block_ids: list = field(default_factory=list)
+    deferred_fence_block_ids: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestGroupState:
+    """One group of one request (vLLM's `RequestGroupState`): its keys, its GPU block ids as the connector saw
+    them scheduled (0 where a block was skipped, or freed and reallocated), and the next chunk to store."""
+
+    offload_keys: list = field(default_factory=list)
+    block_ids: list = field(default_factory=list)
+    next_stored_chunk_idx: int = 0
 
 
 @dataclass(slots=True)
 class RequestOffloadState:
-    """vLLM's `RequestOffloadState` for one full-attention group."""
+    """vLLM's `RequestOffloadState`: one `RequestGroupState` per offloaded group."""
 
     seq: object
     req_context: ReqContext
-    offload_keys: list = field(default_factory=list)
-    next_stored_chunk_idx: int = 0
+    groups: tuple
     num_locally_computed_tokens: int = 0
     transfer_jobs: set = field(default_factory=set)
     finished_signaled: bool = False
     load_ready: bool = False  # its load finished (vLLM's `finished_recving_kv_req_ids`)
     load_start_s: float = 0.0
+    full_table: bool = True  # its next scheduling hands the connector its whole block table (new or resumed)
+    finished: bool = False  # `request_finished` was called (vLLM's `req.is_finished()`)
+    shared_prefix_boundary: int = 0  # vLLM's `Request.shared_prefix_boundary`, read when it was scheduled
+    num_keyed_tokens: int = 0  # tokens its keys were last extended over
+
+    @property
+    def next_stored_chunk_idx(self) -> int:
+        """The first group's (the only one of a uniform model)."""
+        return self.groups[0].next_stored_chunk_idx
+
+    @property
+    def offload_keys(self) -> list:
+        return self.groups[0].offload_keys
 
 
 class OffloadingConnector:
@@ -77,8 +113,26 @@ class OffloadingConnector:
 
     def __init__(self, *, block_size: int, blocks_per_chunk: int, num_chunks: int, bytes_per_block: int,
                  host_bandwidth_bytes_per_s: float, policy: str = "lru", store_threshold: int = 0,
-                 max_tracker_size: int = 64_000, allocator=None) -> None:
+                 max_tracker_size: int = 64_000, allocator=None, groups: tuple[GroupOffloadConfig, ...] | None = None,
+                 retention_interval: int | None = 0, sync_load_budget_bytes: int = 0,
+                 kv_bytes_per_token: int = 0) -> None:
         assert block_size > 0 and blocks_per_chunk > 0 and host_bandwidth_bytes_per_s > 0
+        if groups is None:  # one full-attention group
+            groups = (GroupOffloadConfig(0, "full", block_size, block_size * blocks_per_chunk, blocks_per_chunk, None),)
+        self.groups = groups
+        self._full_groups = tuple(i for i, g in enumerate(groups) if g.window_chunks is None)
+        # sliding-window (and chunked local) groups, the widest window first
+        self._sliding_groups = tuple(sorted((i for i, g in enumerate(groups) if g.window_chunks is not None),
+                                            key=lambda i: groups[i].window_chunks, reverse=True))
+        self._lookup_groups = self._full_groups + self._sliding_groups
+        self.alignment_tokens = alignment_tokens(groups, blocks_per_chunk)
+        self.retention_interval = retention_interval  # vLLM's prefix_cache_retention_interval (its default: 0)
+        # loads within the step, up to this many bytes a step (one rank's), priced at `kv_bytes_per_token` (the
+        # offloaded groups' bytes a token, summed: it overestimates windows, which load less, as vLLM's does)
+        self.sync_load_budget_bytes = sync_load_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token or bytes_per_block // block_size
+        self._sync_loads: set = set()  # this step's requests that load synchronously
+        self._sync_load_bytes = 0
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.tokens_per_chunk = block_size * blocks_per_chunk
@@ -93,8 +147,13 @@ class OffloadingConnector:
         # None without one: a request then loads a chunk another load is reading, into its own blocks)
         self._chunks_being_loaded: set | None = set() if allocator is None or allocator.enable_prefix_caching else None
         self._job_counter = 0
-        self._free_at = {False: 0.0, True: 0.0}  # per direction (load, store): when its queue drains
-        self._flush: list[TransferJob] = []
+        self._free_at = {"load": 0.0, "store": 0.0, "sync": 0.0}  # per queue: when it drains (vLLM's handlers:
+        # loads, stores, and the expedited loads waited on within the step)
+        self._flush: dict[int, TransferJob] = {}  # this step's jobs to flush (vLLM's `jobs_to_flush`)
+        # store jobs by the GPU blocks they read, whose reallocation flushes them (`_block_id_to_pending_jobs`),
+        # and the block ids this step allocated (`_current_batch_allocated_block_ids`)
+        self._block_id_to_pending_jobs: dict[int, set[int]] = {}
+        self._allocated: set[int] = set()
         self.now = 0.0  # the replay's clock when the scheduler runs (set by the step loop)
         # Requests finished since the last step reach the tier in vLLM's `finished_req_ids` order: the iteration
         # order of a set of request id strings, which follows the process's string hash seed (PYTHONHASHSEED).
@@ -118,23 +177,29 @@ class OffloadingConnector:
     def _status(self, seq) -> RequestOffloadState:
         status = self._req_status.get(seq.seq_id)
         if status is None:  # `on_new_request`
-            status = RequestOffloadState(seq, ReqContext(str(seq.seq_id)))
+            status = RequestOffloadState(seq, ReqContext(str(seq.seq_id)),
+                                         tuple(RequestGroupState() for _ in self.groups))
             self.manager.on_new_request(status.req_context)
             self._req_status[seq.seq_id] = status
         return status
 
     def _update_offload_keys(self, status: RequestOffloadState, num_tokens: int) -> None:
-        """Keys of the whole chunks within the first `num_tokens` known tokens: the hash of each chunk's last
-        block with group 0 (`update_offload_keys`)."""
-        seq, T = status.seq, self.tokens_per_chunk
-        if num_tokens // T <= len(status.offload_keys) or seq.token_ids is None:
+        """Each group's keys of the whole chunks within the first `num_tokens` known tokens: the hash of each
+        chunk's last block with the group's index (`update_offload_keys`)."""
+        seq = status.seq
+        if num_tokens <= status.num_keyed_tokens or seq.token_ids is None:
             return
+        if all(num_tokens // g.tokens_per_chunk <= len(gs.offload_keys) for g, gs in zip(self.groups, status.groups)):
+            return
+        status.num_keyed_tokens = num_tokens
         hashes = block_hashes(seq.token_ids, num_tokens, self.block_size)  # (full blocks,)
-        B = self.blocks_per_chunk
-        for i in range(len(status.offload_keys), len(hashes) // B):
-            key = make_offload_key(hashes[(i + 1) * B - 1].to_bytes(8, "big", signed=True), 0)
-            status.offload_keys.append(key)
-            status.req_context.set_offload_key_position(key, (i + 1) * T)
+        for g, gs in zip(self.groups, status.groups):
+            H, T = g.hashes_per_chunk, g.tokens_per_chunk
+            keys = gs.offload_keys
+            for i in range(len(keys), len(hashes) // H):
+                key = make_offload_key(hashes[(i + 1) * H - 1].to_bytes(8, "big", signed=True), g.group_idx)
+                keys.append(key)
+                status.req_context.set_offload_key_position(key, (i + 1) * T)
 
     def has_jobs(self) -> bool:
         return bool(self._jobs)
@@ -148,66 +213,155 @@ class OffloadingConnector:
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int | None:
         """Tokens past the GPU hit `num_computed_tokens` the tier can load, or None to skip the request now."""
         status = self._status(seq)
-        status.next_stored_chunk_idx = 0  # restarting at token 0: offer every chunk again
+        for gs in status.groups:
+            gs.block_ids = []
+            gs.next_stored_chunk_idx = 0  # restarting at token 0: offer every chunk again
+        status.full_table = True
         if status.transfer_jobs:
             return None
-        num_tokens = seq.num_tokens
-        self._update_offload_keys(status, num_tokens)
+        self._update_offload_keys(status, seq.num_tokens)
         status.num_locally_computed_tokens = num_computed_tokens
-        T = self.tokens_per_chunk
-        keys = status.offload_keys
-        max_hit = min(num_tokens, len(keys) * T)
-        if max_hit - num_computed_tokens < T:
-            return 0
-        start = num_computed_tokens // T
-        end = min(-(-max_hit // T), len(keys))
-        hits, pending = 0, False
-        lookup = self.manager.lookup
-        for key in keys[start:end]:  # `_maximal_prefix_lookup`
-            result = lookup(key, status.req_context)
-            if result is LookupResult.MISS:
-                break
-            hits += 1
-            pending |= result is LookupResult.HIT_PENDING
-        if hits == 0:
-            return 0
-        if pending:
+        num_hit_tokens = self._lookup_complete_chunks(status)
+        self._reserve_sync_load(seq, num_computed_tokens, num_hit_tokens)
+        return num_hit_tokens
+
+    def _reserve_sync_load(self, seq, num_computed_tokens: int, num_hit_tokens: int | None) -> None:
+        """`_reserve_sync_load`: a hit that leaves a token to compute and whose bytes fit what is left of this
+        step's `sync_load_budget_bytes` loads within the step."""
+        self._sync_loads.discard(seq.seq_id)
+        if (not self.sync_load_budget_bytes or not num_hit_tokens
+                or num_computed_tokens + num_hit_tokens >= seq.num_tokens):
+            return
+        num_bytes = num_hit_tokens * self.kv_bytes_per_token
+        if self._sync_load_bytes + num_bytes > self.sync_load_budget_bytes:
+            return
+        self._sync_load_bytes += num_bytes
+        self._sync_loads.add(seq.seq_id)
+
+    def is_sync_load(self, seq) -> bool:
+        """Whether the hit `get_num_new_matched_tokens` just found for `seq` loads within the step: the request is
+        then scheduled at once with the hit as computed tokens (vLLM's `load_kv_async` False)."""
+        return seq.seq_id in self._sync_loads
+
+    def _lookup_complete_chunks(self, status: RequestOffloadState) -> int | None:
+        """`_lookup_complete_chunks`: full-attention groups look up a prefix from the GPU hit on, sliding windows
+        a run of window chunks from the right; each may tighten the hit, and the groups are asked again until it
+        converges. With a sliding window the hit stops one token short (the last prompt token is recomputed)."""
+        groups, lookup = self.groups, self.manager.lookup
+        ctx = status.req_context
+        num_computed = status.num_locally_computed_tokens
+        max_hit = status.seq.num_tokens
+        if self._sliding_groups:
+            max_hit -= 1
+        num_hit_tokens = 0
+        defer = False
+        lookup_groups = self._lookup_groups
+        while lookup_groups:
+            looked_up_sliding = False
+            pass_groups, lookup_groups = lookup_groups, ()
+            for gi in pass_groups:
+                g = groups[gi]
+                T = g.tokens_per_chunk
+                keys = status.groups[gi].offload_keys
+                max_hit = min(max_hit, len(keys) * T)
+                if max_hit - num_computed < T:
+                    return 0
+                num_chunks = min(cdiv(max_hit, T), len(keys))
+                start = num_computed // T
+                window = keys[start:num_chunks]
+                if g.window_chunks is None:  # `_maximal_prefix_lookup`
+                    hits, pending = 0, False
+                    for key in window:
+                        result = lookup(key, ctx)
+                        if result is LookupResult.MISS:
+                            break
+                        hits += 1
+                        pending |= result is LookupResult.HIT_PENDING
+                    num_hit_chunks = None if pending else hits
+                else:
+                    initial = g.load_window_size_in_chunks(min(max_hit, num_chunks * T))
+                    num_hit_chunks = sliding_window_lookup(lookup, window, g.window_chunks, ctx, initial)
+                if num_hit_chunks == 0:
+                    return 0
+                if num_hit_chunks is None:
+                    defer = True
+                else:
+                    max_hit = min(max_hit, T * (start + num_hit_chunks))
+                new_num_hit_tokens = max_hit - num_computed
+                if new_num_hit_tokens < T:
+                    return 0
+                if new_num_hit_tokens < num_hit_tokens:
+                    if defer:  # ask every group again whether the hit is still pending
+                        defer = False
+                        lookup_groups = self._lookup_groups
+                    elif looked_up_sliding and not lookup_groups:  # confirm the windows at the shorter hit
+                        lookup_groups = self._sliding_groups
+                looked_up_sliding |= g.window_chunks is not None
+                num_hit_tokens = new_num_hit_tokens
+        if defer:
             return None
-        num_hit_tokens = min(max_hit, T * (start + hits)) - num_computed_tokens
-        if num_hit_tokens < T:
-            return 0
-        if self._chunks_being_loaded:
-            end = -(-(num_computed_tokens + num_hit_tokens) // T)
-            if any(key in self._chunks_being_loaded for key in keys[start:end]):
-                return None
+        if self._chunks_being_loaded:  # a hit chunk another request is loading delays this one
+            end_tokens = num_computed + num_hit_tokens
+            for g, gs in zip(groups, status.groups):
+                keys = gs.offload_keys[num_computed // g.tokens_per_chunk:cdiv(end_tokens, g.tokens_per_chunk)]
+                window = g.load_window_size_in_chunks(end_tokens)
+                if window is not None:
+                    keys = keys[-window:]
+                if any(key in self._chunks_being_loaded for key in keys):
+                    return None
         return num_hit_tokens
 
     def update_state_after_alloc(self, seq, num_external_tokens: int) -> None:
-        """Pin the hit chunks and queue their load (`update_state_after_alloc`); nothing without a hit."""
+        """Pin the hit chunks and queue their load (`update_state_after_alloc`); nothing without a hit. The
+        request's blocks count as allocated this step either way. Each group loads the chunks of its blocks past
+        the GPU hit that are not null (a sliding window's before its window are)."""
+        tables = self.allocator.block_tables(seq) if self.allocator is not None else None
+        if tables is not None:
+            for table in tables:
+                self._allocated.update(table)
+            self._allocated.discard(0)
         if num_external_tokens == 0:
             return
         status = self._req_status[seq.seq_id]
+        sync = seq.seq_id in self._sync_loads
         local = status.num_locally_computed_tokens
         num_cached = local + num_external_tokens
-        bs, B = self.block_size, self.blocks_per_chunk
-        first_block = -(-local // bs)
-        num_blocks = -(-num_cached // bs) - first_block
-        num_chunks = -(-num_cached // self.tokens_per_chunk)
-        keys = status.offload_keys[first_block // B:num_chunks]
-        status.next_stored_chunk_idx = num_chunks  # OffloadPolicy.CHUNK_LEVEL
+        B = self.blocks_per_chunk
+        keys: list = []
+        gpu_block_ids: list = []
+        first_block = 0
+        for gi, (g, gs) in enumerate(zip(self.groups, status.groups)):
+            bs = g.tokens_per_block
+            num_gpu_blocks = cdiv(num_cached, bs)
+            load_start = cdiv(local, bs)
+            if tables is not None:
+                table = tables[g.group_idx]
+                while load_start < num_gpu_blocks and table[load_start] == 0:
+                    load_start += 1
+                gpu_block_ids += table[load_start:num_gpu_blocks]
+            num_chunks = cdiv(num_cached, g.tokens_per_chunk)
+            if num_gpu_blocks > load_start:
+                keys += gs.offload_keys[load_start // B:num_chunks]
+                if gi == 0:
+                    first_block = load_start
+            gs.next_stored_chunk_idx = num_chunks  # OffloadPolicy.CHUNK_LEVEL
+            if tables is None and gi == 0:
+                first_block = load_start
+                num_blocks = num_gpu_blocks - load_start
         chunk_ids = self.manager.prepare_load(keys, status.req_context)
+        num_blocks = len(gpu_block_ids) if tables is not None else num_blocks
         job = self._new_job(seq, keys, False, num_blocks * self.bytes_per_block)
         job.cpu_chunk_ids = list(chunk_ids)
         job.first_block = first_block
-        if self.allocator is not None:
-            job.gpu_block_ids = list(self.allocator.block_tables(seq)[0][first_block:first_block + num_blocks])
+        job.gpu_block_ids = gpu_block_ids
+        job.sync = sync
         if self.events is not None:
             self.events.append((6, seq.index, num_external_tokens))  # HIT
             self.events.append((1, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # LOAD
         status.transfer_jobs.add(job.job_id)
         status.load_ready = False
         status.load_start_s = self.now
-        if self._chunks_being_loaded is not None:
+        if self._chunks_being_loaded is not None and not sync:  # a sync load completes before the forward pass
             self._chunks_being_loaded.update(keys)
         self.cpu_hit_tokens += num_external_tokens
         self.row_hit_tokens += num_external_tokens
@@ -218,13 +372,14 @@ class OffloadingConnector:
     def build_connector_meta(self, scheduled: list, finished: list, preempted: list) -> None:
         """Flushes for `preempted`, stores for `scheduled` ((seq, tokens computed by the end of the step)) and
         then `finished` requests, and `on_request_finished` for the finished (`_build_connector_meta`)."""
+        self._update_req_states(scheduled)
         for seq in preempted:
             status = self._req_status.get(seq.seq_id)
             if status is not None:
-                flushed = [self._jobs[j] for j in sorted(status.transfer_jobs) if self._jobs[j].is_store]
-                self._flush.extend(flushed)
-                if self.events is not None:
-                    self.events.extend((3, job.job_id) for job in flushed)  # FLUSH
+                self._flush_jobs(j for j in status.transfer_jobs if self._jobs[j].is_store or self._jobs[j].sync)
+        pending = self._block_id_to_pending_jobs
+        if pending and not self._allocated.isdisjoint(pending):  # stores reading blocks reallocated this step
+            self._flush_jobs(j for bid in self._allocated if bid in pending for j in pending[bid])
         for seq, num_tokens_after_batch in scheduled:
             self._store(seq, num_tokens_after_batch)
         if self.finished_in_set_order and len(finished) > 1:  # vLLM's order: a set of request id strings
@@ -234,6 +389,11 @@ class OffloadingConnector:
         for seq in finished:
             self._store(seq, max(seq.num_prompt_tokens, seq.num_tokens - 1))
         self._finishing = set()
+        if self.events is not None:
+            self.events.extend((3, job_id) for job_id in self._flush)  # FLUSH
+        self._allocated = set()
+        self._sync_loads = set()
+        self._sync_load_bytes = 0
         for seq in finished:
             status = self._req_status.get(seq.seq_id)
             if status is None:
@@ -243,33 +403,176 @@ class OffloadingConnector:
             if not status.transfer_jobs:
                 del self._req_status[seq.seq_id]
 
+    def _update_req_states(self, scheduled: list) -> None:
+        """The block ids each scheduled request got this step: its whole table when it was (re)admitted since
+        it was last scheduled, else the blocks past those the connector has (`_update_req_states`). Then a
+        sliding window's blocks not yet stored that the pool handed out again this step become 0: they were
+        freed when they left the window, and a store must not read them."""
+        if self.allocator is None:
+            return
+        allocated = self._allocated
+        ends: dict[int, tuple[int, ...]] = {}  # pre-extend lengths of the sliding groups' block ids
+        for seq, _ in scheduled:
+            status = self._req_status.get(seq.seq_id)
+            if status is None:
+                continue
+            if self._sliding_groups:
+                status.shared_prefix_boundary = self.allocator.shared_prefix_boundary(seq)
+            tables = self.allocator.block_tables(seq)
+            if status.full_table:
+                status.full_table = False
+                for gs in status.groups:
+                    gs.block_ids = []
+            if self._sliding_groups:
+                ends[seq.seq_id] = tuple(len(status.groups[gi].block_ids) for gi in self._sliding_groups)
+            for g, gs in zip(self.groups, status.groups):
+                table = tables[g.group_idx]
+                new = table[len(gs.block_ids):]
+                gs.block_ids.extend(new)
+                allocated.update(new)
+        allocated.discard(0)
+        if self._sliding_groups and allocated:
+            B = self.blocks_per_chunk
+            for seq_id, status in self._req_status.items():
+                seq_ends = ends.get(seq_id)
+                for i, gi in enumerate(self._sliding_groups):
+                    gs = status.groups[gi]
+                    ids = gs.block_ids
+                    end = seq_ends[i] if seq_ends is not None else len(ids)
+                    for j in range(gs.next_stored_chunk_idx * B, end):
+                        if ids[j] in allocated:
+                            ids[j] = 0
+
+    def _flush_jobs(self, job_ids) -> None:
+        for job_id in job_ids:
+            self._flush[job_id] = self._jobs[job_id]
+
+    def request_finished(self, seq) -> None:
+        """`request_finished`, before the request's blocks are freed: the blocks its stores in flight read are
+        fenced from now on (a reallocation waits for the store)."""
+        status = self._req_status.get(seq.seq_id)
+        if status is None:
+            return
+        status.finished = True
+        for job_id in status.transfer_jobs:
+            for bid in self._jobs[job_id].deferred_fence_block_ids:
+                self._block_id_to_pending_jobs.setdefault(bid, set()).add(job_id)
+
+    def _storable_chunks(self, g: GroupOffloadConfig, gs: RequestGroupState, num_offloadable: int) -> int:
+        """`storable_chunks`: the leading chunks computed, allocated and keyed."""
+        num_chunks = min(num_offloadable // g.tokens_per_chunk, len(gs.offload_keys))
+        if self.allocator is not None:
+            num_chunks = min(num_chunks, len(gs.block_ids) // self.blocks_per_chunk)
+        return num_chunks
+
+    def _advance_stored_idx(self, status: RequestOffloadState, num_offloadable: int) -> None:
+        for g, gs in zip(self.groups, status.groups):
+            gs.next_stored_chunk_idx = max(gs.next_stored_chunk_idx, self._storable_chunks(g, gs, num_offloadable))
+
     def _store(self, seq, num_tokens_after_batch: int) -> None:
-        """`_build_store_jobs` for one request: prompt chunks from `next_stored_chunk_idx`, all or nothing."""
+        """`_build_store_jobs` for one request: each group's prompt chunks from its `next_stored_chunk_idx`, all
+        groups' in one all-or-nothing offer. A sliding window's chunk is offered only where a later hit can reach
+        it (`reachable_block_mask`) and when none of its blocks is 0 (skipped, or freed and reallocated)."""
         status = self._req_status.get(seq.seq_id)
         if status is None:
             return
         offloadable = min(num_tokens_after_batch, seq.num_tokens, seq.num_prompt_tokens)  # offload_prompt_only
+        prompt_offloadable = seq.num_prompt_tokens
         self._update_offload_keys(status, seq.num_prompt_tokens)
-        num_chunks = min(offloadable // self.tokens_per_chunk, len(status.offload_keys))
-        start = status.next_stored_chunk_idx
-        if num_chunks <= start:
-            status.next_stored_chunk_idx = max(start, num_chunks)
+        B, have_blocks = self.blocks_per_chunk, self.allocator is not None
+        retention, alignment = self.retention_interval, self.alignment_tokens
+        finished = status.finished
+        boundaries: tuple[int, ...] = ()
+        if retention is not None:
+            boundaries = (seq.num_prompt_tokens - 1,)
+            if status.shared_prefix_boundary:
+                boundaries += (status.shared_prefix_boundary,)
+        new_keys: list = []
+        ranges: list[tuple[int, int]] = []
+        for g, gs in zip(self.groups, status.groups):
+            num_chunks = self._storable_chunks(g, gs, offloadable)
+            start = gs.next_stored_chunk_idx
+            prompt_horizon = prompt_offloadable // g.tokens_per_chunk
+            final_alignment_blocks = (alignment // g.tokens_per_block if alignment is not None and g.kind == "sliding"
+                                      and alignment % g.tokens_per_block == 0 else None)
+            reconsider = (finished and num_chunks != prompt_horizon and retention is None
+                          and final_alignment_blocks is not None)
+            if retention is not None:
+                horizon = None
+            elif finished:
+                horizon = num_chunks
+            elif num_chunks <= prompt_horizon:
+                horizon = prompt_horizon
+            else:
+                horizon = None
+            if reconsider:
+                horizon_blocks = num_chunks * B
+                start = min(start, (horizon_blocks - horizon_blocks % final_alignment_blocks) // B)
+            ranges.append((start, num_chunks))
+            if num_chunks <= start:
+                continue
+            keys = gs.offload_keys[start:num_chunks]
+            if not have_blocks:
+                new_keys += keys
+                continue
+            ids = gs.block_ids
+            mask = reachable_block_mask(g, start * B, num_chunks * B, alignment, retention, boundaries,
+                                        None if horizon is None else horizon * B)
+            prompt_mask = (reachable_block_mask(g, start * B, num_chunks * B, alignment, retention, boundaries,
+                                                prompt_horizon * B) if reconsider else None)
+            for k, key in enumerate(keys):
+                chunk = start + k
+                if ids[chunk * B + B - 1] == 0:
+                    continue
+                if (reconsider and chunk < gs.next_stored_chunk_idx
+                        and (prompt_mask is None or any(prompt_mask[k * B:(k + 1) * B]))):
+                    continue
+                if mask is not None and not any(mask[k * B:(k + 1) * B]):
+                    continue
+                if any(ids[chunk * B + b] == 0 and (mask is None or mask[k * B + b]) for b in range(B)):
+                    continue  # a reachable null block would leave part of the chunk unwritten
+                new_keys.append(key)
+        if not new_keys:
+            self._advance_stored_idx(status, offloadable)
             return
-        out = self.manager.prepare_store(status.offload_keys[start:num_chunks], status.req_context)
+        out = self.manager.prepare_store(new_keys, status.req_context)
         if out is None:
             return  # refused: offered again next step
         if self.events is not None and out.evicted_keys:
             self.events.append((5, len(out.evicted_keys)))  # EVICT
-        status.next_stored_chunk_idx = num_chunks
         if not out.keys_to_store:
+            self._advance_stored_idx(status, offloadable)
             return
-        job = self._new_job(seq, list(out.keys_to_store), True, len(out.keys_to_store) * self.bytes_per_chunk)
+        stored = set(out.keys_to_store)
+        src: list = []
+        fenced: list = []  # sliding windows' blocks: fenced from now on
+        deferred: list = []  # the others': once the request has finished
+        for g, gs, (start, num_chunks) in zip(self.groups, status.groups, ranges):
+            if have_blocks:
+                ids = gs.block_ids
+                for chunk in range(start, num_chunks):
+                    if gs.offload_keys[chunk] not in stored:
+                        continue
+                    for bid in ids[chunk * B:(chunk + 1) * B]:
+                        if bid:
+                            src.append(bid)
+                            (fenced if g.kind == "sliding" else deferred).append(bid)
+            gs.next_stored_chunk_idx = max(gs.next_stored_chunk_idx, num_chunks)
+        num_blocks = len(src) if have_blocks else len(out.keys_to_store) * B
+        job = self._new_job(seq, list(out.keys_to_store), True, num_blocks * self.bytes_per_block)
         status.transfer_jobs.add(job.job_id)
         job.cpu_chunk_ids = list(out.chunk_ids)
-        if self.allocator is not None:  # each stored chunk's GPU blocks, in chunk order
-            table, B, stored = self.allocator.block_tables(seq)[0], self.blocks_per_chunk, set(out.keys_to_store)
-            job.gpu_block_ids = [table[i * B + b] for i in range(start, num_chunks) if status.offload_keys[i] in stored
-                                 for b in range(B)]
+        job.gpu_block_ids = src
+        job.fenced_block_ids = fenced
+        job.deferred_fence_block_ids = deferred
+        pending = self._block_id_to_pending_jobs
+        for bid in fenced:  # a window frees its blocks before the request finishes
+            pending.setdefault(bid, set()).add(job.job_id)
+        if finished:  # a finished request's store: all its blocks are fenced now
+            for bid in deferred:
+                pending.setdefault(bid, set()).add(job.job_id)
+                if bid in self._allocated:
+                    self._flush[job.job_id] = job
         if self.events is not None:
             self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
         if self.host_pool is not None and seq.seq_id in self._finishing:  # its blocks are free: copy them before
@@ -289,14 +592,18 @@ class OffloadingConnector:
         (those of preempted requests) that this step created go first, and the step waits until every job to
         flush has finished; its loads start then; its stores when its forward pass ends (vLLM defers them to the
         next step's start). Returns the wait."""
-        flush, self._flush = self._flush, []
+        flush, self._flush = sorted(self._flush.values(), key=lambda job: job.job_id), {}
         for job in flush:
             if job.finish_s is None:
                 self._start(job, now)
         wait = max([0.0] + [job.finish_s - now for job in flush])
-        for job in self._unsubmitted:
+        for job in self._unsubmitted:  # loads (synchronous ones on their own queue) start now
+            if job.finish_s is None and not job.is_store:
+                self._start(job, now + wait)
+        wait = max([wait] + [job.finish_s - now for job in self._unsubmitted if job.sync])  # the step waits for them
+        for job in self._unsubmitted:  # stores when the forward pass ends
             if job.finish_s is None:
-                self._start(job, now + wait + (dt if job.is_store else 0.0))
+                self._start(job, now + wait + dt)
         self._unsubmitted.clear()
         return wait
 
@@ -321,9 +628,10 @@ class OffloadingConnector:
     def _start(self, job: TransferJob, ready_s: float) -> None:
         if self.host_pool is not None:
             self._copy(job)
-        job.start_s = max(ready_s, self._free_at[job.is_store])
+        queue = "store" if job.is_store else ("sync" if job.sync else "load")
+        job.start_s = max(ready_s, self._free_at[queue])
         job.finish_s = job.start_s + job.num_bytes / self.host_bandwidth
-        self._free_at[job.is_store] = job.finish_s
+        self._free_at[queue] = job.finish_s
         if job.is_store:
             self.cpu_stored_bytes += job.num_bytes
             self.row_stored_bytes += job.num_bytes
@@ -347,14 +655,27 @@ class OffloadingConnector:
                 self.manager.complete_store(job.keys, status.req_context)
             else:
                 self.manager.complete_load(job.keys, status.req_context)
-                if self._chunks_being_loaded:
+                if self._chunks_being_loaded and not job.sync:
                     self._chunks_being_loaded.difference_update(job.keys)
-                status.load_ready = True
+                status.load_ready = not job.sync
                 self.load_wait_s += job.finish_s - status.load_start_s
+            if self._block_id_to_pending_jobs:
+                self._remove_pending_job(job.job_id, job.fenced_block_ids)
+                if status.finished:
+                    self._remove_pending_job(job.job_id, job.deferred_fence_block_ids)
             del self._jobs[job.job_id]
             status.transfer_jobs.discard(job.job_id)
             if status.finished_signaled and not status.transfer_jobs:
                 del self._req_status[job.seq.seq_id]
+
+    def _remove_pending_job(self, job_id: int, block_ids: list) -> None:
+        pending = self._block_id_to_pending_jobs
+        for bid in block_ids:
+            jobs = pending.get(bid)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del pending[bid]
 
     def take_row(self) -> tuple[int, int, int, int]:
         """This row's (CPU hit tokens, loaded bytes, stored bytes, GPU hit tokens of the loads started), reset."""
@@ -366,9 +687,9 @@ class OffloadingConnector:
 def connector_for_replay(offload, model, spec, allocator, max_model_len: int, settings, tp: int, gpu,
                          source: str) -> OffloadingConnector:
     """The connector a workload's `offload:` (kvsim.workload.OffloadConfig) builds over `allocator`: the chunk
-    count as `kvsim size --cpu-offload` sizes vLLM's tier (kvsim.size.cpu_offload), the GPU's sourced host link
-    (kvsim/models/data/interconnect.yaml). A mixed model (more than one KV cache group) is refused: one line
-    naming the workload and `offload`."""
+    count and each group's chunks as `kvsim size --cpu-offload` sizes vLLM's tier (kvsim.size.cpu_offload), the
+    GPU's sourced host link (kvsim/models/data/interconnect.yaml). Refused in one line naming the workload and
+    `offload`: a flat allocator, and a model with a Mamba state group."""
     from kvsim.errors import KvsimError
     from kvsim.models.interconnect import get_host_link
     from kvsim.size.cpu_offload import cpu_offload
@@ -379,26 +700,31 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
 
     if not allocator.paged:
         raise refuse("the CPU tier moves KV blocks and needs a paged allocator")
-    if not spec.is_uniform or spec.pool is not None:
-        groups = {} if spec.pool is None else {g.kind: None for g in spec.pool.groups}
-        names = {"full": "full attention", "mla": "MLA", "sliding": "sliding window", "chunked": "chunked local attention",
-                 "state": "Mamba state"}
-        named = ", ".join(names.get(kind, kind) for kind in groups)
-        raise refuse(f"{model.name} has {len(spec.pool.groups) if spec.pool else 'several'} "
-                     f"KV cache groups ({named or 'mixed layers'}): vLLM 0.33's OffloadingConnector offloads each "
-                     "group (sliding windows and state groups by their own rules), which the replay's CPU tier does "
-                     "not follow yet; it serves models of one full-attention or MLA group")
     layers = vllm_layers(model, spec, tp)
     startup = vllm_startup(layers, 1, max_model_len, spec.block_size, settings) if layers else None
-    if startup is None or len(startup.groups) != 1 or startup.groups[0].kind not in ("full", "mla"):
-        raise refuse("the replay's CPU tier follows vLLM's connector for models of one full-attention (or MLA) "
-                     "KV cache group only")
+    if startup is None:
+        raise refuse(f"vLLM's KV cache groups for {model.name} are not modelled, so neither is its CPU tier")
+    if any(g.kind == "state" for g in startup.groups):
+        raise refuse(f"{model.name} has Mamba state groups: vLLM 0.33's OffloadingConnector hands their align-mode "
+                     "states to the tier by a copy-on-write at block boundaries (partial tails), which the replay's "
+                     "CPU tier does not follow yet; it serves full-attention, MLA, sliding-window and chunked local "
+                     "attention groups")
+    if spec.pool is not None and [g.kind for g in spec.pool.groups] != [g.kind for g in startup.groups]:
+        raise refuse(f"the replay's KV cache groups of {model.name} differ from vLLM's start-up groups")
     replicated = all(layer.kind == "mla" for layer in layers)
     try:
         tier = cpu_offload(startup, offload.cpu_bytes, tp=tp, cpu_block_size=offload.block_size,
                            replicated=replicated, field="offload.block_size")
     except KvsimError as exc:
         raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
+    groups = tuple(
+        GroupOffloadConfig(i, g.kind, g.tokens_per_block, g.tokens_per_chunk, g.tokens_per_chunk // spec.block_size,
+                           g.window_chunks, vg.window if g.kind in ("sliding", "chunked") else 0)
+        for i, (g, vg) in enumerate(zip(tier.groups, startup.groups))
+    )
+    retention = allocator.prefix_cache_retention_interval if spec.pool is not None else 0
+    # `kv_bytes_per_token`: each offloaded group's layers' bytes a token on one rank, summed
+    bytes_per_token = sum(g.num_layers * g.page_bytes // g.block_size for g in startup.groups)
     with_link = get_host_link(gpu)
     return OffloadingConnector(
         block_size=spec.block_size,
@@ -410,4 +736,8 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
         store_threshold=offload.store_threshold,
         max_tracker_size=offload.max_tracker_size,
         allocator=allocator,
+        groups=groups,
+        retention_interval=retention,
+        sync_load_budget_bytes=offload.sync_load_budget_bytes,
+        kv_bytes_per_token=bytes_per_token,
     )

@@ -238,13 +238,16 @@ class Scheduler:
                 if seq.token_ids is None and self.make_token_ids is not None:
                     seq.token_ids = self.make_token_ids(seq)
                 num_tokens = seq.num_tokens
-                ext, load = 0, {}
+                ext, load, sync = 0, {}, False
                 if self.connector is not None:  # connector: the CPU tier's hit past the GPU hit, or skip now
                     ext = self.connector.get_num_new_matched_tokens(seq, alloc.get_computed_tokens(seq, num_tokens))
                     if ext is None:
                         skipped.append(self.waiting.popleft())
                         continue
-                    if ext:  # an asynchronous load: blocks for the hit, none for new tokens, cached once loaded,
+                    sync = bool(ext) and self.connector.is_sync_load(seq)
+                    if sync:  # a load within the step (sync_load_budget_bytes): the hit counts as computed now
+                        load = {"num_external_computed_tokens": ext}
+                    elif ext:  # an asynchronous load: blocks for the hit, none for new tokens, cached once loaded,
                         # leaving free what the prefills in flight still need (vLLM's reserved_blocks)
                         load = {"num_external_computed_tokens": ext, "delay_cache_blocks": True,
                                 "reserved_blocks": self._inflight_prefill_reserved_blocks(out)}
@@ -256,7 +259,7 @@ class Scheduler:
                         break
                 hit = alloc.allocate(
                     seq,
-                    0 if ext else num_new,
+                    0 if ext and not sync else num_new,
                     num_tokens=num_tokens,
                     full_sequence_must_fit=self.reserve_full_isl,
                     apply_watermark=bool(running),
@@ -269,9 +272,12 @@ class Scheduler:
                         continue
                     break
                 self.waiting.popleft()
-                if ext:  # connector: the request waits for its load (WAITING_FOR_REMOTE_KVS), no tokens scheduled
+                if ext and not sync:  # connector: the request waits for its load (WAITING_FOR_REMOTE_KVS)
                     self._start_load(seq, hit + ext, ext, out)
                     continue
+                if sync:  # connector: its load runs within this step, before the forward pass
+                    self.connector.update_state_after_alloc(seq, ext)
+                    hit += ext
                 seq.num_computed_tokens = hit
                 seq.prefill_target = num_tokens
                 if seq.num_preemptions == 0:
@@ -424,12 +430,11 @@ class Scheduler:
         """Blocks the requests still prefilling after this step (loads waiting included) need to hold all their
         tokens (vLLM's `_inflight_prefill_reserved_blocks` over `_inflight_prefills`)."""
         after = {seq.seq_id: start + n for seq, start, n in out.prefills}
-        bs, alloc = self.block_size, self.allocator
+        alloc = self.allocator
         reserved = 0
         for seq in (*self.running, *self.loading):
             if after.get(seq.seq_id, seq.num_computed_tokens) < seq.num_tokens:
-                need = -(-min(seq.num_tokens, self.max_model_len) // bs)
-                reserved += max(0, need - alloc.num_blocks_held(seq))
+                reserved += alloc.num_blocks_to_finish(seq)
         return reserved
 
     def _build_connector_meta(self, out: SchedulerOutput) -> None:
@@ -741,6 +746,10 @@ class Scheduler:
             if self.connector is not None:  # connector: they reach it at the next schedule()
                 self._finished_for_connector += finished
             for seq in finished:
+                if self.connector is not None:  # connector: `_connector_finished` frees the blocks that left a window
+                    if seq.seq_id in running_ids:  # (settled tokens), then fences the stores in flight
+                        self.allocator.remove_skipped_blocks(seq, max(0, seq.num_computed_tokens - seq.num_in_flight_tokens))
+                    self.connector.request_finished(seq)
                 if seq.seq_id in running_ids:
                     self._free_finished(seq)
                 elif seq in self.swapped:  # async: finished by output that was in flight when it was swapped out
