@@ -258,3 +258,19 @@ def test_default_retention_streams_give_vllm_retention_0_and_dense_retention_on_
     dense = dataclasses.replace(rs, config=dataclasses.replace(rs.config, prefix_cache_retention_interval=None))
     c = compare(run_kvsim(dense), vllm)
     assert c.differs and c.first_step is not None
+
+
+def test_the_harness_sees_finishes_freed_in_sampling_order(vllm_loaded, monkeypatch):
+    """short-answers conforms; freeing one step's finished requests in sampling order (completed prefills first)
+    instead of vLLM's scheduled order gives other blocks to later requests, and the harness sees it."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.stream import resolve
+    from kvsim.replay.sched.scheduler import Scheduler
+
+    rs = resolve(next(s for s in STREAMS if s.name == "short-answers"))
+    vllm = run_vllm(rs)
+    monkeypatch.setattr(Scheduler, "_in_scheduled_order", lambda self, finished: finished)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+    assert c.schedule_difference and "blocks" in c.schedule_difference[0]

@@ -740,6 +740,8 @@ class Scheduler:
                 if seq.num_output_tokens >= seq.max_tokens:
                     finished.append(seq)
         if finished:
+            if len(finished) > 1:
+                finished = self._in_scheduled_order(finished)
             running_ids = {seq.seq_id for seq in self.running}
             done = {seq.seq_id for seq in finished}
             self.running = [seq for seq in self.running if seq.seq_id not in done]
@@ -759,6 +761,13 @@ class Scheduler:
                     self.waiting.remove(seq)
                 seq.token_ids = None  # host memory follows live requests, not tokens replayed
         return finished
+
+    def _in_scheduled_order(self, finished: list[SchedSeq]) -> list[SchedSeq]:
+        """One step's finished requests in the order vLLM's `update_from_output` frees them: the step's scheduled
+        order, which is the running list's (admitted requests last), not sampling's (completed prefills first).
+        Those no longer running (async: preempted while the step ran) free no blocks; they come first."""
+        position = {seq.seq_id: i for i, seq in enumerate(self.running)}
+        return sorted(finished, key=lambda seq: position.get(seq.seq_id, -1))
 
     def _update_from_async_output(self, out: SchedulerOutput) -> list[SchedSeq]:
         """`_update_from_output` under async scheduling, for the step of `out` (a decode run's last step: the
