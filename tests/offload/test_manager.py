@@ -137,3 +137,51 @@ def test_unknown_policy_names_the_field():
     with pytest.raises(KvsimError) as exc:
         CPUOffloadingManager(4, "fifo")
     assert exc.value.field == "policy"
+
+
+def test_lru_evicts_the_idle_chunks_of_lowest_rank_as_a_scan_of_every_idle_chunk_would():
+    """The LRU policy's lazy heap against a scan: random inserts, accesses, finishes, pins and evictions with
+    protected keys; every eviction takes the n idle, unprotected chunks of lowest (rank, key), or nothing."""
+    import heapq
+    import random
+
+    from kvsim.offload.chunk import ChunkStatus
+    from kvsim.offload.lru import LRUCachePolicy
+
+    rng = random.Random(7)
+    policy = LRUCachePolicy(10_000)
+    pool = keys("k", 60)
+    contexts = [request(f"r{i}", rng.sample(pool, 12)) for i in range(6)]
+    evictions = 0
+    for _ in range(3_000):
+        op = rng.random()
+        ctx = rng.choice(contexts)
+        if op < 0.3:
+            key = rng.choice(pool)
+            if policy.get(key) is None:
+                policy.insert(key, ChunkStatus(0, ref_cnt=rng.choice([0, 0, 1])), ctx)
+        elif op < 0.45:
+            policy.on_request_access(rng.sample(pool, 5), ctx)
+        elif op < 0.55:
+            policy.touch([k for k in rng.sample(pool, 4) if policy.get(k) is not None], ctx)
+        elif op < 0.65:
+            policy.on_request_finished([rng.sample(pool, 6)], set(), set(), ctx)
+        elif op < 0.8:  # pin or unpin an idle or pinned chunk
+            key = rng.choice(pool)
+            chunk = policy.get(key)
+            if chunk is not None:
+                if key in policy.evictable:
+                    chunk.ref_cnt = 1
+                    policy.mark_non_evictable(key)
+                else:
+                    chunk.ref_cnt = 0
+                    policy.mark_evictable(key)
+        else:
+            n = rng.randint(1, 4)
+            protected = set(rng.sample(pool, 10))
+            idle = [(policy.ranks[k], k) for k in policy.evictable if k not in protected]
+            expected = [k for _, k in heapq.nsmallest(n, idle)] if len(idle) >= n else None
+            got = policy.evict(n, protected)
+            assert (None if got is None else [k for k, _ in got]) == expected
+            evictions += got is not None
+    assert evictions > 50
