@@ -74,3 +74,13 @@ class RequestBlockKeys:
     def forget(self) -> None:
         """The last request keyed was admitted: its keys now live with it."""
         self._last = None
+
+
+def segment_tail_mask(start_block: int, end_block: int, per_segment: int, need: int) -> list[bool] | None:
+    """Which of blocks `start_block`..`end_block - 1` are among the `need` blocks before a boundary every
+    `per_segment` blocks (a sliding window's tail a hit at that boundary reads); None when the tails cover every
+    block (`need >= per_segment`). Shared by the sliding-window manager's retention and the CPU tier's stores."""
+    if need >= per_segment:
+        return None
+    first = per_segment - need
+    return [i % per_segment >= first for i in range(start_block, end_block)]

@@ -4,6 +4,7 @@ needs for `num_tokens`, which of its blocks fall outside the attention window (r
 from __future__ import annotations
 
 from kvsim.engine.paged.block_pool import BlockPool
+from kvsim.engine.paged.kv_cache_utils import segment_tail_mask
 from kvsim.size.kv_cache_spec import VllmGroup
 
 
@@ -138,12 +139,9 @@ class SlidingWindowManager(SingleTypeManager):
         mask = [False] * (end_block - start_block)
         segment = bs if retention_interval is None else (retention_interval or None)
         if segment is not None:
-            per_segment = segment // bs
-            if need >= per_segment:
+            mask = segment_tail_mask(start_block, end_block, segment // bs, need)
+            if mask is None:
                 return None
-            for i in range(start_block, end_block):
-                if i % per_segment >= per_segment - need:
-                    mask[i - start_block] = True
         if retention_interval is not None:
             for boundary in reachable_boundaries:
                 end = boundary // bs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsim.engine.paged.kv_cache_utils import segment_tail_mask
 from kvsim.offload.manager import LookupResult
 
 
@@ -92,11 +93,9 @@ def reachable_block_mask(group: GroupOffloadConfig, start_block: int, end_block:
     segment = alignment if retention_interval is None else (retention_interval or None)
     if segment is not None:
         per_segment = segment // bs
-        if need >= per_segment:
+        mask = segment_tail_mask(start_block, end_block, per_segment, need)
+        if mask is None:
             return None
-        for i in range(start_block, end_block):
-            if i % per_segment >= per_segment - need:
-                mask[i - start_block] = True
         if final_segment_end_block is not None:
             size = final_segment_end_block % per_segment
             if size:
