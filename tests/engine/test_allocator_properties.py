@@ -23,6 +23,7 @@ from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, Vl
 from kvsim.engine.sequence import Sequence
 
 from .test_allocator_contract import ALLOCATOR_CONFIGS, BLOCK_SIZE, BPT, MAX_MODEL_LEN, SPEC, build
+from .pool_invariants import assert_pool_matches
 
 NUM_EXAMPLES = 1000
 OPS = ("admit", "admit", "step", "step", "step", "free")
@@ -380,12 +381,7 @@ def test_mixed_model_with_prefix_caching_random_operations(num_blocks, extra_byt
             slots = alloc.slot_mapping(seq, first, seq.num_computed_tokens)
             assert np.array_equal(pool[slots], seq.token_ids[first : seq.num_computed_tokens])
         assert 0 not in held
-        assert all(b.ref_count == held[b.block_id] for b in alloc.pool.blocks[1:])
-        assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
-        for g, table in enumerate(alloc.pool.tables):
-            for key in table:
-                block = alloc.pool.get_cached_block(key, g)  # a live entry (stale ones answer None)
-                assert block is None or (alloc.pool.blocks[block].block_hash, alloc.pool.blocks[block].group) == (key, g)
+        assert_pool_matches(alloc, held)
         b = alloc.breakdown()
         parts = (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes, b.free_bytes)
         assert min(parts) >= 0 and sum(parts) + b.external_fragmentation_bytes == alloc.budget_bytes

@@ -16,6 +16,7 @@ from kvsim.engine.paged.single_type_kv_cache_manager import (
 )
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec, PoolSpec, VllmGroup
+from .pool_invariants import assert_pool_matches
 
 # 2 state layers and 2 full layers, block_size 4 (align mode: the state groups take the attention block size),
 # every page 32 B, group_size 2: one state group (block i holds the state after 4 (i + 1) tokens) and one full
@@ -196,12 +197,7 @@ def test_random_operations_keep_ref_counts_free_counts_cache_keys_and_bytes(num_
                     assert len(real) <= 4, table
                 for b in real:
                     held[b] = held.get(b, 0) + 1
-        assert all(b.ref_count == held.get(b.block_id, 0) for b in alloc.pool.blocks[1:])
-        assert alloc.num_free_blocks == alloc.pool.num_usable_blocks - len(held)
-        for g, table in enumerate(alloc.pool.tables):
-            for key in table:
-                block = alloc.pool.get_cached_block(key, g)  # a live entry (stale ones answer None)
-                assert block is None or (alloc.pool.blocks[block].block_hash, alloc.pool.blocks[block].group) == (key, g)
+        assert_pool_matches(alloc, held)
         b = alloc.breakdown()
         assert b.free_bytes >= 0 and min(b.token_states_bytes, b.reservation_bytes) >= 0
 
