@@ -251,11 +251,17 @@ class HybridPagedAllocator(KVAllocator):
 
     def remove_skipped_blocks(self, seq: Sequence, processed_computed_tokens: int) -> None:
         """Null and free the blocks each window group no longer reads at `processed_computed_tokens` (vLLM calls
-        it for a finished request before a KV connector sees its block table)."""
+        it for a finished request before a KV connector sees its block table; the async scheduler after a decode
+        run, for what left the windows by its last step)."""
         req = self._reqs[seq]
-        managers = self.coordinator.managers
-        for g in self._skipping:
-            req.held[g] -= managers[g].remove_skipped_blocks(req.tables[g], processed_computed_tokens)
+        self._remove_skipped(req, processed_computed_tokens)
+        self._refresh(req, processed_computed_tokens)
+
+    def _remove_skipped(self, req: HybridRequest, computed: int) -> None:
+        """Null and free what left each window at `computed` (settled) tokens."""
+        managers, tables = self.coordinator.managers, req.tables
+        for g in self._skipping:  # the other groups skip nothing
+            req.held[g] -= managers[g].remove_skipped_blocks(tables[g], computed)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""
@@ -401,8 +407,7 @@ class HybridPagedAllocator(KVAllocator):
         tokens, or False. `query_start`: where the chunk starts (align-mode state groups' checkpoint). `cache`
         False: cache nothing new yet (a load in flight)."""
         coordinator, tables = self.coordinator, req.tables
-        for g in self._skipping:  # the other groups skip nothing
-            req.held[g] -= coordinator.managers[g].remove_skipped_blocks(tables[g], computed)
+        self._remove_skipped(req, computed)
         need = coordinator.get_num_blocks_to_allocate(tables, total, query_start=query_start, prefill_end=req.prefill_end)
         if need > self.pool.num_free_blocks:
             self._refresh(req, computed)

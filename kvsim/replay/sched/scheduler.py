@@ -676,13 +676,9 @@ class Scheduler:
         now that the run has advanced). `_grow_decode_run` nulled up to the run's middle step only; without this
         the next row's earlier requests would miss blocks that later ones still hold (a preemption stepping
         does not have)."""
-        alloc = self.allocator
-        for seq in out.decodes:
-            in_flight = seq.num_in_flight_tokens
-            seq.num_in_flight_tokens = 2  # settled: the tokens before the run's last step's
-            ok = alloc.append_slots(seq, 0)  # nulls, and needs no new block
-            assert ok, seq
-            seq.num_in_flight_tokens = in_flight
+        remove_skipped_blocks = self.allocator.remove_skipped_blocks
+        for seq in out.decodes:  # settled: the tokens before the run's last step's
+            remove_skipped_blocks(seq, max(0, seq.num_computed_tokens - 2))
 
     def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
         """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
