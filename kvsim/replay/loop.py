@@ -268,6 +268,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             connector.complete_until(idle_output_s)
             idle_output_s = None
         if runner is not None:
+            if connector is not None and connector.host_pool is not None:
+                connector.copy_before_forward()  # loads within the step land before the step computes
             runner.execute(out)
         last_step_start = 0.0  # async: from the row's start to its last step's (that step is in flight next)
         if out.run_time_s is not None:

@@ -287,6 +287,23 @@ def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
         HostKVPool.store = store
 
 
+def test_with_tensors_a_load_within_the_step_lands_before_the_step_computes(tmp_path, monkeypatch):
+    """`sync_load_budget_bytes`: the second request (the first one's 512-token prompt and 188 more tokens) loads its
+    512-token hit within the step and computes its last 188 prompt tokens in that same step. The worker waits for
+    the load before the forward pass, so the blocks hold the first request's KV when the step reads them: the
+    admission's check of positions 0-511 passes."""
+    checked = _loads_checked(monkeypatch)
+    rows = [{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [7]},
+            {"timestamp": 10_000, "input_length": 700, "output_length": 4, "hash_ids": [7, 9]}]
+    path = write(tmp_path, rows, offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: 64MiB}")
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 512 and run.offload["cpu_load_wait_s"] == pytest.approx(32 * BLOCK_BYTES / H100_HOST_LINK)
+    hit_row = int(np.flatnonzero(run.offload["steps"]["cpu_hit_tokens"])[0])
+    assert run.steps["num_prefill_tokens"][hit_row] == 188  # the load's step computes the rest of the prompt
+    assert run.steps["num_prefill_tokens"].sum() == 512 + 188
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [(1, list(range(512)), 0)]
+
+
 def mixed_prompt_twice(tmp_path: Path, **kwargs) -> Path:
     """gpt-oss-20b (KV cache group 0: 12 sliding-window layers of 128 tokens; group 1: 12 full-attention layers),
     the 512-token prompt seen twice."""

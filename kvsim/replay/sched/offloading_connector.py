@@ -629,6 +629,15 @@ class OffloadingConnector:
         self._unsubmitted.clear()
         return wait
 
+    def copy_before_forward(self) -> None:
+        """With cache tensors, before the step's forward pass: the jobs to flush, then the loads within the step
+        (the worker waits for both in `start_kv_transfers` before the model runs; their blocks are the step's)."""
+        for job in sorted(self._flush.values(), key=lambda job: job.job_id):
+            self._copy(job)
+        for job in self._unsubmitted:
+            if job.sync:
+                self._copy(job)
+
     def _copy(self, job: TransferJob) -> None:
         """With cache tensors: move the job's blocks (a store from the device pool to its chunks, a load back),
         once; a load in integrity mode is checked against what its request's tokens wrote."""
