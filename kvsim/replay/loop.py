@@ -96,8 +96,10 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             raise KvsimError(str(exc).removeprefix("num_layers: "), field="--layers") from None
     runner = None
     if cache is not None:
-        # a CPU tier with cache tensors moves every group's blocks: a mixed model's runner writes them all
-        all_groups = ctx.offload is not None and cache.enabled and config.kind == "paged" and spec.pool is not None
+        # a CPU tier with cache tensors moves every group's blocks: a mixed model's runner writes them all (a model
+        # with state groups is refused below)
+        all_groups = (ctx.offload is not None and cache.enabled and config.kind == "paged" and spec.pool is not None
+                      and all(g.kind != "state" for g in spec.pool.groups))
         runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured",
                              all_groups=all_groups)
     connector = None

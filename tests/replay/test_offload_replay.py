@@ -402,6 +402,28 @@ def test_a_mixed_model_with_swap_preemption_and_tensors_is_refused_naming_the_fi
     assert run.offload["cpu_hit_tokens"] == 496
 
 
+def test_a_state_group_with_tensors_is_refused_naming_offload_and_no_tensors(tmp_path, monkeypatch):
+    """The host pool moves attention blocks: a connector with a Mamba state group (once the tier serves state
+    models) is refused with cache tensors in one line naming the file, `offload` and --no-tensors."""
+    from dataclasses import replace
+
+    from kvsim.replay.sched import offloading_connector
+
+    build = offloading_connector.connector_for_replay
+
+    def with_a_state_group(*args):
+        connector = build(*args)
+        connector.groups += (replace(connector.groups[0], group_idx=1, kind="state", window_chunks=1),)
+        return connector
+
+    monkeypatch.setattr(offloading_connector, "connector_for_replay", with_a_state_group)
+    path = write(tmp_path, same_prompt_twice(0))
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
+    assert exc.value.field == "offload" and str(path) in str(exc.value)
+    assert "Mamba state groups" in str(exc.value) and "--no-tensors" in str(exc.value)
+
+
 def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):
     path = write(tmp_path, same_prompt_twice(0), offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: 64MiB}")
     assert load_workload(path).offload.sync_load_budget_bytes == 64 << 20
