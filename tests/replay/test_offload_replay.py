@@ -350,6 +350,23 @@ def test_with_tensors_a_mixed_models_groups_go_to_the_host_pool_and_come_back_in
     assert pool.nbytes == 2730 * 16 * 2 * 8 * 64 * 2
 
 
+@pytest.mark.parametrize("model, groups, hit", [
+    ("gemma-3-27b", 7, 496),  # 6 sliding groups (window 1,024: nothing skipped) + 1 full; the lookup stops at 511
+    ("llama-4-scout", 4, 511),  # 3 chunked local attention groups (8,192) + 1 full: the hit stops one token short
+])
+def test_with_tensors_every_group_kind_the_tier_serves_comes_back_intact(tmp_path, monkeypatch, model, groups, hit):
+    """Sliding windows (several groups) and chunked local attention: each group's load is checked in its group,
+    every block from 0 (no window reaches back past the prompt), and the requests pass their finish checks."""
+    checked = _loads_checked(monkeypatch)
+    path = write(tmp_path, same_prompt_twice(10_000), budget="2GiB")
+    path.write_text(path.read_text().replace("qwen3-0.6b", model))
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == hit
+    loaded = -(-hit // 16) * 16  # whole blocks: a partial last one loads whole
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [
+        (1, list(range(loaded)), g) for g in range(groups)]
+
+
 def test_a_mixed_models_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
     """Chunks stored one row off fail at the first position loaded: the sliding group's 368 (its blocks before the
     window are skipped)."""
