@@ -96,7 +96,12 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             raise KvsimError(str(exc).removeprefix("num_layers: "), field="--layers") from None
     runner = None
     if cache is not None:
-        runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured")
+        # a CPU tier with cache tensors moves every group's blocks: a mixed model's runner writes them all (a model
+        # with state groups is refused below)
+        all_groups = (ctx.offload is not None and cache.enabled and config.kind == "paged" and spec.pool is not None
+                      and all(g.kind != "state" for g in spec.pool.groups))
+        runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured",
+                             all_groups=all_groups)
     connector = None
     if ctx.offload is not None:  # the CPU tier: vLLM's OffloadingConnector scheduler side on this clock
         from kvsim.replay.sched.offloading_connector import connector_for_replay
@@ -106,11 +111,15 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if cache is not None and cache.enabled:  # the blocks really move to a host pool and back
             from kvsim.engine.tensors.host_pool import HostKVPool
 
-            if len(connector.groups) > 1:
-                raise KvsimError(f"with cache tensors the CPU tier's host pool holds one KV cache group's blocks, and "
-                                 f"{ctx.model.name} has {len(connector.groups)}: give --no-tensors to replay its tier "
-                                 "(accounting only)", source=ctx.source, field="offload")
-
+            if any(g.kind == "state" for g in connector.groups):
+                raise KvsimError(f"with cache tensors the CPU tier's host pool moves attention blocks, and {ctx.model.name}'s "
+                                 "Mamba state groups are not materialised (kvsim/engine/tensors/host_pool.py): give "
+                                 "--no-tensors to replay its tier (accounting only)", source=ctx.source, field="offload")
+            assert all(g.tokens_per_block == cache.block_size for g in connector.groups)
+            if len(connector.groups) > 1 and ctx.scheduler_config.preemption == "swap":
+                raise KvsimError(f"with cache tensors, preemption: swap moves {ctx.model.name}'s slot group only, and its "
+                                 "CPU tier moves every group's blocks: use preemption: recompute (vLLM's), or give "
+                                 "--no-tensors to replay its tier (accounting only)", source=ctx.source, field="scheduler.preemption")
             connector.host_pool = HostKVPool(cache, connector.manager.num_chunks, connector.tokens_per_chunk)
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []
@@ -261,6 +270,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             connector.complete_until(idle_output_s)
             idle_output_s = None
         if runner is not None:
+            if connector is not None and connector.host_pool is not None:
+                connector.copy_before_forward()  # loads within the step land before the step computes
             runner.execute(out)
         last_step_start = 0.0  # async: from the row's start to its last step's (that step is in flight next)
         if out.run_time_s is not None:

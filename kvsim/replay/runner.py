@@ -42,10 +42,17 @@ class ModelRunner:
     until its request finishes, so a block owned twice or overwritten cannot go unseen.
     """
 
-    def __init__(self, cache, allocator, *, read_every: int = 1, estimate_reads: bool = False):
+    def __init__(self, cache, allocator, *, read_every: int = 1, estimate_reads: bool = False,
+                 all_groups: bool = False):
         assert read_every >= 1
         self.cache = cache
         self.allocator = allocator
+        # A mixed model's other token groups (`all_groups`, for a CPU tier that moves every group's blocks): each
+        # new token's K/V goes to its block in every group's table too (vLLM: each group's layers write their own
+        # blocks of the layer tensors the groups share), and integrity checks every group's blocks. Without it,
+        # the slot group's blocks alone hold K/V.
+        self.other_groups = allocator.token_groups[1:] if all_groups else []
+        assert not self.other_groups or allocator.token_groups[0] == 0  # the slot group's patterns are group 0's
         self.read_every = read_every
         # Measured timing with sampled reads: a step that does not read gets the last sample's read and
         # attention µs per context token times its own context tokens (`estimate`, reset every row).
@@ -73,8 +80,18 @@ class ModelRunner:
             slots.append(run_slots[0])
             ids.append(decode_ids)
             positions.append(starts)
+        groups = None  # the KV cache group of each slot's block (None: the slot group's alone)
+        if self.other_groups:  # the same tokens into the other groups' blocks, in the same scatter
+            assert k == 1, "the other groups' writes go step by step (no decode runs)"
+            rows = [(seq, s, s + m) for seq, s, m in out.prefills] + [(seq, int(s), int(s) + 1) for seq, s in zip(decodes, starts)]
+            n = sum(e - s for _, s, e in rows)
+            for g in self.other_groups:
+                slots += [alloc.group_slot_mapping(seq, g, s, e) for seq, s, e in rows]
+            ids *= 1 + len(self.other_groups)
+            positions *= 1 + len(self.other_groups)
+            groups = np.repeat(np.array(alloc.token_groups, dtype=np.int64), n)  # (N,), the slot group (0) first
         if slots:
-            cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions))  # (N,) each
+            cache.write(np.concatenate(slots), np.concatenate(ids), np.concatenate(positions), groups)  # (N,) each
         if decodes:
             self._decode_steps(decodes, run_slots, starts, decode_ids)
         if cache.integrity:
@@ -148,3 +165,9 @@ class ModelRunner:
                 begin = max(begin, min(end, max(0, end - window) // bs * bs))
         slots = self.allocator.slot_mapping(seq, begin, end)  # (end - begin,)
         self.cache.verify(seq.seq_id, slots, np.arange(begin, end, dtype=np.int64))
+        for g in self.other_groups:  # from each group's first held block (a window nulls those it left)
+            table, bs = self.allocator.block_tables(seq)[g], self.allocator.block_size
+            held = next((j for j, b in enumerate(table) if b), len(table))
+            begin = min(held * bs, end)
+            slots = self.allocator.group_slot_mapping(seq, g, begin, end)  # (end - begin,)
+            self.cache.verify(seq.seq_id, slots, np.arange(begin, end, dtype=np.int64), group=g)

@@ -212,7 +212,8 @@ def run_replay_cli(
         reads = sum(run.num_read_samples for run in result.runs)
         Console(stderr=True).print(
             f"integrity: passed: {len(result.runs)} allocator(s), every token's K/V as written: {reads:,} sampled batch "
-            "reads checked token by token, every finished, swapped-in or prefix-hit request checked in the pool",
+            "reads checked token by token, every finished, swapped-in or prefix-hit request checked in the pool"
+            + (", and every load from the CPU tier, in each KV cache group" if workload.offload is not None else ""),
             markup=False, highlight=False,
         )
     if json_out:

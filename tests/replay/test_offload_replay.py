@@ -163,9 +163,9 @@ def test_a_state_model_is_refused_naming_offload(tmp_path):
     assert "Mamba state groups" in str(exc.value) and "does not follow yet" in str(exc.value)
 
 
-def test_a_sliding_window_model_replays_its_tier_and_refuses_tensors(tmp_path):
+def test_a_sliding_window_model_replays_its_tier(tmp_path):
     """gemma-3-27b (6 sliding groups of window 1,024 + 1 full group): the 512-token prompt seen again loads from
-    every group; with cache tensors the host pool (one group's blocks) refuses it in one line."""
+    every group."""
     path = write(tmp_path, same_prompt_twice(10_000), budget="2GiB")
     path.write_text(path.read_text().replace("qwen3-0.6b", "gemma-3-27b"))
     (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
@@ -177,9 +177,6 @@ def test_a_sliding_window_model_replays_its_tier_and_refuses_tensors(tmp_path):
     assert run.steps["num_prefill_tokens"].sum() == 512 + 16
     # blocks moved: stored 32 + 6 x 31 = 218, loaded 7 x 31 = 217 (no block lies before a window of 1,024)
     assert run.offload["cpu_stored_bytes"] * 217 == run.offload["cpu_loaded_bytes"] * 218 > 0
-    with pytest.raises(KvsimError) as exc:
-        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
-    assert exc.value.field == "offload" and "--no-tensors" in str(exc.value)
 
 
 def test_a_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
@@ -232,25 +229,25 @@ def test_a_tier_that_never_hits_changes_nothing_on_the_gpu(tmp_path):
 
 
 def _loads_checked(monkeypatch) -> list:
-    """Record every integrity check made right after a load from the host pool: (request id, positions)."""
+    """Record every integrity check made right after a load from the host pool: (request id, positions, group)."""
     from kvsim.engine.tensors.cache import KVCache
-    from kvsim.engine.tensors.host_pool import HostKVPool
 
     checked, loading = [], []
-    verify, load = KVCache.verify, HostKVPool.load
+    verify, copy = KVCache.verify, OffloadingConnector._copy
 
-    def tracked_load(self, *args):
-        loading.append(True)
+    def tracked_copy(self, job):
+        loading.append(not job.is_store)
         try:
-            return load(self, *args)
+            return copy(self, job)
         finally:
             loading.pop()
 
-    def tracked_verify(self, seq_id, slots, positions):
-        checked.append((seq_id, np.asarray(positions).copy()))
-        return verify(self, seq_id, slots, positions)
+    def tracked_verify(self, seq_id, slots, positions, group=0):
+        if loading and loading[-1]:
+            checked.append((seq_id, np.asarray(positions).copy(), group))
+        return verify(self, seq_id, slots, positions, group)
 
-    monkeypatch.setattr(HostKVPool, "load", tracked_load)
+    monkeypatch.setattr(OffloadingConnector, "_copy", tracked_copy)
     monkeypatch.setattr(KVCache, "verify", tracked_verify)
     return checked
 
@@ -273,7 +270,7 @@ def test_with_tensors_the_blocks_go_to_the_host_pool_and_come_back_intact(tmp_pa
     assert pool.rows.shape[1] == 585 * 16  # 1 GiB over 1,835,008 B chunks, 16 token rows each
     assert pool.rows[:, : 32 * 16].abs().sum() > 0  # the stored chunks hold data (slots 0..31, fresh)
     # the load's check: request 1 (the second), positions 0..511, its whole prompt
-    assert any(seq_id == 1 and list(pos) == list(range(512)) for seq_id, pos in checked)
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [(1, list(range(512)), 0)]
 
 
 def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
@@ -288,6 +285,160 @@ def test_a_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
             run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
     finally:
         HostKVPool.store = store
+
+
+def test_with_tensors_a_load_within_the_step_lands_before_the_step_computes(tmp_path, monkeypatch):
+    """`sync_load_budget_bytes`: the second request (the first one's 512-token prompt and 188 more tokens) loads its
+    512-token hit within the step and computes its last 188 prompt tokens in that same step. The worker waits for
+    the load before the forward pass, so the blocks hold the first request's KV when the step reads them: the
+    admission's check of positions 0-511 passes."""
+    checked = _loads_checked(monkeypatch)
+    rows = [{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [7]},
+            {"timestamp": 10_000, "input_length": 700, "output_length": 4, "hash_ids": [7, 9]}]
+    path = write(tmp_path, rows, offload="offload: {cpu_bytes: 1GiB, sync_load_budget_bytes: 64MiB}")
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 512 and run.offload["cpu_load_wait_s"] == pytest.approx(32 * BLOCK_BYTES / H100_HOST_LINK)
+    hit_row = int(np.flatnonzero(run.offload["steps"]["cpu_hit_tokens"])[0])
+    assert run.steps["num_prefill_tokens"][hit_row] == 188  # the load's step computes the rest of the prompt
+    assert run.steps["num_prefill_tokens"].sum() == 512 + 188
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [(1, list(range(512)), 0)]
+
+
+def mixed_prompt_twice(tmp_path: Path, **kwargs) -> Path:
+    """gpt-oss-20b (KV cache group 0: 12 sliding-window layers of 128 tokens; group 1: 12 full-attention layers),
+    the 512-token prompt seen twice."""
+    path = write(tmp_path, same_prompt_twice(10_000), budget="2GiB", **kwargs)
+    path.write_text(path.read_text().replace("qwen3-0.6b", "gpt-oss-20b"))
+    return path
+
+
+def test_with_tensors_a_mixed_models_groups_go_to_the_host_pool_and_come_back_intact(tmp_path, monkeypatch):
+    """Each group's blocks move to the host pool and back into the second request's blocks of that group. The
+    tier (vLLM's rules, as without tensors): the full group stores its 32 chunks, the sliding one only the window
+    before the reachable boundary ((512 - 1) // 16 = 31 blocks: blocks 23-30, positions 368-495); the hit is 496
+    tokens (the sliding lookup stops one token short), so the full group loads blocks 0-30 and the sliding group
+    blocks 23-30 (its blocks before the window are null: skipped). Each load is checked per group, and at the
+    finish every group's blocks are checked again (the runner writes every group's blocks under a tier)."""
+    from kvsim.engine.tensors.cache import KVCache
+    from kvsim.engine.tensors.host_pool import HostKVPool
+
+    pools, finish_checks = [], []
+    init = HostKVPool.__init__
+    monkeypatch.setattr(HostKVPool, "__init__", lambda self, *a: (init(self, *a), pools.append(self))[0])
+    checked = _loads_checked(monkeypatch)
+    verify = KVCache.verify
+
+    def tracked_verify(self, seq_id, slots, positions, group=0):
+        finish_checks.append((seq_id, int(positions[0]), int(positions[-1]), group))
+        return verify(self, seq_id, slots, positions, group)
+
+    monkeypatch.setattr(KVCache, "verify", tracked_verify)
+    (run,) = run_replay(load_workload(mixed_prompt_twice(tmp_path)),
+                        ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1).runs
+    block_bytes = 24 * 8 * 64 * 2 * 2 * 16 // 2  # one block id: a 16-token page of each of the 12 layer tensors
+    assert run.offload["cpu_hit_tokens"] == 496
+    assert run.offload["cpu_stored_bytes"] == (8 + 32) * block_bytes  # 15,728,640
+    assert run.offload["cpu_loaded_bytes"] == (8 + 31) * block_bytes
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [
+        (1, list(range(368, 496)), 0), (1, list(range(496)), 1)]
+    # at the finish (512 prompt + 4 - 1 tokens computed): the sliding group from its first held block, the full one whole
+    assert (1, 384, 514, 0) in finish_checks and (1, 0, 514, 1) in finish_checks
+    # the pool: vLLM's CPU blocks, shared by the groups (`kvsim size -m gpt-oss-20b --cpu-offload 1GiB`: 2,730 of
+    # 393,216 B), each 16 token rows of the one materialised layer (K and V, 8 heads x 64, bf16)
+    (pool,) = pools
+    assert pool.num_chunks == (1 << 30) // block_bytes == 2730
+    assert pool.nbytes == 2730 * 16 * 2 * 8 * 64 * 2
+
+
+@pytest.mark.parametrize("model, groups, hit", [
+    ("gemma-3-27b", 7, 496),  # 6 sliding groups (window 1,024: nothing skipped) + 1 full; the lookup stops at 511
+    ("llama-4-scout", 4, 511),  # 3 chunked local attention groups (8,192) + 1 full: the hit stops one token short
+])
+def test_with_tensors_every_group_kind_the_tier_serves_comes_back_intact(tmp_path, monkeypatch, model, groups, hit):
+    """Sliding windows (several groups) and chunked local attention: each group's load is checked in its group,
+    every block from 0 (no window reaches back past the prompt), and the requests pass their finish checks."""
+    checked = _loads_checked(monkeypatch)
+    path = write(tmp_path, same_prompt_twice(10_000), budget="2GiB")
+    path.write_text(path.read_text().replace("qwen3-0.6b", model))
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == hit
+    loaded = -(-hit // 16) * 16  # whole blocks: a partial last one loads whole
+    assert [(seq_id, list(pos), group) for seq_id, pos, group in checked] == [
+        (1, list(range(loaded)), g) for g in range(groups)]
+
+
+def test_a_mixed_models_host_pool_that_loses_data_fails_the_integrity_check(tmp_path):
+    """Chunks stored one row off fail at the first position loaded: the sliding group's 368 (its blocks before the
+    window are skipped)."""
+    from kvsim.engine.tensors.host_pool import HostKVPool
+
+    store = HostKVPool.store
+    try:
+        HostKVPool.store = lambda self, gpu, host: (store(self, gpu, host), self.rows.copy_(self.rows.roll(1, dims=1)))
+        with pytest.raises(AssertionError, match=r"integrity: seq 1 position 368 .* does not hold what that request's tokens wrote"):
+            run_replay(load_workload(mixed_prompt_twice(tmp_path)),
+                       ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
+    finally:
+        HostKVPool.store = store
+
+
+def test_a_load_into_another_groups_blocks_fails_the_integrity_check(tmp_path, monkeypatch):
+    """A group's layers hold their own K/V of a token: the full group's chunks of positions 368-495 loaded into the
+    sliding group's blocks at the same positions (and back) fail the check, in the group they reach."""
+    copy = OffloadingConnector._copy
+
+    def swapped_groups(self, job):
+        if not job.copied and not job.is_store:
+            host, n = job.host_block_ids, job.group_sizes[0]  # the sliding group's blocks 23-30 come first
+            host[:n], host[n + 23:n + 31] = host[n + 23:n + 31], host[:n]
+        return copy(self, job)
+
+    monkeypatch.setattr(OffloadingConnector, "_copy", swapped_groups)
+    with pytest.raises(AssertionError, match=r"integrity: seq 1 position 368 .* does not hold what that request's tokens wrote"):
+        run_replay(load_workload(mixed_prompt_twice(tmp_path)),
+                   ReplayOptions(tensors=True, device="cpu", integrity=True), workers=1)
+
+
+def test_a_mixed_models_tier_beyond_the_host_memory_is_refused_with_tensors(tmp_path):
+    """The host-memory refusal counts the whole tier, every group's chunks (they share its CPU blocks)."""
+    path = mixed_prompt_twice(tmp_path, offload="offload: {cpu_bytes: 1GiB}")
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", max_host_bytes=(1 << 30) - 1), workers=1)
+    assert exc.value.field == "--max-host-memory" and "1,073,741,824 B" in str(exc.value)
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu", max_host_bytes=1 << 30), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 496
+
+
+def test_a_mixed_model_with_swap_preemption_and_tensors_is_refused_naming_the_field(tmp_path):
+    path = mixed_prompt_twice(tmp_path)
+    path.write_text(path.read_text() + "scheduler: {preemption: swap}\n")
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
+    assert exc.value.field == "scheduler.preemption" and str(path) in str(exc.value) and "--no-tensors" in str(exc.value)
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert run.offload["cpu_hit_tokens"] == 496
+
+
+def test_a_state_group_with_tensors_is_refused_naming_offload_and_no_tensors(tmp_path, monkeypatch):
+    """The host pool moves attention blocks: a connector with a Mamba state group (once the tier serves state
+    models) is refused with cache tensors in one line naming the file, `offload` and --no-tensors."""
+    from dataclasses import replace
+
+    from kvsim.replay.sched import offloading_connector
+
+    build = offloading_connector.connector_for_replay
+
+    def with_a_state_group(*args):
+        connector = build(*args)
+        connector.groups += (replace(connector.groups[0], group_idx=1, kind="state", window_chunks=1),)
+        return connector
+
+    monkeypatch.setattr(offloading_connector, "connector_for_replay", with_a_state_group)
+    path = write(tmp_path, same_prompt_twice(0))
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
+    assert exc.value.field == "offload" and str(path) in str(exc.value)
+    assert "Mamba state groups" in str(exc.value) and "--no-tensors" in str(exc.value)
 
 
 def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):

@@ -338,7 +338,18 @@ class HybridPagedAllocator(KVAllocator):
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Slots of positions [start, end) in the slot group's table; -1 where its block is the null block."""
-        bs, table = self.block_size, self._reqs[seq].tables[self._slot_group]
+        return self.group_slot_mapping(seq, self._slot_group, start, end)
+
+    @property
+    def token_groups(self) -> list[int]:
+        """The groups whose blocks hold tokens' K/V (not a state group's), the slot group first."""
+        return [g for g, group in enumerate(self.groups) if group.kind != "state"]
+
+    def group_slot_mapping(self, seq: Sequence, group: int, start: int, end: int) -> np.ndarray:
+        """Slots of positions [start, end) in `group`'s table (a token group of this pool's block size); -1 where
+        its block is the null block."""
+        assert self.groups[group].block_size == self.block_size, group
+        bs, table = self.block_size, self._reqs[seq].tables[group]
         assert 0 <= start <= end <= len(table) * bs, (start, end)
         if start == end:
             return np.empty(0, dtype=np.int64)

@@ -262,18 +262,19 @@ class KVCache:
         with self.timer.measure_steps("write", len(slots)):
             kernels.scatter_rows(self._token_rows, slots, src)
 
-    def write(self, slots: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+    def write(self, slots: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, groups=None) -> None:
         """Store the K/V of N new tokens (all materialised layers) at `slots`: one scatter, timed as "write".
 
         slots, seq_ids, positions: (N,) int arrays (from the allocators' `slot_mapping`). Without integrity
-        the data is random; with it, each token's bit patterns (see `IntegrityPatterns.expected`).
+        the data is random; with it, each token's bit patterns (see `IntegrityPatterns.expected`; `groups`, (N,)
+        or None: the KV cache group of each slot's block, whose layers write their own K/V).
         """
         if not self.enabled or len(slots) == 0:
             return
         slots = np.asarray(slots, dtype=np.int64)
         assert slots.min() >= 0 and slots.max() < self.num_slots, "slot outside the pool"
         if self.integrity:
-            vals = self.patterns.expected(np.asarray(seq_ids), np.asarray(positions))
+            vals = self.patterns.expected(np.asarray(seq_ids), np.asarray(positions), groups)
             index = self._index(slots)
             with self.timer.measure("write"):
                 kernels.scatter_index_copy(self._flat_bits, index, vals)
@@ -354,8 +355,9 @@ class KVCache:
         pos = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
         self.patterns.check(got, ids, pos, lambda n: "read")
 
-    def verify(self, seq_id: int, slots: np.ndarray, positions: np.ndarray) -> None:
-        """Integrity mode: assert the pool at `slots` holds what `seq_id`'s tokens at `positions` wrote.
+    def verify(self, seq_id: int, slots: np.ndarray, positions: np.ndarray, group: int = 0) -> None:
+        """Integrity mode: assert the pool at `slots` holds what `seq_id`'s tokens at `positions` wrote (in blocks
+        of KV cache group `group`).
 
         Raises AssertionError naming the first mismatch; a no-op without integrity or materialised layers.
         Slots of -1 (positions a sliding window freed) are skipped.
@@ -371,7 +373,9 @@ class KVCache:
         got = self._slot_rows.index_select(1, self._index(slots))  # [2L, N, H*D]
         got = got.view(2, self.num_layers, len(slots), self.spec.num_kv_heads, self.spec.head_dim)
         ids = np.full(len(slots), seq_id, dtype=np.int64)
-        self.patterns.check(got, ids, np.asarray(positions, dtype=np.int64), lambda n: f"slot {int(slots[n])}")
+        groups = np.full(len(slots), group, dtype=np.int64) if group else None
+        where = (lambda n: f"slot {int(slots[n])}, group {group}") if group else (lambda n: f"slot {int(slots[n])}")
+        self.patterns.check(got, ids, np.asarray(positions, dtype=np.int64), where, groups)
 
     def decode_attention(self, read: KVRead | None, q: torch.Tensor | None = None) -> torch.Tensor | None:
         """SDPA of one query token per sequence and layer over what `read` gathered, timed "attention".

@@ -36,8 +36,9 @@ class IntegrityPatterns:
         """Drop a finished request's fingerprints (its blocks may stay cached for others)."""
         self._fingerprints.pop(seq_id, None)
 
-    def _token_fingerprints(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """(N,) int64 on the device: the fingerprint of each (seq_id, position)."""
+    def _token_fingerprints(self, seq_ids: np.ndarray, positions: np.ndarray, groups=None) -> torch.Tensor:
+        """(N,) int64 on the device: the fingerprint of each (seq_id, position), salted by its KV cache group (a
+        mixed model's groups are other layers: their K/V of a token differ; group 0 unsalted)."""
         out = np.empty(len(positions), dtype=np.uint64)
         for seq_id in np.unique(seq_ids):  # one vectorised lookup per request
             rows = seq_ids == seq_id
@@ -46,19 +47,23 @@ class IntegrityPatterns:
                 out[rows] = kernels.seq_fingerprints(int(seq_id), positions[rows])
             else:
                 out[rows] = table[positions[rows]]
+        if groups is not None:
+            out ^= np.asarray(groups, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         return torch.from_numpy(out.view(np.int64)).to(self.device)
 
-    def expected(self, seq_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """[2, L, N, H, D] in the pool's integer view: what those tokens must hold."""
-        fp = self._token_fingerprints(seq_ids, positions)
+    def expected(self, seq_ids: np.ndarray, positions: np.ndarray, groups=None) -> torch.Tensor:
+        """[2, L, N, H, D] in the pool's integer view: what those tokens must hold (in their `groups`' blocks: an
+        (N,) int array, or None for group 0)."""
+        fp = self._token_fingerprints(seq_ids, positions, groups)
         if self._lanes is None:
             self._lanes = kernels.integrity_lanes(self.num_layers, self.num_kv_heads * self.head_dim, self.bits, self.device)
         vals = kernels.integrity_values(fp, self._lanes)  # [2, L, N, H * D]
         return vals.view(2, self.num_layers, len(positions), self.num_kv_heads, self.head_dim)
 
-    def check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str]):
+    def check(self, got: torch.Tensor, seq_ids: np.ndarray, positions: np.ndarray, where: Callable[[int], str],
+              groups=None):
         """Raise AssertionError naming the first token of `got` ([2, L, N, H, D], float) that differs."""
-        expected = self.expected(seq_ids, positions)
+        expected = self.expected(seq_ids, positions, groups)
         got_bits = got.contiguous().view(expected.dtype)  # the same-width integer view
         bad = (got_bits != expected).flatten(3).any(dim=3)  # [2, L, N]
         bad_tokens = bad.any(dim=1).any(dim=0)  # (N,)

@@ -58,7 +58,11 @@ class TransferJob:
     finish_s: float | None = None
     gpu_block_ids: list = field(default_factory=list)  # the GPU blocks it reads (store) or writes (load)
     cpu_chunk_ids: list = field(default_factory=list)  # the tier's chunks it writes (store) or reads (load)
-    first_block: int = 0  # a load: the request's block index of gpu_block_ids[0]
+    # with cache tensors: each GPU block's host block (its chunk x blocks_per_chunk + its index in the chunk), its
+    # index in its group's block table, and the blocks of each group in turn (vLLM's `GPULoadStoreSpec.group_sizes`)
+    host_block_ids: list = field(default_factory=list)
+    block_indices: list = field(default_factory=list)
+    group_sizes: list = field(default_factory=list)
     copied: bool = False  # with cache tensors: its blocks have moved
     sync: bool = False  # a load within the step (`sync_load_budget_bytes`): its own queue, and the step waits
     # a store's source blocks a reallocation must wait for (vLLM's `TransferJobStatus`): those of sliding-window
@@ -329,7 +333,10 @@ class OffloadingConnector:
         B = self.blocks_per_chunk
         keys: list = []
         gpu_block_ids: list = []
-        first_block = 0
+        copies = self.host_pool is not None and tables is not None
+        key_of: list = []  # with cache tensors: each block's key, by its index in `keys`
+        block_indices: list = []
+        group_sizes: list = []
         for gi, (g, gs) in enumerate(zip(self.groups, status.groups)):
             bs = g.tokens_per_block
             num_gpu_blocks = cdiv(num_cached, bs)
@@ -339,21 +346,24 @@ class OffloadingConnector:
                 while load_start < num_gpu_blocks and table[load_start] == 0:
                     load_start += 1
                 gpu_block_ids += table[load_start:num_gpu_blocks]
+            if copies:  # the group's blocks past those skipped, each from its chunk (a partial first one from its offset)
+                key_of += [len(keys) + j // B - load_start // B for j in range(load_start, num_gpu_blocks)]
+                block_indices += range(load_start, num_gpu_blocks)
+                group_sizes.append(max(0, num_gpu_blocks - load_start))
             num_chunks = cdiv(num_cached, g.tokens_per_chunk)
             if num_gpu_blocks > load_start:
                 keys += gs.offload_keys[load_start // B:num_chunks]
-                if gi == 0:
-                    first_block = load_start
             gs.next_stored_chunk_idx = num_chunks  # OffloadPolicy.CHUNK_LEVEL
             if tables is None and gi == 0:
-                first_block = load_start
                 num_blocks = num_gpu_blocks - load_start
         chunk_ids = self.manager.prepare_load(keys, status.req_context)
         num_blocks = len(gpu_block_ids) if tables is not None else num_blocks
         job = self._new_job(seq, keys, False, num_blocks * self.bytes_per_block)
         job.cpu_chunk_ids = list(chunk_ids)
-        job.first_block = first_block
         job.gpu_block_ids = gpu_block_ids
+        if copies:
+            job.host_block_ids = [chunk_ids[k] * B + j % B for k, j in zip(key_of, block_indices)]
+            job.block_indices, job.group_sizes = block_indices, group_sizes
         job.sync = sync
         if self.events is not None:
             self.events.append((6, seq.index, num_external_tokens))  # HIT
@@ -547,22 +557,34 @@ class OffloadingConnector:
         src: list = []
         fenced: list = []  # sliding windows' blocks: fenced from now on
         deferred: list = []  # the others': once the request has finished
+        # with cache tensors: each source block's host block, index in its table, and the blocks of each group
+        chunk_of = dict(zip(out.keys_to_store, out.chunk_ids)) if self.host_pool is not None else None
+        host_block_ids: list = []
+        block_indices: list = []
+        group_sizes: list = []
         for g, gs, (start, num_chunks) in zip(self.groups, status.groups, ranges):
             if have_blocks:
                 ids = gs.block_ids
+                num_src = len(src)
                 for chunk in range(start, num_chunks):
                     if gs.offload_keys[chunk] not in stored:
                         continue
-                    for bid in ids[chunk * B:(chunk + 1) * B]:
+                    for b, bid in enumerate(ids[chunk * B:(chunk + 1) * B]):
                         if bid:
                             src.append(bid)
                             (fenced if g.kind == "sliding" else deferred).append(bid)
+                            if chunk_of is not None:
+                                host_block_ids.append(chunk_of[gs.offload_keys[chunk]] * B + b)
+                                block_indices.append(chunk * B + b)
+                group_sizes.append(len(src) - num_src)
             gs.next_stored_chunk_idx = max(gs.next_stored_chunk_idx, num_chunks)
         num_blocks = len(src) if have_blocks else len(out.keys_to_store) * B
         job = self._new_job(seq, list(out.keys_to_store), True, num_blocks * self.bytes_per_block)
         status.transfer_jobs.add(job.job_id)
         job.cpu_chunk_ids = list(out.chunk_ids)
         job.gpu_block_ids = src
+        if chunk_of is not None:
+            job.host_block_ids, job.block_indices, job.group_sizes = host_block_ids, block_indices, group_sizes
         job.fenced_block_ids = fenced
         job.deferred_fence_block_ids = deferred
         pending = self._block_id_to_pending_jobs
@@ -607,6 +629,15 @@ class OffloadingConnector:
         self._unsubmitted.clear()
         return wait
 
+    def copy_before_forward(self) -> None:
+        """With cache tensors, before the step's forward pass: the jobs to flush, then the loads within the step
+        (the worker waits for both in `start_kv_transfers` before the model runs; their blocks are the step's)."""
+        for job in sorted(self._flush.values(), key=lambda job: job.job_id):
+            self._copy(job)
+        for job in self._unsubmitted:
+            if job.sync:
+                self._copy(job)
+
     def _copy(self, job: TransferJob) -> None:
         """With cache tensors: move the job's blocks (a store from the device pool to its chunks, a load back),
         once; a load in integrity mode is checked against what its request's tokens wrote."""
@@ -615,15 +646,20 @@ class OffloadingConnector:
         job.copied = True
         pool = self.host_pool
         if job.is_store:
-            pool.store(job.gpu_block_ids, job.cpu_chunk_ids)
+            pool.store(job.gpu_block_ids, job.host_block_ids)
             return
-        slots = pool.load(job.cpu_chunk_ids, job.first_block, job.gpu_block_ids)
+        slots = pool.load(job.host_block_ids, job.gpu_block_ids)
         cache = pool.cache
-        if cache.integrity and len(slots):
+        if cache.integrity and len(slots):  # each group's blocks hold its request's tokens at their positions
             import numpy as np
 
-            start = job.first_block * self.block_size
-            cache.verify(job.seq.seq_id, slots, np.arange(start, start + len(slots), dtype=np.int64))
+            bs = self.block_size
+            positions = (np.asarray(job.block_indices, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel()
+            end = 0
+            for g, size in zip(self.groups, job.group_sizes):
+                begin, end = end, end + size * bs
+                if size:
+                    cache.verify(job.seq.seq_id, slots[begin:end], positions[begin:end], group=g.group_idx)
 
     def _start(self, job: TransferJob, ready_s: float) -> None:
         if self.host_pool is not None:
