@@ -23,7 +23,7 @@ class GroupOffloadConfig:
     `window` is the sliding window or the attention chunk in tokens (0 for full attention)."""
 
     group_idx: int
-    kind: str  # full, mla, sliding, chunked
+    kind: str  # full, mla, sliding, chunked, state (a Mamba state group in align mode: one state, window 1)
     tokens_per_block: int
     tokens_per_chunk: int
     hashes_per_chunk: int
@@ -49,6 +49,14 @@ def alignment_tokens(groups: tuple[GroupOffloadConfig, ...], blocks_per_chunk: i
     if not full:
         return max(g.tokens_per_block * blocks_per_chunk for g in groups)
     return None
+
+
+def mamba_align_size(groups: tuple[GroupOffloadConfig, ...]) -> int | None:
+    """`resolve_mamba_align_size`: the chunk of the align-mode state groups (one for all), to which a hit is
+    rounded down; None without a state group."""
+    sizes = {g.tokens_per_chunk for g in groups if g.kind == "state"}
+    assert len(sizes) <= 1, sizes
+    return sizes.pop() if sizes else None
 
 
 def sliding_window_lookup(lookup, keys: list, window_chunks: int, req_context, initial_window: int | None) -> int | None:
