@@ -156,6 +156,12 @@ class KVAllocator(ABC):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's `KVCacheManager.cache_blocks`,
         which async scheduling calls once a step's sampled tokens are known). Nothing without a prefix cache."""
 
+    def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
+        """Whether admitted `seq` has room for all its tokens now, the watermark kept free with `apply_watermark`:
+        vLLM's `allocate_slots(full_sequence_must_fit=True)` first check, for a request that resumes from the
+        waiting queue with blocks already held (its CPU-tier load finished). True where no connector runs."""
+        return True
+
     @abstractmethod
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` could run to its final length on an otherwise empty allocator."""

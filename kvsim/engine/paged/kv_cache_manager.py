@@ -268,10 +268,18 @@ class HybridPagedAllocator(KVAllocator):
 
     def num_blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks admitted `seq` still needs to hold all its tokens, window groups capped at their admission
-        bound (vLLM's `Scheduler._request_remaining_blocks`, no speculative tokens)."""
+        bound, a state group's checkpoint judged from its computed tokens (vLLM's
+        `Scheduler._request_remaining_blocks`, no speculative tokens)."""
         req = self._reqs[seq]
         full = min(seq.num_tokens, self.max_model_len)
-        return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, prefill_end=req.prefill_end)
+        return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, query_start=seq.num_computed_tokens,
+                                                           prefill_end=req.prefill_end)
+
+    def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
+        """Every group room for all of admitted `seq`'s tokens, window groups capped at their admission bound, an
+        align-mode state group's checkpoint judged from its computed tokens (vLLM's `total_computed_tokens`)."""
+        watermark = self.watermark_blocks if apply_watermark else 0
+        return self.num_blocks_to_finish(seq) + watermark <= self.pool.num_free_blocks
 
     def shared_prefix_boundary(self, seq: Sequence) -> int:
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
