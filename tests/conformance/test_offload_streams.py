@@ -344,3 +344,18 @@ def test_a_loaded_state_request_resuming_without_vllms_checks_is_caught(vllm_loa
         monkeypatch.setattr(HybridPagedAllocator, "num_blocks_to_finish", from_zero)
     c = compare(run_kvsim(rs), vllm)
     assert c.differs and c.differing_steps > 0
+
+
+def test_vllm_itself_fails_on_a_load_within_the_step_of_a_state_model(vllm_loaded, tmp_path):
+    """Why kvsim refuses `sync_load_budget_bytes` on a state model: offload-nemotron-h with a sync-load budget makes
+    vLLM 0.33's own scheduler raise. For a hit loaded within the step, `MambaManager.get_num_blocks_to_allocate`
+    (align) caps each state group at one new block (plus a checkpoint), but `allocate_external_computed_blocks`
+    takes one for the loaded state and `allocate_new_blocks` one more for the chunk's running state."""
+    from kvsim.conformance.sides import run_vllm
+    from kvsim.conformance.stream import STREAMS_DIR, Stream, resolve
+
+    path = tmp_path / "sync.yaml"
+    text = (STREAMS_DIR / "offload-nemotron-h.yaml").read_text()
+    path.write_text(text.replace("policy: arc}", "policy: arc, sync_load_budget_bytes: 200000000}"))
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
+        run_vllm(resolve(Stream("sync", path, async_scheduling=False)))

@@ -191,7 +191,7 @@ def test_a_state_model_hands_its_states_to_the_tier_and_loads_them_hand_computed
     assert off["cpu_stored_bytes"] == (2 * 11 + 6) * STATE_MODEL_BLOCK_BYTES
 
 
-def test_a_state_model_without_prefix_caching_or_with_tensors_is_one_line(tmp_path):
+def test_a_state_model_without_prefix_caching_with_sync_loads_or_with_tensors_is_one_line(tmp_path):
     path = write_state_model(tmp_path)
     path.write_text(path.read_text().replace("{kind: paged, block_size: 16}",
                                              "{kind: paged, block_size: 16, prefix_caching: false}"))
@@ -199,6 +199,12 @@ def test_a_state_model_without_prefix_caching_or_with_tensors_is_one_line(tmp_pa
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert exc.value.field == "offload" and str(path) in str(exc.value)
     assert "only with prefix caching on (mamba_cache_mode align)" in str(exc.value)
+    path = write_state_model(tmp_path)
+    path.write_text(path.read_text().replace("policy: lru}", "policy: lru, sync_load_budget_bytes: 1GiB}"))
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert exc.value.field == "offload.sync_load_budget_bytes" and str(path) in str(exc.value)
+    assert "Cannot get 1 free blocks" in str(exc.value)
     path = write_state_model(tmp_path)
     with pytest.raises(KvsimError) as exc:
         run_replay(load_workload(path), ReplayOptions(tensors=True), workers=1)

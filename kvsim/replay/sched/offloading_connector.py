@@ -754,6 +754,12 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
                          "on (mamba_cache_mode align): turn the allocator's prefix_caching on")
         settings = replace(settings, mamba_cache_mode="align",
                            mamba_checkpoint_alignment=allocator.mamba_checkpoint_alignment)
+        if offload.sync_load_budget_bytes:
+            raise KvsimError(f"loads within the step are not replayed on a hybrid (state) model such as {model.name}: "
+                             "for such a hit vLLM 0.33's allocate_slots counts one block too few per state group (the "
+                             "one allocate_external_computed_blocks takes) and fails ('Cannot get 1 free blocks from "
+                             "the pool') once the pool is nearly full; set it to 0", source=source,
+                             field="offload.sync_load_budget_bytes")
     startup = vllm_startup(layers, 1, max_model_len, spec.block_size, settings) if layers else None
     if startup is None:
         raise refuse(f"vLLM's KV cache groups for {model.name} are not modelled, so neither is its CPU tier")
