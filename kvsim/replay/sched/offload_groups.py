@@ -1,7 +1,8 @@
 """The CPU tier's view of a model's KV cache groups, as vLLM 0.33.0's `OffloadingConnectorScheduler` keeps it
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py): one `GroupOffloadConfig` per
-prefix-cacheable group, the chunks a sliding window keeps (`load_window_size_in_chunks`), the sliding-window
-lookup from the right, and the sliding-window blocks a store may skip (`SlidingWindowManager.reachable_block_mask`
+prefix-cacheable group (a Mamba state group in align mode keeps one chunk, its state; `mamba_align_size` rounds a
+hit to it), the chunks a sliding window keeps (`load_window_size_in_chunks`), the sliding-window lookup from the
+right, and the sliding-window blocks a store may skip (`SlidingWindowManager.reachable_block_mask`
 in vllm/v1/core/single_type_kv_cache_manager.py, as the connector calls it). Pure Python."""
 
 from __future__ import annotations

@@ -2,20 +2,22 @@
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py), over kvsim.offload's
 `CPUOffloadingManager`, with the worker side's transfers on the replay's clock.
 
-Every KV cache group of full attention, MLA, sliding-window or chunked local attention, each with its own keys
-(`kvsim.replay.sched.offload_groups`); a model with a Mamba state group is refused (its align-mode states reach the
-tier by a copy-on-write hand-off the replay does not follow). What it follows, hook by hook (docs/cpu-tier.md has
-the rules as read):
+Every KV cache group of full attention, MLA, sliding-window or chunked local attention, and Mamba state groups in
+align mode, each with its own keys (`kvsim.replay.sched.offload_groups`). What it follows, hook by hook
+(docs/cpu-tier.md has the rules as read):
 
 - `get_num_new_matched_tokens(seq, num_computed_tokens)`: on admission, after the GPU prefix hit (block aligned);
   resets `next_stored_chunk_idx` to 0; None (skip the request this step) while it has transfers in flight, when a
   hit chunk is still being written (HIT_PENDING) or being loaded by another request; else the tokens past the GPU
   hit that whole chunks in the tier cover (0 when less than one chunk), `_lookup_complete_chunks`: full-attention
-  groups from the GPU hit on, sliding windows from the right, tightening the hit in turn until it converges.
+  groups from the GPU hit on, sliding windows and state groups (a window of one chunk) from the right, tightening the
+  hit in turn until it converges; with a state group the hit is rounded down to its chunk (`resolve_mamba_align_size`).
 - `update_state_after_alloc(seq, num_external_tokens)`: pins the chunks (`prepare_load`) and queues a load job;
   the request then skips the chunks it loaded when it stores (`OffloadPolicy.CHUNK_LEVEL`).
 - `build_connector_meta(scheduled, finished, preempted)`: the end of `schedule()`: the in-flight stores of
-  preempted requests are flushed (the worker waits for them); each scheduled request, then each finished one,
+  preempted requests are flushed (the worker waits for them); the state blocks the allocator cached since the last
+  step, each offered alone (`_build_aligned_boundary_store_jobs`: a state group's chunks never join the prompt-chunk
+  offers, as its block table is not append-only); each scheduled request, then each finished one,
   offers its prompt chunks computed by the end of the step from `next_stored_chunk_idx` on (`_build_store_jobs`:
   prompt only, all or nothing, a refused offer made again next step; a sliding window's chunks only where a later
   hit can reach them, and never from a block it freed and the pool handed out again); `on_request_finished` for
@@ -734,7 +736,8 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     """The connector a workload's `offload:` (kvsim.workload.OffloadConfig) builds over `allocator`: the chunk
     count and each group's chunks as `kvsim size --cpu-offload` sizes vLLM's tier (kvsim.size.cpu_offload), the
     GPU's sourced host link (kvsim/models/data/interconnect.yaml). Refused in one line naming the workload and
-    `offload`: a flat allocator, and a model with a Mamba state group."""
+    `offload`: a flat allocator; a hybrid state model without prefix caching (vLLM needs align mode) or with
+    `sync_load_budget_bytes` (vLLM 0.33's own scheduler fails there)."""
     from dataclasses import replace
 
     from kvsim.errors import KvsimError
