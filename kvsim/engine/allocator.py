@@ -159,8 +159,10 @@ class KVAllocator(ABC):
     def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
         """Whether admitted `seq` has room for all its tokens now, the watermark kept free with `apply_watermark`:
         vLLM's `allocate_slots(full_sequence_must_fit=True)` first check, for a request that resumes from the
-        waiting queue with blocks already held (its CPU-tier load finished). True where no connector runs."""
-        return True
+        waiting queue with blocks already held (its CPU-tier load finished). Paged allocators only (they give
+        `num_blocks_to_finish`, `watermark_blocks` and `num_free_blocks`), as only they take a CPU tier."""
+        watermark = self.watermark_blocks if apply_watermark else 0
+        return self.num_blocks_to_finish(seq) + watermark <= self.num_free_blocks
 
     @abstractmethod
     def can_ever_fit(self, seq: Sequence) -> bool:

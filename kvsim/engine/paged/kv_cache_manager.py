@@ -275,12 +275,6 @@ class HybridPagedAllocator(KVAllocator):
         return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, query_start=seq.num_computed_tokens,
                                                            prefill_end=req.prefill_end)
 
-    def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
-        """Every group room for all of admitted `seq`'s tokens, window groups capped at their admission bound, an
-        align-mode state group's checkpoint judged from its computed tokens (vLLM's `total_computed_tokens`)."""
-        watermark = self.watermark_blocks if apply_watermark else 0
-        return self.num_blocks_to_finish(seq) + watermark <= self.pool.num_free_blocks
-
     def shared_prefix_boundary(self, seq: Sequence) -> int:
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
         return self._reqs[seq].shared_prefix_boundary

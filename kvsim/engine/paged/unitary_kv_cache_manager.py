@@ -175,10 +175,6 @@ class PagedAllocator(KVAllocator):
         need = -(-min(seq.num_tokens, self.max_model_len) // self.block_size)
         return max(0, need - len(self._reqs[seq].table))
 
-    def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
-        watermark = self.watermark_blocks if apply_watermark else 0
-        return self.num_blocks_to_finish(seq) + watermark <= self.pool.num_free_blocks
-
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
