@@ -35,7 +35,8 @@ def _streams() -> tuple[Stream, ...]:
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml") for name in as_written]
     # The CPU tier: vLLM's own OffloadingConnector (scheduler side) beside the replay's, its worker side simulated on
     # the replay's clock; loads, stores, flushes, completions, evictions and CPU hits compared at every step.
-    offload = ["offload-lru", "offload-arc", "offload-chunks", "offload-gpu-pressure", "offload-fence", "offload-gemma3", "offload-gpt-oss", "offload-sync"]
+    offload = ["offload-lru", "offload-arc", "offload-chunks", "offload-gpu-pressure", "offload-fence", "offload-gemma3", "offload-gpt-oss", "offload-sync",
+               "offload-qwen3-next", "offload-qwen3-next-repeat", "offload-nemotron-h"]
     streams += [Stream(name, STREAMS_DIR / f"{name}.yaml", async_scheduling=False) for name in offload]
     streams += [Stream(f"{name}+async", STREAMS_DIR / f"{name}.yaml", async_scheduling=True) for name in offload]
     # A fleet of 4 behind the precise prefix router: each replica's requests, replayed alone on both sides; the

@@ -156,6 +156,14 @@ class KVAllocator(ABC):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's `KVCacheManager.cache_blocks`,
         which async scheduling calls once a step's sampled tokens are known). Nothing without a prefix cache."""
 
+    def full_sequence_fits(self, seq: Sequence, apply_watermark: bool) -> bool:
+        """Whether admitted `seq` has room for all its tokens now, the watermark kept free with `apply_watermark`:
+        vLLM's `allocate_slots(full_sequence_must_fit=True)` first check, for a request that resumes from the
+        waiting queue with blocks already held (its CPU-tier load finished). Paged allocators only (they give
+        `num_blocks_to_finish`, `watermark_blocks` and `num_free_blocks`), as only they take a CPU tier."""
+        watermark = self.watermark_blocks if apply_watermark else 0
+        return self.num_blocks_to_finish(seq) + watermark <= self.num_free_blocks
+
     @abstractmethod
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` could run to its final length on an otherwise empty allocator."""

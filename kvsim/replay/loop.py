@@ -97,7 +97,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     runner = None
     if cache is not None:
         # a CPU tier with cache tensors moves every group's blocks: a mixed model's runner writes them all (a model
-        # with state groups is refused below)
+        # with state groups is refused before the replay: kvsim.replay.run._check_offload)
         all_groups = (ctx.offload is not None and cache.enabled and config.kind == "paged" and spec.pool is not None
                       and all(g.kind != "state" for g in spec.pool.groups))
         runner = ModelRunner(cache, allocator, read_every=options.read_every or 1, estimate_reads=options.timing == "measured",
@@ -111,15 +111,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
         if cache is not None and cache.enabled:  # the blocks really move to a host pool and back
             from kvsim.engine.tensors.host_pool import HostKVPool
 
-            if any(g.kind == "state" for g in connector.groups):
-                raise KvsimError(f"with cache tensors the CPU tier's host pool moves attention blocks, and {ctx.model.name}'s "
-                                 "Mamba state groups are not materialised (kvsim/engine/tensors/host_pool.py): give "
-                                 "--no-tensors to replay its tier (accounting only)", source=ctx.source, field="offload")
             assert all(g.tokens_per_block == cache.block_size for g in connector.groups)
-            if len(connector.groups) > 1 and ctx.scheduler_config.preemption == "swap":
-                raise KvsimError(f"with cache tensors, preemption: swap moves {ctx.model.name}'s slot group only, and its "
-                                 "CPU tier moves every group's blocks: use preemption: recompute (vLLM's), or give "
-                                 "--no-tensors to replay its tier (accounting only)", source=ctx.source, field="scheduler.preemption")
             connector.host_pool = HostKVPool(cache, connector.manager.num_chunks, connector.tokens_per_chunk)
         if observer is not None:  # the conformance harness reads the tier's events at every computing row
             connector.events = []

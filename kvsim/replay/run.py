@@ -256,8 +256,16 @@ def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None
     for config in workload.allocators:
         spec = ctx.spec(config.block_size, config)
         allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
-        connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len, connector_settings(ctx), ctx.tp,
-                             ctx.gpu, ctx.source)
+        connector = connector_for_replay(ctx.offload, ctx.model, spec, allocator, ctx.max_model_len,
+                                         connector_settings(ctx), ctx.tp, ctx.gpu, ctx.source)
+        if options.tensors and any(g.kind == "state" for g in connector.groups):
+            raise KvsimError(f"with cache tensors the CPU tier's host pool does not take {ctx.model.name}'s Mamba state "
+                             "blocks (vLLM hands each committed state to the tier alone): give --no-tensors to replay "
+                             "its tier (accounting only)", source=ctx.source, field="offload")
+        if options.tensors and len(connector.groups) > 1 and ctx.scheduler_config.preemption == "swap":
+            raise KvsimError(f"with cache tensors, preemption: swap moves {ctx.model.name}'s slot group only, and its "
+                             "CPU tier moves every group's blocks: use preemption: recompute (vLLM's), or give "
+                             "--no-tensors to replay its tier (accounting only)", source=ctx.source, field="scheduler.preemption")
 
 
 def _check_host_memory(configs, ctx: ReplayContext, options: ReplayOptions) -> None:

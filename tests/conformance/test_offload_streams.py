@@ -240,3 +240,122 @@ def test_loads_within_the_step_follow_the_sync_load_budget(vllm_loaded, monkeypa
     monkeypatch.setattr(OffloadingConnector, "_reserve_sync_load", lambda self, seq, computed, hit: None)
     c = compare(run_kvsim(rs), vllm)
     assert c.differs and c.differing_steps > 0
+
+
+def test_the_state_model_streams_hand_states_to_the_tier_and_load_them(vllm_loaded, monkeypatch):
+    """offload-qwen3-next and offload-nemotron-h, counted on vLLM's side: its connector takes the state groups as
+    copy-on-write sources (`requires_cow_source`, hits rounded to the state block), their states reach the tier only
+    as one-block jobs of `_build_aligned_boundary_store_jobs`, and CPU hits load every group; GPU pressure
+    preempts."""
+    from kvsim.conformance.sides import run_vllm
+    from kvsim.conformance.vllm_engine import build_scheduler
+    from kvsim.conformance.vllm_import import import_vllm
+
+    worker = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    boundary_jobs = Counter()
+    build = worker.OffloadingConnectorScheduler._build_aligned_boundary_store_jobs
+
+    def counting(self, handoffs):
+        jobs = build(self, handoffs)
+        boundary_jobs["jobs"] += len(jobs)
+        boundary_jobs["blocks"] += sum(len(job.src_spec.block_ids) for job in jobs.values())
+        return jobs
+
+    monkeypatch.setattr(worker.OffloadingConnectorScheduler, "_build_aligned_boundary_store_jobs", counting)
+    for name, num_state_groups, block in (("offload-qwen3-next", 3, 576), ("offload-nemotron-h", 6, 1040)):
+        scheduler = build_scheduler(_resolve(name).setup).connector.connector_scheduler
+        assert len(scheduler._cow_source_groups) == num_state_groups and scheduler._mamba_align_size == block
+        assert not scheduler.config.supports_partial_tail  # hashes at the block size: no sub-block tails
+        boundary_jobs.clear()
+        trace = run_vllm(_resolve(name))
+        seen = _events(trace)
+        assert boundary_jobs["jobs"] >= 100 and boundary_jobs["blocks"] == boundary_jobs["jobs"], (name, boundary_jobs)
+        assert seen["store"] > boundary_jobs["jobs"]  # the full-attention group's prompt chunks besides
+        assert seen["cpu hit"] >= 10 and seen["evict"] >= 10 and trace.num_preemptions >= 5, (name, seen)
+
+
+def test_states_stored_without_the_boundary_hand_off_are_caught(vllm_loaded, monkeypatch):
+    """A changed rule: the state groups' chunks are offered with the prompt chunks (as a window of one chunk whose
+    block is the table's), rather than from the allocator's hand-off of each committed state. The stores differ."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-qwen3-next")
+    vllm = run_vllm(rs)
+    assert not compare(run_kvsim(rs), vllm).differs
+    init = OffloadingConnector.__init__
+
+    def as_windows(self, **kwargs):
+        groups = kwargs["groups"]
+        init(self, **{**kwargs, "groups": tuple(replace(g, kind="chunked") if g.kind == "state" else g for g in groups)})
+        self._state_groups, self.mamba_align_size = (), groups[0].tokens_per_chunk
+
+    monkeypatch.setattr(OffloadingConnector, "__init__", as_windows)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and any(line.startswith("CPU tier, ") for line in c.schedule_difference)
+
+
+def test_a_hit_not_rounded_to_the_state_block_is_caught(vllm_loaded, monkeypatch):
+    """offload-qwen3-next-repeat: two prompts each loaded whole (4,608 tokens) on vLLM's side, and a last request
+    whose hit vLLM rounds down to a state block holding no state. A changed rule: the CPU hit of a state model is
+    not rounded down to the state block (`resolve_mamba_align_size`); kvsim then loads 4,607 tokens there."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.conformance.trace import decode_transfers
+    from kvsim.replay.sched.offloading_connector import OffloadingConnector
+
+    rs = _resolve("offload-qwen3-next-repeat")
+    vllm = run_vllm(rs)
+    hits = [e for step in vllm.steps for e in decode_transfers(step.transfers) if e.startswith("cpu hit")]
+    assert hits == ["cpu hit [2, 4608]", "cpu hit [3, 4608]"], hits
+    assert not compare(run_kvsim(rs), vllm).differs
+    init = OffloadingConnector.__init__
+
+    def unrounded(self, **kwargs):
+        init(self, **kwargs)
+        self.mamba_align_size = None
+
+    monkeypatch.setattr(OffloadingConnector, "__init__", unrounded)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and "CPU tier, kvsim only: cpu hit [4, 4607]" in c.schedule_difference
+
+
+@pytest.mark.parametrize("rule", ["full sequence", "reservation"])
+def test_a_loaded_state_request_resuming_without_vllms_checks_is_caught(vllm_loaded, monkeypatch, rule):
+    """offload-nemotron-h: a request whose load finished resumes from vLLM's waiting queue with
+    `allocate_slots(full_sequence_must_fit=True)`, and the loads' reservation (`_request_remaining_blocks`) judges a
+    state group's prefill checkpoint from the request's computed tokens. Either rule changed is caught."""
+    from kvsim.conformance.compare import compare
+    from kvsim.conformance.sides import run_kvsim, run_vllm
+    from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
+
+    rs = _resolve("offload-nemotron-h")
+    vllm = run_vllm(rs)
+    assert not compare(run_kvsim(rs), vllm).differs
+    if rule == "full sequence":
+        monkeypatch.setattr(HybridPagedAllocator, "full_sequence_fits", lambda self, seq, apply_watermark: True)
+    else:
+        def from_zero(self, seq):
+            req = self._reqs[seq]
+            return self.coordinator.get_num_blocks_to_allocate(req.tables, min(seq.num_tokens, self.max_model_len),
+                                                               True, prefill_end=req.prefill_end)
+
+        monkeypatch.setattr(HybridPagedAllocator, "num_blocks_to_finish", from_zero)
+    c = compare(run_kvsim(rs), vllm)
+    assert c.differs and c.differing_steps > 0
+
+
+def test_vllm_itself_fails_on_a_load_within_the_step_of_a_state_model(vllm_loaded, tmp_path):
+    """Why kvsim refuses `sync_load_budget_bytes` on a state model: offload-nemotron-h with a sync-load budget makes
+    vLLM 0.33's own scheduler raise. For a hit loaded within the step, `MambaManager.get_num_blocks_to_allocate`
+    (align) caps each state group at one new block (plus a checkpoint), but `allocate_external_computed_blocks`
+    takes one for the loaded state and `allocate_new_blocks` one more for the chunk's running state."""
+    from kvsim.conformance.sides import run_vllm
+    from kvsim.conformance.stream import STREAMS_DIR, Stream, resolve
+
+    path = tmp_path / "sync.yaml"
+    text = (STREAMS_DIR / "offload-nemotron-h.yaml").read_text()
+    path.write_text(text.replace("policy: arc}", "policy: arc, sync_load_budget_bytes: 200000000}"))
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks from the pool"):
+        run_vllm(resolve(Stream("sync", path, async_scheduling=False)))

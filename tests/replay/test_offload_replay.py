@@ -154,13 +154,62 @@ def test_an_offload_on_a_flat_allocator_is_one_line_naming_the_file_and_field(tm
     assert str(path) in str(exc.value) and "offload" in str(exc.value) and exc.value.field == "offload"
 
 
-def test_a_state_model_is_refused_naming_offload(tmp_path):
-    path = write(tmp_path, same_prompt_twice(0))
-    path.write_text(path.read_text().replace("qwen3-0.6b", "qwen3-next-80b-a3b"))  # full attention + gated delta net
+# qwen3-next-80b-a3b in align mode (vllm serve's prefix caching): 3 gated delta net state groups + 1 full group of 12
+# layers on 576-token blocks; one block id spans 12 pages of 1,179,648 B (a state page padded to the attention page)
+STATE_MODEL_BLOCK_BYTES = 12 * 1_179_648
+
+
+def write_state_model(tmp_path: Path) -> Path:
+    """The conformance stream offload-qwen3-next-repeat, copied with its trace: A (5,120 tokens: ten 512-token
+    Mooncake blocks), D (ten others), A again, D again, then A's first 4,608 tokens (= 8 x 576) alone, 5 s apart,
+    on a pool of 20 blocks (D evicts A's blocks from the GPU)."""
+    from kvsim.conformance.stream import STREAMS_DIR
+
+    for suffix in (".yaml", ".jsonl"):
+        name = "offload-qwen3-next-repeat" + suffix
+        (tmp_path / name).write_text((STREAMS_DIR / name).read_text())
+    return tmp_path / "offload-qwen3-next-repeat.yaml"
+
+
+def test_a_state_model_hands_its_states_to_the_tier_and_loads_them_hand_computed(tmp_path):
+    # A's 5,120-token prompt runs in chunks cut at state blocks (0-1,728, -3,456, -5,120). The full group stores its
+    # 8 whole chunks as they are computed (3 + 3 + 2 blocks). A state group caches, under vLLM's retention 0, only
+    # the state at the prompt's last block boundary ((5,120 - 1) // 576 x 576 = 4,608), and the allocator hands
+    # that block to the tier: one store job of one block per state group (3). So 11 blocks stored per prompt.
+    # A again, its GPU blocks evicted by D: the hit stops one token short and is rounded down to the state block,
+    # 4,608 tokens: 8 full-attention blocks and each group's one state, 11 blocks loaded. The same for D.
+    # Last, A's first 4,608 tokens: the hit would end at 4,607, rounded down to 4,032, where no state was stored:
+    # no hit (vLLM's `resolve_mamba_align_size`; a state after 4,608 tokens is not the state after 4,607).
+    result = run_replay(load_workload(write_state_model(tmp_path)), ReplayOptions(tensors=False), workers=1)
+    (run,) = result.runs
+    off = run.offload
+    assert off["cpu_hit_tokens"] == 2 * 4608
+    assert off["cpu_loaded_bytes"] == 2 * 11 * STATE_MODEL_BLOCK_BYTES
+    # The last request computes its prompt and caches its states at its reachable boundaries: its last block
+    # boundary (4,032) and the junction where A's full-attention blocks still cached on the GPU end (2,304, vLLM's
+    # `shared_prefix_boundary`): 6 state blocks, each a new key; its full-attention chunks are all in the tier.
+    assert off["cpu_stored_bytes"] == (2 * 11 + 6) * STATE_MODEL_BLOCK_BYTES
+
+
+def test_a_state_model_without_prefix_caching_with_sync_loads_or_with_tensors_is_one_line(tmp_path):
+    path = write_state_model(tmp_path)
+    path.write_text(path.read_text().replace("{kind: paged, block_size: 16}",
+                                             "{kind: paged, block_size: 16, prefix_caching: false}"))
     with pytest.raises(KvsimError) as exc:
         run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
     assert exc.value.field == "offload" and str(path) in str(exc.value)
-    assert "Mamba state groups" in str(exc.value) and "does not follow yet" in str(exc.value)
+    assert "only with prefix caching on (mamba_cache_mode align)" in str(exc.value)
+    path = write_state_model(tmp_path)
+    path.write_text(path.read_text().replace("policy: lru}", "policy: lru, sync_load_budget_bytes: 1GiB}"))
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert exc.value.field == "offload.sync_load_budget_bytes" and str(path) in str(exc.value)
+    assert "Cannot get 1 free blocks" in str(exc.value)
+    path = write_state_model(tmp_path)
+    with pytest.raises(KvsimError) as exc:
+        run_replay(load_workload(path), ReplayOptions(tensors=True), workers=1)
+    assert exc.value.field == "offload" and str(path) in str(exc.value)
+    assert "Mamba state blocks" in str(exc.value) and "--no-tensors" in str(exc.value)
 
 
 def test_a_sliding_window_model_replays_its_tier(tmp_path):
@@ -417,28 +466,6 @@ def test_a_mixed_model_with_swap_preemption_and_tensors_is_refused_naming_the_fi
     assert exc.value.field == "scheduler.preemption" and str(path) in str(exc.value) and "--no-tensors" in str(exc.value)
     (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
     assert run.offload["cpu_hit_tokens"] == 496
-
-
-def test_a_state_group_with_tensors_is_refused_naming_offload_and_no_tensors(tmp_path, monkeypatch):
-    """The host pool moves attention blocks: a connector with a Mamba state group (once the tier serves state
-    models) is refused with cache tensors in one line naming the file, `offload` and --no-tensors."""
-    from dataclasses import replace
-
-    from kvsim.replay.sched import offloading_connector
-
-    build = offloading_connector.connector_for_replay
-
-    def with_a_state_group(*args):
-        connector = build(*args)
-        connector.groups += (replace(connector.groups[0], group_idx=1, kind="state", window_chunks=1),)
-        return connector
-
-    monkeypatch.setattr(offloading_connector, "connector_for_replay", with_a_state_group)
-    path = write(tmp_path, same_prompt_twice(0))
-    with pytest.raises(KvsimError) as exc:
-        run_replay(load_workload(path), ReplayOptions(tensors=True, device="cpu"), workers=1)
-    assert exc.value.field == "offload" and str(path) in str(exc.value)
-    assert "Mamba state groups" in str(exc.value) and "--no-tensors" in str(exc.value)
 
 
 def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):

@@ -212,12 +212,17 @@ class HybridCoordinator:
         return blocks, run * bs
 
     def cache_blocks(
-        self, tables: list[list[int]], hashes: list[int], start: int, end: int, reachable_boundaries: tuple[int, ...] = ()
+        self, tables: list[list[int]], hashes: list[int], start: int, end: int, reachable_boundaries: tuple[int, ...] = (),
+        boundary_states: list | None = None,
     ) -> None:
         """Cache blocks [start, end) of every group under (hash, group id), skipping null blocks and hit blocks
         (`cache_full_blocks`); a block that repeats a cached prefix joins its key. A sliding group's blocks
         are cached before they leave the window, only those its manager's `reachable_block_mask` keeps under
-        the retention interval (`reachable_boundaries`: token positions a later hit can resume at)."""
+        the retention interval (`reachable_boundaries`: token positions a later hit can resume at).
+
+        `boundary_states`, when a list: each align-mode state block cached here is appended as (group, block,
+        the tokens its state follows), vLLM's `MambaManager._pending_boundary_state_offloads` (the hand-off of
+        committed boundary states to a KV connector)."""
         pool, null = self.pool, self.pool.null_block
         is_cached = pool.is_cached
         cacheable = self.cacheable_kinds
@@ -231,3 +236,5 @@ class HybridCoordinator:
                     pool.cache_full_block(block, h, g)
                     if kind == "state":
                         self.cached_this_step.add((h, g))
+                        if boundary_states is not None:
+                            boundary_states.append((g, block, (start + i + 1) * self.groups[g].block_size))

@@ -125,6 +125,9 @@ class HybridPagedAllocator(KVAllocator):
         self._skipping = [i for i, g in enumerate(self.groups)
                           if g.kind in ("sliding", "chunked") or (self.mamba_align and g.kind == "state")]
         self._state_groups = [i for i, g in enumerate(self.groups) if g.kind == "state"] if self.mamba_align else []
+        # a KV connector's hand-off of align-mode boundary states (`record_boundary_states`): per state group, the
+        # (request, group, block, tokens) its caching committed, until the connector takes them
+        self._boundary_states: dict[int, list] | None = None
 
     # --- the KVAllocator protocol -------------------------------------------------------------------------
 
@@ -219,7 +222,32 @@ class HybridPagedAllocator(KVAllocator):
 
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`, group by group, each table's tail first."""
+        self._drop_boundary_states(seq)
         self.coordinator.free(self._reqs.pop(seq).tables)
+
+    def record_boundary_states(self) -> None:
+        """Keep, for a KV connector, each align-mode state block that caching commits (vLLM's
+        `MambaManager._pending_boundary_state_offloads`): `take_boundary_state_offloads` drains them."""
+        if self._boundary_states is None:
+            self._boundary_states = {g: [] for g in self._state_groups}
+
+    def take_boundary_state_offloads(self) -> dict[Sequence, list[tuple[int, int, int]]]:
+        """The state blocks cached since the last call, {request: [(group, block id, boundary tokens), ...]},
+        state group after state group in caching order (`KVCacheManager.take_boundary_state_offloads`)."""
+        offloads: dict[Sequence, list[tuple[int, int, int]]] = {}
+        if self._boundary_states:
+            for entries in self._boundary_states.values():
+                for seq, g, block, boundary in entries:
+                    offloads.setdefault(seq, []).append((g, block, boundary))
+                entries.clear()
+        return offloads
+
+    def _drop_boundary_states(self, seq: Sequence) -> None:
+        """A request's blocks go back: its hand-offs not yet taken are dropped (`MambaManager.pop_blocks_for_free`)."""
+        if self._boundary_states:
+            for g, entries in self._boundary_states.items():
+                if entries:
+                    self._boundary_states[g] = [e for e in entries if e[0] is not seq]
 
     def new_step_starts(self) -> None:
         self.coordinator.new_step_starts()
@@ -240,10 +268,12 @@ class HybridPagedAllocator(KVAllocator):
 
     def num_blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks admitted `seq` still needs to hold all its tokens, window groups capped at their admission
-        bound (vLLM's `Scheduler._request_remaining_blocks`, no speculative tokens)."""
+        bound, a state group's checkpoint judged from its computed tokens (vLLM's
+        `Scheduler._request_remaining_blocks`, no speculative tokens)."""
         req = self._reqs[seq]
         full = min(seq.num_tokens, self.max_model_len)
-        return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, prefill_end=req.prefill_end)
+        return self.coordinator.get_num_blocks_to_allocate(req.tables, full, True, query_start=seq.num_computed_tokens,
+                                                           prefill_end=req.prefill_end)
 
     def shared_prefix_boundary(self, seq: Sequence) -> int:
         """vLLM's `Request.shared_prefix_boundary` of admitted `seq`: the junction its admission found, or 0."""
@@ -266,6 +296,7 @@ class HybridPagedAllocator(KVAllocator):
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks group after group, each table without its null head, not yet returned."""
         null, blocks = self.pool.null_block, []
+        self._drop_boundary_states(seq)
         for table in self._reqs.pop(seq).tables:
             start = 0
             while start < len(table) and table[start] == null:
@@ -442,8 +473,11 @@ class HybridPagedAllocator(KVAllocator):
         end = min(total, seq.num_final_tokens, seq.num_final_tokens if known is None else known) // self.block_size
         end = min(end, len(req.hashes))
         if end > req.num_cached:
-            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end, req.boundaries)
+            offers = [] if self._boundary_states is not None else None
+            self.coordinator.cache_blocks(req.tables, req.hashes, req.num_cached, end, req.boundaries, offers)
             req.num_cached = end
+            for g, block, boundary in offers or ():
+                self._boundary_states[g].append((seq, g, block, boundary))
 
     def _refresh(self, req: HybridRequest, computed: int) -> None:
         """The next append that needs the slow path: a group's next block, the next block to cache, or a

@@ -217,7 +217,8 @@ class MambaManager(SingleTypeManager):
         decode     [ null ][ running ]                                      ckpt freed (stays cached)
 
     A hit on a cached state is [null] * i + [that block]. vLLM 0.33's `MambaManager` step for step where block
-    hashes are taken at the block size (no sub-block hits), without speculative decoding or a KV connector.
+    hashes are taken at the block size (no sub-block hits), without speculative decoding; for a KV connector the
+    coordinator records each state its caching commits (`_pending_boundary_state_offloads`).
     """
 
     def __init__(self, group: VllmGroup, pool: BlockPool, group_id: int = 0, *, align: bool = False,

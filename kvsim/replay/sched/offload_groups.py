@@ -1,7 +1,8 @@
 """The CPU tier's view of a model's KV cache groups, as vLLM 0.33.0's `OffloadingConnectorScheduler` keeps it
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py): one `GroupOffloadConfig` per
-prefix-cacheable group, the chunks a sliding window keeps (`load_window_size_in_chunks`), the sliding-window
-lookup from the right, and the sliding-window blocks a store may skip (`SlidingWindowManager.reachable_block_mask`
+prefix-cacheable group (a Mamba state group in align mode keeps one chunk, its state; `mamba_align_size` rounds a
+hit to it), the chunks a sliding window keeps (`load_window_size_in_chunks`), the sliding-window lookup from the
+right, and the sliding-window blocks a store may skip (`SlidingWindowManager.reachable_block_mask`
 in vllm/v1/core/single_type_kv_cache_manager.py, as the connector calls it). Pure Python."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class GroupOffloadConfig:
     `window` is the sliding window or the attention chunk in tokens (0 for full attention)."""
 
     group_idx: int
-    kind: str  # full, mla, sliding, chunked
+    kind: str  # full, mla, sliding, chunked, state (a Mamba state group in align mode: one state, window 1)
     tokens_per_block: int
     tokens_per_chunk: int
     hashes_per_chunk: int
@@ -49,6 +50,14 @@ def alignment_tokens(groups: tuple[GroupOffloadConfig, ...], blocks_per_chunk: i
     if not full:
         return max(g.tokens_per_block * blocks_per_chunk for g in groups)
     return None
+
+
+def mamba_align_size(groups: tuple[GroupOffloadConfig, ...]) -> int | None:
+    """`resolve_mamba_align_size`: the chunk of the align-mode state groups (one for all), to which a hit is
+    rounded down; None without a state group."""
+    sizes = {g.tokens_per_chunk for g in groups if g.kind == "state"}
+    assert len(sizes) <= 1, sizes
+    return sizes.pop() if sizes else None
 
 
 def sliding_window_lookup(lookup, keys: list, window_chunks: int, req_context, initial_window: int | None) -> int | None:

@@ -2,20 +2,22 @@
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py), over kvsim.offload's
 `CPUOffloadingManager`, with the worker side's transfers on the replay's clock.
 
-Every KV cache group of full attention, MLA, sliding-window or chunked local attention, each with its own keys
-(`kvsim.replay.sched.offload_groups`); a model with a Mamba state group is refused (its align-mode states reach the
-tier by a copy-on-write hand-off the replay does not follow). What it follows, hook by hook (docs/cpu-tier.md has
-the rules as read):
+Every KV cache group of full attention, MLA, sliding-window or chunked local attention, and Mamba state groups in
+align mode, each with its own keys (`kvsim.replay.sched.offload_groups`). What it follows, hook by hook
+(docs/cpu-tier.md has the rules as read):
 
 - `get_num_new_matched_tokens(seq, num_computed_tokens)`: on admission, after the GPU prefix hit (block aligned);
   resets `next_stored_chunk_idx` to 0; None (skip the request this step) while it has transfers in flight, when a
   hit chunk is still being written (HIT_PENDING) or being loaded by another request; else the tokens past the GPU
   hit that whole chunks in the tier cover (0 when less than one chunk), `_lookup_complete_chunks`: full-attention
-  groups from the GPU hit on, sliding windows from the right, tightening the hit in turn until it converges.
+  groups from the GPU hit on, sliding windows and state groups (a window of one chunk) from the right, tightening the
+  hit in turn until it converges; with a state group the hit is rounded down to its chunk (`resolve_mamba_align_size`).
 - `update_state_after_alloc(seq, num_external_tokens)`: pins the chunks (`prepare_load`) and queues a load job;
   the request then skips the chunks it loaded when it stores (`OffloadPolicy.CHUNK_LEVEL`).
 - `build_connector_meta(scheduled, finished, preempted)`: the end of `schedule()`: the in-flight stores of
-  preempted requests are flushed (the worker waits for them); each scheduled request, then each finished one,
+  preempted requests are flushed (the worker waits for them); the state blocks the allocator cached since the last
+  step, each offered alone (`_build_aligned_boundary_store_jobs`: a state group's chunks never join the prompt-chunk
+  offers, as its block table is not append-only); each scheduled request, then each finished one,
   offers its prompt chunks computed by the end of the step from `next_stored_chunk_idx` on (`_build_store_jobs`:
   prompt only, all or nothing, a refused offer made again next step; a sliding window's chunks only where a later
   hit can reach them, and never from a block it freed and the pool handed out again); `on_request_finished` for
@@ -41,8 +43,8 @@ from dataclasses import dataclass, field
 from kvsim.engine.paged.kv_cache_utils import block_hashes
 from kvsim.offload.manager import CPUOffloadingManager, LookupResult
 from kvsim.offload.request_context import ReqContext, make_offload_key
-from kvsim.replay.sched.offload_groups import (GroupOffloadConfig, alignment_tokens, cdiv, reachable_block_mask,
-                                               sliding_window_lookup)
+from kvsim.replay.sched.offload_groups import (GroupOffloadConfig, alignment_tokens, cdiv, mamba_align_size,
+                                               reachable_block_mask, sliding_window_lookup)
 
 
 @dataclass(slots=True)
@@ -126,10 +128,18 @@ class OffloadingConnector:
         self.groups = groups
         self._full_groups = tuple(i for i, g in enumerate(groups) if g.window_chunks is None)
         # sliding-window (and chunked local) groups, the widest window first
+        self._group_index = {g.group_idx: i for i, g in enumerate(groups)}  # a KV cache group's offloaded index
         self._sliding_groups = tuple(sorted((i for i, g in enumerate(groups) if g.window_chunks is not None),
                                             key=lambda i: groups[i].window_chunks, reverse=True))
         self._lookup_groups = self._full_groups + self._sliding_groups
         self.alignment_tokens = alignment_tokens(groups, blocks_per_chunk)
+        # Mamba state groups in align mode (vLLM's `requires_cow_source`): their keys are never offered by the
+        # prompt-chunk stores; each state reaches the tier from the allocator's hand-off of the block its caching
+        # committed, and a hit is rounded down to their chunk (`resolve_mamba_align_size`)
+        self._state_groups = tuple(i for i, g in enumerate(groups) if g.kind == "state")
+        self.mamba_align_size = mamba_align_size(groups)
+        if self._state_groups and allocator is not None:
+            allocator.record_boundary_states()
         self.retention_interval = retention_interval  # vLLM's prefix_cache_retention_interval (its default: 0)
         # loads within the step, up to this many bytes a step (one rank's), priced at `kv_bytes_per_token` (the
         # offloaded groups' bytes a token, summed: it overestimates windows, which load less, as vLLM's does)
@@ -257,6 +267,8 @@ class OffloadingConnector:
         max_hit = status.seq.num_tokens
         if self._sliding_groups:
             max_hit -= 1
+            if self.mamba_align_size is not None:  # a hit ends on a state's chunk
+                max_hit = max_hit // self.mamba_align_size * self.mamba_align_size
         num_hit_tokens = 0
         defer = False
         lookup_groups = self._lookup_groups
@@ -390,6 +402,8 @@ class OffloadingConnector:
         pending = self._block_id_to_pending_jobs
         if pending and not self._allocated.isdisjoint(pending):  # stores reading blocks reallocated this step
             self._flush_jobs(j for bid in self._allocated if bid in pending for j in pending[bid])
+        if self._state_groups:  # `_build_partial_tail_store_jobs`: the states committed since the last step
+            self._store_boundary_states(self.allocator.take_boundary_state_offloads())
         for seq, num_tokens_after_batch in scheduled:
             self._store(seq, num_tokens_after_batch)
         if self.finished_in_set_order and len(finished) > 1:  # vLLM's order: a set of request id strings
@@ -519,7 +533,7 @@ class OffloadingConnector:
                 horizon_blocks = num_chunks * B
                 start = min(start, (horizon_blocks - horizon_blocks % final_alignment_blocks) // B)
             ranges.append((start, num_chunks))
-            if num_chunks <= start:
+            if g.kind == "state" or num_chunks <= start:  # a state comes from the boundary hand-off
                 continue
             keys = gs.offload_keys[start:num_chunks]
             if not have_blocks:
@@ -599,6 +613,39 @@ class OffloadingConnector:
             self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
         if self.host_pool is not None and seq.seq_id in self._finishing:  # its blocks are free: copy them before
             self._copy(job)  # this step can reuse and overwrite them (vLLM flushes such a store before the step)
+
+    def _store_boundary_states(self, handoffs: dict) -> None:
+        """`_build_aligned_boundary_store_jobs`: each state block the allocator's caching committed (an align-mode
+        state at a block boundary, the tokens it follows) is offered alone under its chunk's key, when it lies
+        on a chunk boundary within the prompt; a store job of one block, fenced from its creation (a state
+        block is freed while its request runs). A refused offer is not made again: the hand-off is drained."""
+        for seq, entries in handoffs.items():
+            status = self._req_status.get(seq.seq_id)
+            if status is None:
+                continue
+            max_boundary = min(seq.num_tokens, seq.num_prompt_tokens)  # offload_prompt_only
+            self._update_offload_keys(status, max_boundary)
+            for group_idx, block_id, boundary in entries:
+                gi = self._group_index[group_idx]
+                g = self.groups[gi]
+                if block_id == 0 or boundary > max_boundary or boundary % g.tokens_per_chunk:
+                    continue
+                key = status.groups[gi].offload_keys[boundary // g.tokens_per_chunk - 1]
+                out = self.manager.prepare_store([key], status.req_context)
+                if out is None:
+                    continue
+                if self.events is not None and out.evicted_keys:
+                    self.events.append((5, len(out.evicted_keys)))  # EVICT
+                if not out.keys_to_store:
+                    continue
+                job = self._new_job(seq, [key], True, self.bytes_per_block)
+                status.transfer_jobs.add(job.job_id)
+                job.cpu_chunk_ids = list(out.chunk_ids)
+                job.gpu_block_ids = [block_id]
+                job.fenced_block_ids = [block_id]
+                self._block_id_to_pending_jobs.setdefault(block_id, set()).add(job.job_id)
+                if self.events is not None:
+                    self.events.append((2, job.job_id, seq.index, job.gpu_block_ids, job.cpu_chunk_ids))  # STORE
 
     def _new_job(self, seq, keys: list, is_store: bool, num_bytes: int) -> TransferJob:
         job = TransferJob(self._job_counter, seq, keys, is_store, num_bytes)
@@ -725,7 +772,10 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     """The connector a workload's `offload:` (kvsim.workload.OffloadConfig) builds over `allocator`: the chunk
     count and each group's chunks as `kvsim size --cpu-offload` sizes vLLM's tier (kvsim.size.cpu_offload), the
     GPU's sourced host link (kvsim/models/data/interconnect.yaml). Refused in one line naming the workload and
-    `offload`: a flat allocator, and a model with a Mamba state group."""
+    `offload`: a flat allocator; a hybrid state model without prefix caching (vLLM needs align mode) or with
+    `sync_load_budget_bytes` (vLLM 0.33's own scheduler fails there)."""
+    from dataclasses import replace
+
     from kvsim.errors import KvsimError
     from kvsim.models.interconnect import get_host_link
     from kvsim.size.cpu_offload import cpu_offload
@@ -737,14 +787,21 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     if not allocator.paged:
         raise refuse("the CPU tier moves KV blocks and needs a paged allocator")
     layers = vllm_layers(model, spec, tp)
+    if spec.pool is not None and any(g.kind == "state" for g in spec.pool.groups):
+        if not allocator.mamba_align:  # a state block of max_model_len tokens (`build_offloading_config` refuses it)
+            raise refuse(f"vLLM 0.33 offloads a hybrid (state) model such as {model.name} only with prefix caching "
+                         "on (mamba_cache_mode align): turn the allocator's prefix_caching on")
+        settings = replace(settings, mamba_cache_mode="align",
+                           mamba_checkpoint_alignment=allocator.mamba_checkpoint_alignment)
+        if offload.sync_load_budget_bytes:
+            raise KvsimError(f"loads within the step are not replayed on a hybrid (state) model such as {model.name}: "
+                             "for such a hit vLLM 0.33's allocate_slots counts one block too few per state group (the "
+                             "one allocate_external_computed_blocks takes) and fails ('Cannot get 1 free blocks from "
+                             "the pool') once the pool is nearly full; set it to 0", source=source,
+                             field="offload.sync_load_budget_bytes")
     startup = vllm_startup(layers, 1, max_model_len, spec.block_size, settings) if layers else None
     if startup is None:
         raise refuse(f"vLLM's KV cache groups for {model.name} are not modelled, so neither is its CPU tier")
-    if any(g.kind == "state" for g in startup.groups):
-        raise refuse(f"{model.name} has Mamba state groups: vLLM 0.33's OffloadingConnector hands their align-mode "
-                     "states to the tier by a copy-on-write at block boundaries (partial tails), which the replay's "
-                     "CPU tier does not follow yet; it serves full-attention, MLA, sliding-window and chunked local "
-                     "attention groups")
     if spec.pool is not None and [g.kind for g in spec.pool.groups] != [g.kind for g in startup.groups]:
         raise refuse(f"the replay's KV cache groups of {model.name} differ from vLLM's start-up groups")
     replicated = all(layer.kind == "mla" for layer in layers)

@@ -417,6 +417,12 @@ class Scheduler:
                     seq.num_computed_tokens -= 1
             computed = seq.num_computed_tokens
             n = min(budget, seq.num_tokens - computed)
+            if self.mamba_block_size:  # its prefill chunk ends where a state is cached
+                n = self._mamba_block_aligned_split(seq, computed, n, alloc.shared_prefix_boundary(seq))
+                if n == 0:
+                    return budget, True
+            if self.reserve_full_isl and not alloc.full_sequence_fits(seq, apply_watermark=bool(running)):
+                return budget, True
             if not alloc.append_slots(seq, n):
                 return budget, True
             self.loading.remove(seq)
