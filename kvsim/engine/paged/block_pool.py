@@ -7,9 +7,12 @@ path of uniform models and the per-group managers of mixed ones.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 import numpy as np
+
+from kvsim.engine.paged.prefix_table import EMPTY, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
@@ -200,13 +203,13 @@ class BlockPool:
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
-        self.tables: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> oldest block (or stale)
+        self.tables = [PrefixTable() for _ in range(num_groups)]  # key -> oldest block (or stale)
         self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
         self.cached_block_hash_to_block = self.tables[0]
         self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
-        self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
+        self._table_limit = 2 * num_blocks + 1024  # a table's chunks, stale included, before a purge
         self._views: list[BlockView] | None = None
 
     @property
@@ -271,20 +274,23 @@ class BlockPool:
             self.has_younger[block] = False
             if younger:
                 first = younger.pop(0)
-                table[key] = first
+                table.set(key, first)
                 self.is_primary[first] = True
                 self.has_younger[first] = bool(younger)
         elif younger is not None:  # a younger copy
             younger.remove(block)
-            primary = table[key]
+            primary = table.get(key)
             self.has_younger[primary] = bool(younger)
         if younger is not None and not younger:
             del duplicates[key]
 
     def get_cached_block(self, block_hash: int, group: int = 0) -> int | None:
         """The oldest block caching `block_hash` for `group` (vLLM's `get_one_block`), or None."""
-        block = self.tables[group].get(block_hash)
-        if (block is None or not self.is_primary[block] or self.block_hash[block] != block_hash
+        chunk = self.tables[group].chunks.get(block_hash >> SLOT_BITS)
+        if chunk is None:
+            return None
+        block = chunk[block_hash & SLOT_MASK]
+        if (block == EMPTY or not self.is_primary[block] or self.block_hash[block] != block_hash
                 or self.block_group[block] != group):
             return None
         return block
@@ -295,58 +301,99 @@ class BlockPool:
         if self.num_groups > 1:
             self.block_group[block] = group
         self.is_cached[block] = True
-        table = self.tables[group]
-        first = table.setdefault(block_hash, block)
-        if first != block:
+        chunks = self.tables[group].chunks
+        chunk = chunks.get(block_hash >> SLOT_BITS)
+        if chunk is None:  # the first key of its chunk
+            chunk = chunks[block_hash >> SLOT_BITS] = [EMPTY] * NUM_SLOTS
+            chunk[block_hash & SLOT_MASK] = block
+            self.is_primary[block] = True
+            if len(chunks) > self._table_limit:
+                self._purge()
+            return
+        first = chunk[block_hash & SLOT_MASK]
+        if first != EMPTY and first != block:
             if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
                 self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
                 self.has_younger[first] = True
                 return
-            table[block_hash] = block  # a stale entry
+        chunk[block_hash & SLOT_MASK] = block  # an empty slot or a stale entry
         self.is_primary[block] = True
 
-    def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
-        """Register uncached full blocks `ids` of group 0 under `hashes` (also as `hash_array`, (len(ids),) int64),
-        each behind any block already caching its key."""
-        if len(ids) <= _FEW:  # a few (most calls: a decode step fills one block): one at a time
-            for block, key in zip(ids, hashes):
+    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
+        """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
+        `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of its
+        chunk; a slot that held an entry (a stale one, or a live older copy: this block queues behind it) is
+        checked then."""
+        n = len(ids)
+        end = start + n
+        if n <= _FEW:  # a few (a decode run's blocks): one at a time
+            for block, key in zip(ids, keys[start:end].tolist()):
                 self.cache_full_block(block, key)
-            if len(self.cached_block_hash_to_block) > self._table_limit:
-                self._purge()
             return
-        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
-        self.block_hash[arr] = hash_array
+        arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
+        self.block_hash[arr] = keys[start:end]
         self.is_cached[arr] = True
         if self.num_groups > 1:
             self.block_group[arr] = 0
-        table = self.cached_block_hash_to_block
-        held = list(map(table.setdefault, hashes, ids))
-        if held != ids:  # older copies (live, or stale entries) of some of these keys
-            older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
-            mismatch = np.flatnonzero(older != arr)
-            first = older[mismatch]
-            live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
-            if self.num_groups > 1:
-                live &= self.block_group[first] == 0
-            stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
-            table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
-            if live.any():  # cached behind the live older copy
-                for i in mismatch[live].tolist():
-                    self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
-                self.has_younger[first[live]] = True
-                keep = np.ones(len(ids), dtype=bool)
-                keep[mismatch[live]] = False
-                arr = arr[keep]
+        chunks = self.cached_block_hash_to_block.chunks
+        r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
+        i, held = start, None
+        while i < end:
+            stop = runs[r] if runs[r] < end else end
+            r += 1
+            key = keys.item(i)
+            slot = key & SLOT_MASK
+            chunk = chunks.get(key >> SLOT_BITS)
+            if chunk is None:
+                chunk = chunks[key >> SLOT_BITS] = [EMPTY] * NUM_SLOTS
+            elif any(chunk[slot : slot + stop - i]):  # entries there: see below
+                held = held or []
+                held.append((chunk, slot, i, stop))
+                i = stop
+                continue
+            chunk[slot : slot + stop - i] = ids[i - start : stop - start]
+            i = stop
+        if held is not None:
+            arr = self._cache_over_entries(held, ids, keys, start, arr)
         self.is_primary[arr] = True
-        if len(table) > self._table_limit:
+        if len(chunks) > self._table_limit:
             self._purge()
 
+    def _cache_over_entries(self, held: list, ids: list[int], keys: np.ndarray, start: int,
+                            arr: np.ndarray) -> np.ndarray:
+        """`cache_full_blocks`' runs whose slots held entries, (chunk, slot, i, stop) each, all checked at once: a
+        stale entry (an evicted block's) is replaced, a live one (an older copy) keeps its slot and the block
+        queues behind it. Returns `arr` less the blocks that queued."""
+        n = len(ids)
+        older = np.zeros(n, dtype=np.int64)  # (n,) the entries held runs met; EMPTY (never live) elsewhere
+        for chunk, slot, i, stop in held:
+            older[i - start : stop - start] = chunk[slot : slot + stop - i]
+        live = self.is_primary[older] & (self.block_hash[older] == keys[start : start + n])
+        if self.num_groups > 1:
+            live &= self.block_group[older] == 0
+        queued = np.flatnonzero(live).tolist()  # positions in `ids`
+        if not queued:
+            for chunk, slot, i, stop in held:
+                chunk[slot : slot + stop - i] = ids[i - start : stop - start]
+            return arr
+        queued_set = set(queued)
+        duplicates = self.duplicates[0]
+        for chunk, slot, i, stop in held:
+            for x in range(i - start, stop - start):
+                if x in queued_set:  # behind a live older copy
+                    duplicates.setdefault(keys.item(start + x), []).append(ids[x])
+                else:
+                    chunk[slot + x - (i - start)] = ids[x]
+        self.has_younger[older[queued]] = True
+        keep = np.ones(n, dtype=bool)
+        keep[queued] = False
+        return arr[keep]
+
     def _purge(self) -> None:
-        """Drop the tables' stale entries (their dicts kept: others may hold them)."""
+        """Drop the tables' stale entries: each keeps only its live ones."""
         for g, table in enumerate(self.tables):
             ids = np.flatnonzero(self.is_primary & (self.block_group == g))
-            table.clear()
-            table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+            table.rebuild(self.block_hash[ids], ids)
 
     def cached_hashes(self) -> CachedHashes:
         """The keys group 0 caches now, as a container (a router's view of the cache)."""

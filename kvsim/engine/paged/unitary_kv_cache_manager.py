@@ -14,6 +14,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
+from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -23,14 +24,15 @@ from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "hash_array", "num_hashed", "quiet_until", "hit", "cap", "used")
+    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "quiet_until", "hit", "cap", "used")
 
-    def __init__(self, seq: Sequence, hashes: tuple[list[int], np.ndarray] | None):
+    def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None):
         self.seq = seq
         self.final = seq.num_final_tokens
         self.table: list[int] = []  # the block table (block ids)
-        # the keys of every full block of the final tokens, as a list and as an int64 array; None: no prefix caching
-        self.hashes, self.hash_array = hashes if hashes is not None else (None, None)
+        # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
+        # (`key_runs`); None: no prefix caching
+        self.hashes, self.runs = hashes if hashes is not None else (None, None)
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
         self.hit = 0  # prefix-cache hit at admission
@@ -128,7 +130,7 @@ class PagedAllocator(KVAllocator):
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[int] = []
-        hashes: tuple[list[int], np.ndarray] | None = None
+        hashes: tuple[np.ndarray, list[int]] | None = None
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
@@ -368,7 +370,7 @@ class PagedAllocator(KVAllocator):
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
         if filled == j + 1:  # one block filled
-            self.pool.cache_full_block(req.table[j], hashes[j])
+            self.pool.cache_full_block(req.table[j], hashes.item(j))
             req.num_hashed = j = filled
         elif filled > j:
             self._cache_full_blocks(req, total)
@@ -377,29 +379,43 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, keys: tuple[list[int], np.ndarray], max_blocks: int) -> list[int]:
-        """The cached blocks of the leading keys (at most `max_blocks`), up to the first miss: the table's
-        entries up to the first key it lacks, then those still live (an entry goes stale when its block is
-        evicted), checked at once."""
+    def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int) -> list[int]:
+        """The cached blocks of the leading keys (at most `max_blocks`; `keys`: the keys and where their runs
+        start), up to the first miss: the prefix table's entries, one slice per run of keys, up to the first key
+        it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
+        checked at once."""
         pool = self.pool
-        get = pool.cached_block_hash_to_block.get
+        key_array, runs = keys
+        chunks = pool.cached_block_hash_to_block.chunks
+        is_primary, block_hash = pool.is_primary, pool.block_hash
         hits: list[int] = []
-        append = hits.append
-        for h in keys[0][:max_blocks] if max_blocks < len(keys[0]) else keys[0]:
-            block = get(h)
-            if block is None:
+        for r in range(len(runs) - 1):
+            start = runs[r]
+            if start >= max_blocks:
                 break
-            append(block)
+            key = key_array.item(start)
+            chunk = chunks.get(key >> SLOT_BITS)
+            if chunk is None:
+                break
+            slot = key & SLOT_MASK
+            stop = runs[r + 1]
+            part = chunk[slot : slot + (stop if stop < max_blocks else max_blocks) - start]
+            block = part[0]
+            if block == EMPTY or not is_primary[block] or block_hash[block] != key:
+                break
+            if EMPTY in part:
+                hits += part[: part.index(EMPTY)]
+                break
+            hits += part
         n = len(hits)
         if n > 8:
             arr = np.array(hits, dtype=np.int64)  # (n,)
-            live = pool.is_primary[arr] & (pool.block_hash[arr] == keys[1][:n])
+            live = is_primary[arr] & (block_hash[arr] == key_array[:n])
             if not live.all():
                 del hits[int(np.argmin(live)):]  # a stale entry: the hit ends before it
         elif n:
-            is_primary, block_hash, key_list = pool.is_primary, pool.block_hash, keys[0]
-            for i, block in enumerate(hits):
-                if not is_primary[block] or block_hash[block] != key_list[i]:
+            for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
+                if not is_primary[block] or block_hash[block] != key:
                     del hits[i:]
                     break
         return hits
@@ -417,7 +433,7 @@ class PagedAllocator(KVAllocator):
             return
         # fresh blocks: a request's hits end before num_hashed
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
-            self.pool.cache_full_block(req.table[j], hashes[j])
+            self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], hashes[j:end], req.hash_array[j:end])
+            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j)
         req.num_hashed = end
