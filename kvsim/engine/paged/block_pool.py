@@ -12,7 +12,7 @@ from collections import deque
 
 import numpy as np
 
-from kvsim.engine.paged.prefix_table import EMPTY, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
+from kvsim.engine.paged.prefix_table import EMPTY, EMPTY_CHUNK, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
@@ -209,7 +209,7 @@ class BlockPool:
         self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
-        self._table_limit = 2 * num_blocks + 1024  # a table's chunks, stale included, before a purge
+        self._table_limit = num_blocks + 1024  # a table's chunks, stale included, before a purge
         self._views: list[BlockView] | None = None
 
     @property
@@ -286,10 +286,11 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: int, group: int = 0) -> int | None:
         """The oldest block caching `block_hash` for `group` (vLLM's `get_one_block`), or None."""
-        chunk = self.tables[group].chunks.get(block_hash >> SLOT_BITS)
-        if chunk is None:
+        table = self.tables[group]
+        base = table.rows.get(block_hash >> SLOT_BITS)
+        if base is None:
             return None
-        block = chunk[block_hash & SLOT_MASK]
+        block = table.slots[base + (block_hash & SLOT_MASK)]
         if (block == EMPTY or not self.is_primary[block] or self.block_hash[block] != block_hash
                 or self.block_group[block] != group):
             return None
@@ -301,29 +302,29 @@ class BlockPool:
         if self.num_groups > 1:
             self.block_group[block] = group
         self.is_cached[block] = True
-        chunks = self.tables[group].chunks
-        chunk = chunks.get(block_hash >> SLOT_BITS)
-        if chunk is None:  # the first key of its chunk
-            chunk = chunks[block_hash >> SLOT_BITS] = [EMPTY] * NUM_SLOTS
-            chunk[block_hash & SLOT_MASK] = block
+        table = self.tables[group]
+        base = table.rows.get(block_hash >> SLOT_BITS)
+        if base is None:  # the first key of its chunk
+            table.slots[table.add_chunk(block_hash >> SLOT_BITS) + (block_hash & SLOT_MASK)] = block
             self.is_primary[block] = True
-            if len(chunks) > self._table_limit:
+            if len(table.rows) > self._table_limit:
                 self._purge()
             return
-        first = chunk[block_hash & SLOT_MASK]
+        at = base + (block_hash & SLOT_MASK)
+        first = table.slots[at]
         if first != EMPTY and first != block:
             if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
                 self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
                 self.has_younger[first] = True
                 return
-        chunk[block_hash & SLOT_MASK] = block  # an empty slot or a stale entry
+        table.slots[at] = block  # an empty slot or a stale entry
         self.is_primary[block] = True
 
     def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
-        `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of its
-        chunk; a slot that held an entry (a stale one, or a live older copy: this block queues behind it) is
-        checked then."""
+        `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of the
+        table's slots; runs whose slots held entries (stale ones, or a live older copy: the block queues behind
+        it) are checked after, together."""
         n = len(ids)
         end = start + n
         if n <= _FEW:  # a few (a decode run's blocks): one at a time
@@ -335,55 +336,64 @@ class BlockPool:
         self.is_cached[arr] = True
         if self.num_groups > 1:
             self.block_group[arr] = 0
-        chunks = self.cached_block_hash_to_block.chunks
+        table = self.cached_block_hash_to_block
+        rows, slots = table.rows, table.slots
         r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
         i, held = start, None
         while i < end:
             stop = runs[r] if runs[r] < end else end
             r += 1
             key = keys.item(i)
-            slot = key & SLOT_MASK
-            chunk = chunks.get(key >> SLOT_BITS)
-            if chunk is None:
-                chunk = chunks[key >> SLOT_BITS] = [EMPTY] * NUM_SLOTS
-            elif any(chunk[slot : slot + stop - i]):  # entries there: see below
+            base = rows.get(key >> SLOT_BITS)
+            if base is None:  # a new chunk, at the end of `slots`
+                rows[key >> SLOT_BITS] = len(slots)
+                if stop - i == NUM_SLOTS:  # all of it (a Mooncake hash id's blocks at block size 16)
+                    slots += ids[i - start : stop - start]
+                    i = stop
+                    continue
+                base = len(slots)
+                slots += EMPTY_CHUNK
+            elif any(slots[base + (key & SLOT_MASK) : base + (key & SLOT_MASK) + stop - i]):  # entries there
                 held = held or []
-                held.append((chunk, slot, i, stop))
+                held.append((base + (key & SLOT_MASK), i, stop))
                 i = stop
                 continue
-            chunk[slot : slot + stop - i] = ids[i - start : stop - start]
+            at = base + (key & SLOT_MASK)
+            slots[at : at + stop - i] = ids[i - start : stop - start]
             i = stop
         if held is not None:
             arr = self._cache_over_entries(held, ids, keys, start, arr)
         self.is_primary[arr] = True
-        if len(chunks) > self._table_limit:
+        if len(rows) > self._table_limit:
             self._purge()
 
     def _cache_over_entries(self, held: list, ids: list[int], keys: np.ndarray, start: int,
                             arr: np.ndarray) -> np.ndarray:
-        """`cache_full_blocks`' runs whose slots held entries, (chunk, slot, i, stop) each, all checked at once: a
+        """`cache_full_blocks`' runs whose slots held entries, (first slot, i, stop) each, all checked at once: a
         stale entry (an evicted block's) is replaced, a live one (an older copy) keeps its slot and the block
         queues behind it. Returns `arr` less the blocks that queued."""
         n = len(ids)
-        older = np.zeros(n, dtype=np.int64)  # (n,) the entries held runs met; EMPTY (never live) elsewhere
-        for chunk, slot, i, stop in held:
-            older[i - start : stop - start] = chunk[slot : slot + stop - i]
+        slots = self.cached_block_hash_to_block.slots
+        entries = [EMPTY] * n  # the entries held runs met, at their positions in `ids`; EMPTY (never live) elsewhere
+        for at, i, stop in held:
+            entries[i - start : stop - start] = slots[at : at + stop - i]
+        older = np.array(entries, dtype=np.int64)  # (n,)
         live = self.is_primary[older] & (self.block_hash[older] == keys[start : start + n])
         if self.num_groups > 1:
             live &= self.block_group[older] == 0
         queued = np.flatnonzero(live).tolist()  # positions in `ids`
         if not queued:
-            for chunk, slot, i, stop in held:
-                chunk[slot : slot + stop - i] = ids[i - start : stop - start]
+            for at, i, stop in held:
+                slots[at : at + stop - i] = ids[i - start : stop - start]
             return arr
         queued_set = set(queued)
         duplicates = self.duplicates[0]
-        for chunk, slot, i, stop in held:
+        for at, i, stop in held:
             for x in range(i - start, stop - start):
                 if x in queued_set:  # behind a live older copy
                     duplicates.setdefault(keys.item(start + x), []).append(ids[x])
                 else:
-                    chunk[slot + x - (i - start)] = ids[x]
+                    slots[at + x - (i - start)] = ids[x]
         self.has_younger[older[queued]] = True
         keep = np.ones(n, dtype=bool)
         keep[queued] = False

@@ -28,51 +28,63 @@ def key_runs(keys: np.ndarray) -> list[int]:
 
 
 class PrefixTable:
-    """Key -> block, as vLLM's `BlockHashToBlockMap` holds it, in chunks: `chunks[key >> 5][key & 31]` is the
-    block of `key`, `EMPTY` where it has none.
+    """Key -> block, as vLLM's `BlockHashToBlockMap` holds it, in chunks of 32 slots: `rows[key >> 5]` is where
+    the chunk of `key` starts in `slots`, one flat list, and `slots[rows[key >> 5] + (key & 31)]` is the block
+    of `key`, `EMPTY` where it has none.
 
-        key  = tag << 61 | stream << 21 | j          (a replay's block key: `make_block_keys`)
-        chunks[key >> 5] = [b0 b1 ... b31]           the slots of keys (key >> 5) << 5 ... + 31
+        key  = tag << 61 | stream << 21 | j               (a replay's block key: `make_block_keys`)
+        rows  {key >> 5: 0, ...: 32, ...: 64}             a chunk's offset, in the order chunks came
+        slots [b0 b1 ... b31 | b0 ... b31 | ...]          one list: no object per chunk for the garbage collector
 
     A slot's block may be stale (evicted, or caching another key since): the pool checks whether an entry is
     live (`BlockPool`); the table only stores. Chunks are never dropped one by one: `rebuild` (the pool's purge)
     replaces them all with the live entries. Every int key works; a key with no neighbours takes a chunk alone.
     """
 
-    __slots__ = ("chunks",)
+    __slots__ = ("rows", "slots")
 
     def __init__(self) -> None:
-        self.chunks: dict[int, list[int]] = {}
+        self.rows: dict[int, int] = {}  # chunk (key >> 5) -> offset of its 32 slots in `slots`
+        self.slots: list[int] = []  # 32 block ids (or EMPTY) per chunk
 
     def __len__(self) -> int:
         """Chunks held, stale ones included (what the pool purges by)."""
-        return len(self.chunks)
+        return len(self.rows)
 
     def get(self, key: int) -> int:
         """The block `key`'s slot holds (perhaps stale), or `EMPTY`."""
-        chunk = self.chunks.get(key >> SLOT_BITS)
-        return chunk[key & SLOT_MASK] if chunk is not None else EMPTY
+        base = self.rows.get(key >> SLOT_BITS)
+        return self.slots[base + (key & SLOT_MASK)] if base is not None else EMPTY
 
     def set(self, key: int, block: int) -> None:
         """`key`'s slot holds `block` from now."""
-        chunk = self.chunks.get(key >> SLOT_BITS)
-        if chunk is None:
-            chunk = self.chunks[key >> SLOT_BITS] = [EMPTY] * NUM_SLOTS
-        chunk[key & SLOT_MASK] = block
+        base = self.rows.get(key >> SLOT_BITS)
+        if base is None:
+            base = self.add_chunk(key >> SLOT_BITS)
+        self.slots[base + (key & SLOT_MASK)] = block
+
+    def add_chunk(self, chunk: int) -> int:
+        """Empty slots for keys `chunk << 5` ... `+ 31`, which have none yet: their offset in `slots`."""
+        base = self.rows[chunk] = len(self.slots)
+        self.slots += EMPTY_CHUNK
+        return base
 
     def items(self) -> Iterator[tuple[int, int]]:
         """Every (key, block) entry, stale ones included (for tests and debugging)."""
-        for c, chunk in self.chunks.items():
-            for slot, block in enumerate(chunk):
-                if block != EMPTY:
-                    yield c << SLOT_BITS | slot, block
+        slots = self.slots
+        for chunk, base in self.rows.items():
+            for slot in range(NUM_SLOTS):
+                if slots[base + slot] != EMPTY:
+                    yield chunk << SLOT_BITS | slot, slots[base + slot]
 
     def rebuild(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        """Only `ids` (n,) under `keys` (n,), distinct: every other entry dropped (the dict kept: others hold it)."""
-        self.chunks.clear()
-        if not len(ids):
-            return
+        """Only `ids` (n,) under `keys` (n,), distinct: every other entry dropped."""
+        self.rows.clear()
         chunk_ids, rows = np.unique(keys >> SLOT_BITS, return_inverse=True)  # (c,), (n,)
-        slots = np.zeros((len(chunk_ids), NUM_SLOTS), dtype=np.int64)  # (c, 32)
-        slots[rows.reshape(-1), keys & SLOT_MASK] = ids
-        self.chunks.update(zip(chunk_ids.tolist(), slots.tolist()))
+        grid = np.zeros((len(chunk_ids), NUM_SLOTS), dtype=np.int64)  # (c, 32)
+        grid[rows.reshape(-1), keys & SLOT_MASK] = ids
+        self.slots[:] = grid.reshape(-1).tolist()
+        self.rows.update(zip(chunk_ids.tolist(), range(0, NUM_SLOTS * len(chunk_ids), NUM_SLOTS)))
+
+
+EMPTY_CHUNK = [EMPTY] * NUM_SLOTS

@@ -386,7 +386,8 @@ class PagedAllocator(KVAllocator):
         checked at once."""
         pool = self.pool
         key_array, runs = keys
-        chunks = pool.cached_block_hash_to_block.chunks
+        table = pool.cached_block_hash_to_block
+        rows, slots = table.rows, table.slots
         is_primary, block_hash = pool.is_primary, pool.block_hash
         hits: list[int] = []
         for r in range(len(runs) - 1):
@@ -394,12 +395,12 @@ class PagedAllocator(KVAllocator):
             if start >= max_blocks:
                 break
             key = key_array.item(start)
-            chunk = chunks.get(key >> SLOT_BITS)
-            if chunk is None:
+            base = rows.get(key >> SLOT_BITS)
+            if base is None:
                 break
-            slot = key & SLOT_MASK
+            at = base + (key & SLOT_MASK)
             stop = runs[r + 1]
-            part = chunk[slot : slot + (stop if stop < max_blocks else max_blocks) - start]
+            part = slots[at : at + (stop if stop < max_blocks else max_blocks) - start]
             block = part[0]
             if block == EMPTY or not is_primary[block] or block_hash[block] != key:
                 break
