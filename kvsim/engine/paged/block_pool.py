@@ -256,6 +256,9 @@ class BlockPool:
         copies (the next one takes over) and younger copies themselves (they leave their key's list), which
         are uncached one at a time in `ids`' order, as vLLM evicts."""
         self.is_cached[ids] = False
+        if not any(self.duplicates):  # no younger copies anywhere: every cached block is its key's answer
+            self.is_primary[ids] = False
+            return
         slow = self.has_younger[ids] | ~self.is_primary[ids]
         if not slow.any():
             self.is_primary[ids] = False

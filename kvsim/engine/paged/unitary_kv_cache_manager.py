@@ -137,12 +137,13 @@ class PagedAllocator(KVAllocator):
         if self.enable_prefix_caching and self._keys.has_keys(seq):
             hashes = self._keys.get(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks = self._find_longest_cache_hit(hashes, (query - 1) // bs)
+            hit_blocks, revived = self._find_longest_cache_hit(hashes, (query - 1) // bs, count_free=True)
+        else:
+            revived = 0
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
-        revived = self.pool.num_evictable(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
         free = self.pool.num_free_blocks
         if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
@@ -183,7 +184,7 @@ class PagedAllocator(KVAllocator):
         if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)) * self.block_size
+        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)[0]) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -226,12 +227,23 @@ class PagedAllocator(KVAllocator):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
-        num_hashed = req.num_hashed
-        if num_tokens < (num_hashed + 1) * self.block_size or req.hashes is None:  # no block filled since
-            return  # (async scheduling calls this for every request at every step)
-        self._cache_full_blocks(req, num_tokens)
-        if req.num_hashed != num_hashed:  # else `quiet_until` is still what `_refresh` would make it
-            self._refresh(req)
+        j, bs = req.num_hashed, self.block_size
+        if num_tokens < (j + 1) * bs or req.hashes is None:  # no block filled since (async scheduling calls
+            return  # this for every request at every step)
+        end = num_tokens if num_tokens < req.final else req.final  # `_cache_full_blocks`, inlined
+        known = seq.num_known_tokens
+        if known is not None and known < end:
+            end = known
+        end //= bs
+        if end <= j:
+            return
+        if end == j + 1:  # one block: a decode step's
+            self.pool.cache_full_block(req.table[j], req.hashes.item(j))
+        else:
+            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+        req.num_hashed = end
+        event = (end + 1) * bs  # `_refresh`: the next block to hash fills here
+        req.quiet_until = req.cap if req.cap < event else event - 1
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.
@@ -379,11 +391,13 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int) -> list[int]:
+    def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int, *,
+                                count_free: bool = False) -> tuple[list[int], int]:
         """The cached blocks of the leading keys (at most `max_blocks`; `keys`: the keys and where their runs
         start), up to the first miss: the prefix table's entries, one slice per run of keys, up to the first key
         it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
-        checked at once."""
+        checked at once. With `count_free`, also how many of them nobody holds (`BlockPool.num_evictable`: a
+        hit revives them), else 0."""
         pool = self.pool
         key_array, runs = keys
         table = pool.cached_block_hash_to_block
@@ -413,13 +427,16 @@ class PagedAllocator(KVAllocator):
             arr = np.array(hits, dtype=np.int64)  # (n,)
             live = is_primary[arr] & (block_hash[arr] == key_array[:n])
             if not live.all():
-                del hits[int(np.argmin(live)):]  # a stale entry: the hit ends before it
-        elif n:
+                n = int(np.argmin(live))  # a stale entry: the hit ends before it
+                del hits[n:]
+                arr = arr[:n]
+            return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
+        if n:
             for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
                 if not is_primary[block] or block_hash[block] != key:
                     del hits[i:]
                     break
-        return hits
+        return hits, pool.num_evictable(hits) if count_free else 0
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
