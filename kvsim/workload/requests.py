@@ -219,43 +219,29 @@ def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> n
     Two requests' blocks j have equal keys exactly when `make_token_ids` builds equal ids for their first
     (j + 1) * block_size tokens from the same streams: a key is one int, compared in full, so keys never
     collide. (Ids drawn from different streams agree only by chance, 2^-31 per token: block hashes of the
-    ids would count that chance as a hit, keys do not.) A stream's blocks are consecutive: its keys are its
-    bits or-ed into a slice of block indices at once.
+    ids would count that chance as a hit, keys do not.)
     """
     nb = num_tokens // block_size
+    j = np.arange(nb, dtype=np.int64)  # (nb,) block index
+    e = (j + 1) * block_size - 1  # (nb,) each block's last token
     p = request.num_prompt_tokens
     assert num_tokens <= request.num_prompt_tokens + request.max_tokens and nb < 1 << _KEY_BLOCK_BITS  # its token ids
-    keys = np.arange(nb, dtype=np.int64)  # (nb,) block index j; its stream's bits are or-ed in below
-    own = min(p // block_size, nb)  # blocks before it whose last token is a prompt token: e < p
+    stream = np.full(nb, request.request_id, dtype=np.int64)  # (nb,)
+    tag = np.zeros(nb, dtype=np.int64)  # (nb,) _KEY_REQUEST
     if request.hash_ids is not None:
         assert request.prompt_of is None
-        if own:
-            ids = np.asarray(request.hash_ids, dtype=np.int64)  # (len(hash_ids),)
-            if MOONCAKE_BLOCK_TOKENS % block_size == 0:  # each id a whole number of blocks
-                per_id = MOONCAKE_BLOCK_TOKENS // block_size
-                stream = np.repeat(ids[: -(-own // per_id)], per_id)[:own]  # (own,)
-            else:
-                last = np.arange(1, own + 1, dtype=np.int64) * block_size - 1  # (own,) each block's last token e
-                stream = ids[last // MOONCAKE_BLOCK_TOKENS]  # (own,)
-            assert 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
-            keys[:own] |= (stream << _KEY_BLOCK_BITS) | (_KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS))
+        prompt = e < p
+        stream[prompt] = np.asarray(request.hash_ids, dtype=np.int64)[e[prompt] // MOONCAKE_BLOCK_TOKENS]
+        tag[prompt] = _KEY_TRACE
     else:
-        group = min(request.num_prefix_tokens // block_size, nb) if request.num_prefix_tokens else 0  # e < prefix
-        if group:
-            keys[:group] |= _key_base(_KEY_GROUP, request.prefix_group)
-        if request.prompt_of is not None and own > group:
-            keys[group:own] |= _key_base(_KEY_REQUEST, request.prompt_of)
-        else:
-            own = group
-    if own < nb:
-        keys[own:] |= _key_base(_KEY_REQUEST, request.request_id)
-    return keys
-
-
-def _key_base(tag: int, stream: int) -> int:
-    """The bits of block keys of `stream` above the block index."""
-    assert 0 <= stream < 1 << _KEY_STREAM_BITS, "stream id out of key range"
-    return tag << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS) | stream << _KEY_BLOCK_BITS
+        if request.prompt_of is not None:
+            stream[e < p] = request.prompt_of
+        if request.num_prefix_tokens:
+            group = e < request.num_prefix_tokens
+            stream[group] = request.prefix_group
+            tag[group] = _KEY_GROUP
+    assert not nb or 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
+    return (tag << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS)) | (stream << _KEY_BLOCK_BITS) | j
 
 
 def _trace_block_ids(seed: int, hash_ids, num_tokens: int) -> np.ndarray:
