@@ -19,11 +19,17 @@ def stream_keys(stream: int, first: int, stop: int) -> np.ndarray:
     return (np.int64(stream) << 21) | np.arange(first, stop, dtype=np.int64)
 
 
+def allocator_over(pool: BlockPool) -> PagedAllocator:
+    """A `PagedAllocator` with only `pool` (what its lookup reads)."""
+    alloc = PagedAllocator.__new__(PagedAllocator)
+    alloc.pool, alloc._last_hit = pool, None
+    return alloc
+
+
 def lookup(pool: BlockPool, keys: np.ndarray, max_blocks: int | None = None) -> list[int]:
     """The allocator's lookup (`PagedAllocator._find_longest_cache_hit`) over `pool`."""
-    stub = PagedAllocator.__new__(PagedAllocator)
-    stub.pool = pool
-    hits, _ = stub._find_longest_cache_hit((keys, key_runs(keys)), len(keys) if max_blocks is None else max_blocks)
+    hits, _ = allocator_over(pool)._find_longest_cache_hit((keys, key_runs(keys)), len(keys) if max_blocks is None
+                                                           else max_blocks)
     return hits
 
 
@@ -160,7 +166,13 @@ def test_runs_behave_as_vllms_pool_over_random_operations(seed):
     ref, pool = ReferencePool(num_blocks), BlockPool(num_blocks, enable_caching=True)
     pool._table_limit = 3  # purge often
     held: list[list[int]] = []
+    retried = allocator_over(pool)  # looks the same waiting requests up again and again, as refused admissions
+    waiting = [(k, key_runs(k)) for k in (stream_keys(s, 0, 45) for s in range(3))]
     for _ in range(300):
+        for keys in waiting:
+            max_blocks = int(rng.integers(0, 46))
+            assert retried._find_longest_cache_hit(keys, max_blocks, count_free=True) == \
+                allocator_over(pool)._find_longest_cache_hit(keys, max_blocks, count_free=True)
         if rng.random() < 0.55 and ref.queue:
             stream = int(rng.integers(3))
             first = int(rng.integers(0, 8)) * int(rng.integers(0, 2))  # most from block 0

@@ -180,12 +180,14 @@ class BlockPool:
     null block (`null_block`), never handed out.
 
     Every KV cache group of a model takes its blocks from this one pool; a block is cached under (key, group), as
-    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` maps a key to the oldest block caching
-    it, as vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform
-    model); `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have
-    some. Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
+    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` (a `PrefixTable`: slots of 32
+    consecutive keys, so a run of a request's keys is one slice) maps a key to the oldest block caching it, as
+    vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform model);
+    `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have some.
+    Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
     `is_primary` is False, or the block caches another key or group now), so evictions cost no table operation;
-    stale entries are dropped at the next insert of their key, or all at once when they outnumber the pool.
+    stale entries are replaced at the next insert of their key, or all dropped at once when the table's chunks
+    outnumber the pool's blocks (`_purge`).
     `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
     allocations sharing (prefix hits on held blocks) avoided.
     """

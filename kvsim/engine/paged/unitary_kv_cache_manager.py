@@ -90,6 +90,7 @@ class PagedAllocator(KVAllocator):
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
+        self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -403,6 +404,16 @@ class PagedAllocator(KVAllocator):
         table = pool.cached_block_hash_to_block
         rows, slots = table.rows, table.slots
         is_primary, block_hash = pool.is_primary, pool.block_hash
+        last = self._last_hit
+        if last is not None and last[0] is keys:  # a refused admission retried: its last answer, if it stands
+            hits, arr = last[1], last[2]
+            n = min(len(hits), max_blocks)
+            if n < len(hits):
+                hits, arr = hits[:n], arr[:n]
+            if (is_primary[arr] & (block_hash[arr] == key_array[:n])).all() and (n == max_blocks or n == len(key_array)
+                                                                                  or not self._is_live(keys, n)):
+                # every block still answers its key (a live block is its key's entry) and the next key has none
+                return hits[:], int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
         hits: list[int] = []
         for r in range(len(runs) - 1):
             start = runs[r]
@@ -430,6 +441,7 @@ class PagedAllocator(KVAllocator):
                 n = int(np.argmin(live))  # a stale entry: the hit ends before it
                 del hits[n:]
                 arr = arr[:n]
+            self._last_hit = (keys, hits[:], arr)
             return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
         if n:
             for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
@@ -437,6 +449,13 @@ class PagedAllocator(KVAllocator):
                     del hits[i:]
                     break
         return hits, pool.num_evictable(hits) if count_free else 0
+
+    def _is_live(self, keys: tuple[np.ndarray, list[int]], i: int) -> bool:
+        """Whether key `i` of `keys` has a live entry (a block caching it that answers for it)."""
+        pool = self.pool
+        key = keys[0].item(i)
+        block = pool.cached_block_hash_to_block.get(key)
+        return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
