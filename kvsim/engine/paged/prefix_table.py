@@ -22,6 +22,14 @@ def key_runs(keys: np.ndarray) -> list[int]:
     n = len(keys)
     if n <= 1:
         return [0, n] if n else [0]
+    if n <= 24:  # a few keys: one at a time beats numpy's fixed cost
+        runs, prev = [0], None
+        for i, key in enumerate(keys.tolist()):
+            if i and (key != prev + 1 or not key & SLOT_MASK):
+                runs.append(i)
+            prev = key
+        runs.append(n)
+        return runs
     nxt = keys[1:]  # (n - 1,)
     cut = (nxt != keys[:-1] + 1) | ((nxt & SLOT_MASK) == 0)
     return [0, *(np.flatnonzero(cut) + 1).tolist(), n]
