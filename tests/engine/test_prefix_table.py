@@ -57,6 +57,15 @@ def test_runs_are_consecutive_keys_within_a_chunk():
     assert key_runs(np.empty(0, dtype=np.int64)) == [0] and key_runs(np.array([4], dtype=np.int64)) == [0, 1]
 
 
+def test_runs_of_few_and_of_many_keys_by_their_definition():
+    rng = np.random.default_rng(3)
+    for n in range(60):  # both sides of the one-at-a-time threshold
+        keys = (np.cumsum(rng.choice([1, 1, 1, 2, -40], size=n)) + int(rng.integers(-64, 64))).astype(np.int64)
+        ks = keys.tolist()
+        cuts = [i for i in range(1, n) if ks[i] != ks[i - 1] + 1 or ks[i] % NUM_SLOTS == 0]
+        assert key_runs(keys) == ([0, *cuts, n] if n else [0]), ks
+
+
 def test_chained_hashes_are_runs_of_one_and_work_as_keys():
     rng = np.random.default_rng(0)
     keys = rng.integers(-(2**63), 2**63 - 1, size=40, dtype=np.int64)  # what hash() gives: any int64
