@@ -11,6 +11,6 @@ def assert_pool_matches(alloc, held: dict[int, int]) -> None:
     assert all(b.ref_count == held.get(b.block_id, 0) for b in pool.blocks[1:])
     assert alloc.num_free_blocks == pool.num_usable_blocks - len(held)
     for g, table in enumerate(pool.tables):
-        for key in table:
+        for key, _ in table.items():
             block = pool.get_cached_block(key, g)  # a live entry (stale ones answer None)
             assert block is None or (pool.blocks[block].block_hash, pool.blocks[block].group) == (key, g)

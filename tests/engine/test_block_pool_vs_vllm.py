@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvsim.engine.paged.block_pool import BlockPool
+from kvsim.engine.paged.prefix_table import key_runs
 
 
 class ReferencePool:
@@ -91,7 +92,8 @@ def test_same_behaviour_as_vllms_block_pool(seed, num_groups):
                     for b, k in zip(new_arr, cache):
                         arr.cache_full_block(b, k, g)
                 else:
-                    arr.cache_full_blocks(new_arr, cache, np.array(cache, dtype=np.int64))
+                    keys = np.array(cache, dtype=np.int64)
+                    arr.cache_full_blocks(new_arr, keys, key_runs(keys), 0)
             held.append(hits + new_arr)
         elif held:  # a request finishes: its blocks back, tail first
             blocks = held.pop(int(rng.integers(len(held))))[::-1]
@@ -119,5 +121,5 @@ def test_a_stale_entry_does_not_answer_for_a_block_cached_again_in_another_group
     assert pool.get_new_block() == b  # evicted: group 0's entry goes stale
     pool.cache_full_block(b, 5, 1)
     assert pool.get_cached_block(5, 0) is None and pool.get_cached_block(5, 1) == b
-    assert b in pool.cached_block_hash_to_block.values()  # the stale entry is still there, and answers nothing
+    assert (5, b) in pool.cached_block_hash_to_block.items()  # the stale entry is still there, and answers nothing
     assert 5 not in pool.cached_hashes()  # the router's view: group 0

@@ -7,9 +7,12 @@ path of uniform models and the per-group managers of mixed ones.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 import numpy as np
+
+from kvsim.engine.paged.prefix_table import EMPTY, EMPTY_CHUNK, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
@@ -177,12 +180,14 @@ class BlockPool:
     null block (`null_block`), never handed out.
 
     Every KV cache group of a model takes its blocks from this one pool; a block is cached under (key, group), as
-    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` maps a key to the oldest block caching
-    it, as vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform
-    model); `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have
-    some. Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
+    vLLM's `BlockHashWithGroupId`, in its group's prefix table. `tables[g]` (a `PrefixTable`: slots of 32
+    consecutive keys, so a run of a request's keys is one slice) maps a key to the oldest block caching it, as
+    vLLM's `BlockHashToBlockMap` (`cached_block_hash_to_block` is group 0's, the only one of a uniform model);
+    `duplicates[g]` holds the younger ones, oldest first, and `has_younger` marks the blocks that have some.
+    Evicting a block with no younger copy leaves its entry in the table, stale (it no longer answers:
     `is_primary` is False, or the block caches another key or group now), so evictions cost no table operation;
-    stale entries are dropped at the next insert of their key, or all at once when they outnumber the pool.
+    stale entries are replaced at the next insert of their key, or all dropped at once when the table's chunks
+    outnumber the pool's blocks (`_purge`).
     `num_shared_refs` is the running sum over blocks of (ref_count - 1) for shared blocks: how many block
     allocations sharing (prefix hits on held blocks) avoided.
     """
@@ -200,13 +205,13 @@ class BlockPool:
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
-        self.tables: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> oldest block (or stale)
+        self.tables = [PrefixTable() for _ in range(num_groups)]  # key -> oldest block (or stale)
         self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
         self.cached_block_hash_to_block = self.tables[0]
         self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
-        self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
+        self._table_limit = num_blocks + 1024  # a table's chunks, stale included, before a purge
         self._views: list[BlockView] | None = None
 
     @property
@@ -253,6 +258,9 @@ class BlockPool:
         copies (the next one takes over) and younger copies themselves (they leave their key's list), which
         are uncached one at a time in `ids`' order, as vLLM evicts."""
         self.is_cached[ids] = False
+        if not any(self.duplicates):  # no younger copies anywhere: every cached block is its key's answer
+            self.is_primary[ids] = False
+            return
         slow = self.has_younger[ids] | ~self.is_primary[ids]
         if not slow.any():
             self.is_primary[ids] = False
@@ -271,20 +279,24 @@ class BlockPool:
             self.has_younger[block] = False
             if younger:
                 first = younger.pop(0)
-                table[key] = first
+                table.set(key, first)
                 self.is_primary[first] = True
                 self.has_younger[first] = bool(younger)
         elif younger is not None:  # a younger copy
             younger.remove(block)
-            primary = table[key]
+            primary = table.get(key)
             self.has_younger[primary] = bool(younger)
         if younger is not None and not younger:
             del duplicates[key]
 
     def get_cached_block(self, block_hash: int, group: int = 0) -> int | None:
         """The oldest block caching `block_hash` for `group` (vLLM's `get_one_block`), or None."""
-        block = self.tables[group].get(block_hash)
-        if (block is None or not self.is_primary[block] or self.block_hash[block] != block_hash
+        table = self.tables[group]
+        base = table.rows.get(block_hash >> SLOT_BITS)
+        if base is None:
+            return None
+        block = table.slots[base + (block_hash & SLOT_MASK)]
+        if (block == EMPTY or not self.is_primary[block] or self.block_hash[block] != block_hash
                 or self.block_group[block] != group):
             return None
         return block
@@ -296,57 +308,107 @@ class BlockPool:
             self.block_group[block] = group
         self.is_cached[block] = True
         table = self.tables[group]
-        first = table.setdefault(block_hash, block)
-        if first != block:
+        base = table.rows.get(block_hash >> SLOT_BITS)
+        if base is None:  # the first key of its chunk
+            table.slots[table.add_chunk(block_hash >> SLOT_BITS) + (block_hash & SLOT_MASK)] = block
+            self.is_primary[block] = True
+            if len(table.rows) > self._table_limit:
+                self._purge()
+            return
+        at = base + (block_hash & SLOT_MASK)
+        first = table.slots[at]
+        if first != EMPTY and first != block:
             if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
                 self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
                 self.has_younger[first] = True
                 return
-            table[block_hash] = block  # a stale entry
+        table.slots[at] = block  # an empty slot or a stale entry
         self.is_primary[block] = True
 
-    def cache_full_blocks(self, ids: list[int], hashes: list[int], hash_array: np.ndarray) -> None:
-        """Register uncached full blocks `ids` of group 0 under `hashes` (also as `hash_array`, (len(ids),) int64),
-        each behind any block already caching its key."""
-        if len(ids) <= _FEW:  # a few (most calls: a decode step fills one block): one at a time
-            for block, key in zip(ids, hashes):
+    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
+        """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
+        `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of the
+        table's slots; runs whose slots held entries (stale ones, or a live older copy: the block queues behind
+        it) are checked after, together."""
+        n = len(ids)
+        end = start + n
+        if n <= _FEW:  # a few (a decode run's blocks): one at a time
+            for block, key in zip(ids, keys[start:end].tolist()):
                 self.cache_full_block(block, key)
-            if len(self.cached_block_hash_to_block) > self._table_limit:
-                self._purge()
             return
-        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
-        self.block_hash[arr] = hash_array
+        arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
+        self.block_hash[arr] = keys[start:end]
         self.is_cached[arr] = True
         if self.num_groups > 1:
             self.block_group[arr] = 0
         table = self.cached_block_hash_to_block
-        held = list(map(table.setdefault, hashes, ids))
-        if held != ids:  # older copies (live, or stale entries) of some of these keys
-            older = np.fromiter(held, dtype=np.int64, count=len(held))  # (n,)
-            mismatch = np.flatnonzero(older != arr)
-            first = older[mismatch]
-            live = self.is_primary[first] & (self.block_hash[first] == hash_array[mismatch])
-            if self.num_groups > 1:
-                live &= self.block_group[first] == 0
-            stale = mismatch[~live].tolist()  # entries of evicted blocks: replaced
-            table.update(zip(map(hashes.__getitem__, stale), map(ids.__getitem__, stale)))
-            if live.any():  # cached behind the live older copy
-                for i in mismatch[live].tolist():
-                    self.cached_duplicates.setdefault(hashes[i], []).append(ids[i])
-                self.has_younger[first[live]] = True
-                keep = np.ones(len(ids), dtype=bool)
-                keep[mismatch[live]] = False
-                arr = arr[keep]
+        rows, slots = table.rows, table.slots
+        r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
+        i, held = start, None
+        while i < end:
+            stop = runs[r] if runs[r] < end else end
+            r += 1
+            key = keys.item(i)
+            base = rows.get(key >> SLOT_BITS)
+            if base is None:  # a new chunk, at the end of `slots`
+                rows[key >> SLOT_BITS] = len(slots)
+                if stop - i == NUM_SLOTS:  # all of it (a Mooncake hash id's blocks at block size 16)
+                    slots += ids[i - start : stop - start]
+                    i = stop
+                    continue
+                base = len(slots)
+                slots += EMPTY_CHUNK
+            elif any(slots[base + (key & SLOT_MASK) : base + (key & SLOT_MASK) + stop - i]):  # entries there
+                held = held or []
+                held.append((base + (key & SLOT_MASK), i, stop))
+                i = stop
+                continue
+            at = base + (key & SLOT_MASK)
+            slots[at : at + stop - i] = ids[i - start : stop - start]
+            i = stop
+        if held is not None:
+            arr = self._cache_over_entries(held, ids, keys, start, arr)
         self.is_primary[arr] = True
-        if len(table) > self._table_limit:
+        if len(rows) > self._table_limit:
             self._purge()
 
+    def _cache_over_entries(self, held: list, ids: list[int], keys: np.ndarray, start: int,
+                            arr: np.ndarray) -> np.ndarray:
+        """`cache_full_blocks`' runs whose slots held entries, (first slot, i, stop) each, all checked at once: a
+        stale entry (an evicted block's) is replaced, a live one (an older copy) keeps its slot and the block
+        queues behind it. Returns `arr` less the blocks that queued."""
+        n = len(ids)
+        slots = self.cached_block_hash_to_block.slots
+        entries = [EMPTY] * n  # the entries held runs met, at their positions in `ids`; EMPTY (never live) elsewhere
+        for at, i, stop in held:
+            entries[i - start : stop - start] = slots[at : at + stop - i]
+        older = np.array(entries, dtype=np.int64)  # (n,)
+        live = self.is_primary[older] & (self.block_hash[older] == keys[start : start + n])
+        if self.num_groups > 1:
+            live &= self.block_group[older] == 0
+        queued = np.flatnonzero(live).tolist()  # positions in `ids`
+        if not queued:
+            for at, i, stop in held:
+                slots[at : at + stop - i] = ids[i - start : stop - start]
+            return arr
+        queued_set = set(queued)
+        duplicates = self.duplicates[0]
+        for at, i, stop in held:
+            for x in range(i - start, stop - start):
+                if x in queued_set:  # behind a live older copy
+                    duplicates.setdefault(keys.item(start + x), []).append(ids[x])
+                else:
+                    slots[at + x - (i - start)] = ids[x]
+        self.has_younger[older[queued]] = True
+        keep = np.ones(n, dtype=bool)
+        keep[queued] = False
+        return arr[keep]
+
     def _purge(self) -> None:
-        """Drop the tables' stale entries (their dicts kept: others may hold them)."""
+        """Drop the tables' stale entries: each keeps only its live ones."""
         for g, table in enumerate(self.tables):
             ids = np.flatnonzero(self.is_primary & (self.block_group == g))
-            table.clear()
-            table.update(zip(self.block_hash[ids].tolist(), ids.tolist()))
+            table.rebuild(self.block_hash[ids], ids)
 
     def cached_hashes(self) -> CachedHashes:
         """The keys group 0 caches now, as a container (a router's view of the cache)."""

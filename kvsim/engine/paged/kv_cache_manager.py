@@ -168,7 +168,7 @@ class HybridPagedAllocator(KVAllocator):
         tables = coordinator.new_tables()
         hashes, hit_blocks, hit, query, uncached = None, None, 0, 0, 0
         if self.enable_prefix_caching and self._keys.has_keys(seq):
-            hashes = self._keys.get(seq)[0]
+            hashes = self._keys.get_list(seq)
             query = min(num_tokens, seq.num_final_tokens)
             hit_blocks, hit, uncached = coordinator.find_longest_cache_hit(hashes, query - 1)
         watermark = self.watermark_blocks if apply_watermark else 0
@@ -258,7 +258,7 @@ class HybridPagedAllocator(KVAllocator):
         scheduler splits an align-mode prefill chunk by before it allocates."""
         if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0, 0
-        hashes = self._keys.get(seq)[0]
+        hashes = self._keys.get_list(seq)
         _, hit, uncached = self.coordinator.find_longest_cache_hit(hashes, min(num_tokens, seq.num_final_tokens) - 1)
         return hit, hit + uncached if uncached else 0
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvsim.engine.paged.prefix_table import key_runs
+
 if TYPE_CHECKING:
     from kvsim.engine.sequence import Sequence
 
@@ -40,8 +42,9 @@ def block_hashes(token_ids: np.ndarray, num_tokens: int, block_size: int) -> lis
 
 
 class RequestBlockKeys:
-    """The cache keys of every full block of a request's final tokens, as a list and as an int64 array: its exact
-    `block_keys` where it has them (a replay's requests), else the chained hashes of its token ids.
+    """The cache keys of every full block of a request's final tokens: its exact `block_keys` where it has them (a
+    replay's requests), else the chained hashes of its token ids; as an int64 array with its runs of consecutive
+    keys (`prefix_table.key_runs`, what the prefix table is walked by), or as a list.
 
     Keys are made once per admission: a request refused at admission is retried every step, so the last
     request keyed keeps its keys (`get`) until `forget`.
@@ -51,25 +54,36 @@ class RequestBlockKeys:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self._last: tuple | None = None  # (seq, its token ids, its keys)
+        self._last: list | None = None  # [seq, its token ids, (keys, runs), keys as a list or None]
 
     @staticmethod
     def has_keys(seq: Sequence) -> bool:
         """Whether `seq` can be keyed (it has exact keys or token ids)."""
         return seq.block_keys is not None or seq.token_ids is not None
 
-    def get(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
+    def get(self, seq: Sequence) -> tuple[np.ndarray, list[int]]:
+        """`seq`'s keys, (full blocks,) int64, and where their runs start (`key_runs`)."""
+        return self._entry(seq)[2]
+
+    def get_list(self, seq: Sequence) -> list[int]:
+        """`seq`'s keys as a list."""
+        last = self._entry(seq)
+        if last[3] is None:
+            last[3] = last[2][0].tolist()
+        return last[3]
+
+    def _entry(self, seq: Sequence) -> list:
         last = self._last
         if last is not None and last[0] is seq and last[1] is seq.token_ids:
-            return last[2]
+            return last
+        chained = None
         if seq.block_keys is not None:
             array = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
-            keys = (array.tolist(), array)
         else:
             chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
-            keys = (chained, np.array(chained, dtype=np.int64))
-        self._last = (seq, seq.token_ids, keys)
-        return keys
+            array = np.array(chained, dtype=np.int64)
+        self._last = last = [seq, seq.token_ids, (array, key_runs(array)), chained]
+        return last
 
     def forget(self) -> None:
         """The last request keyed was admitted: its keys now live with it."""

@@ -14,6 +14,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
+from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -23,14 +24,15 @@ from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "hash_array", "num_hashed", "quiet_until", "hit", "cap", "used")
+    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "quiet_until", "hit", "cap", "used")
 
-    def __init__(self, seq: Sequence, hashes: tuple[list[int], np.ndarray] | None):
+    def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None):
         self.seq = seq
         self.final = seq.num_final_tokens
         self.table: list[int] = []  # the block table (block ids)
-        # the keys of every full block of the final tokens, as a list and as an int64 array; None: no prefix caching
-        self.hashes, self.hash_array = hashes if hashes is not None else (None, None)
+        # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
+        # (`key_runs`); None: no prefix caching
+        self.hashes, self.runs = hashes if hashes is not None else (None, None)
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
         self.hit = 0  # prefix-cache hit at admission
@@ -88,6 +90,7 @@ class PagedAllocator(KVAllocator):
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
+        self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -128,19 +131,20 @@ class PagedAllocator(KVAllocator):
         assert seq not in self._reqs, f"{seq} is already admitted"
         bs = self.block_size
         hit_blocks: list[int] = []
-        hashes: tuple[list[int], np.ndarray] | None = None
+        hashes: tuple[np.ndarray, list[int]] | None = None
         query = 0
         if num_tokens is None:
             num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
         if self.enable_prefix_caching and self._keys.has_keys(seq):
             hashes = self._keys.get(seq)
             query = min(num_tokens, seq.num_final_tokens)
-            hit_blocks = self._find_longest_cache_hit(hashes, (query - 1) // bs)
+            hit_blocks, revived = self._find_longest_cache_hit(hashes, (query - 1) // bs, count_free=True)
+        else:
+            revived = 0
         hit = len(hit_blocks) * bs
         ext = num_external_computed_tokens
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
-        revived = self.pool.num_evictable(hit_blocks)
         watermark = self.watermark_blocks if apply_watermark else 0
         free = self.pool.num_free_blocks
         if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
@@ -181,7 +185,7 @@ class PagedAllocator(KVAllocator):
         if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
-        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)) * self.block_size
+        return len(self._find_longest_cache_hit(self._keys.get(seq), (query - 1) // self.block_size)[0]) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for `seq.num_computed_tokens + num_new_tokens` tokens; growth may dip below the watermark."""
@@ -224,12 +228,23 @@ class PagedAllocator(KVAllocator):
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
         `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
         req = self._reqs[seq]
-        num_hashed = req.num_hashed
-        if num_tokens < (num_hashed + 1) * self.block_size or req.hashes is None:  # no block filled since
-            return  # (async scheduling calls this for every request at every step)
-        self._cache_full_blocks(req, num_tokens)
-        if req.num_hashed != num_hashed:  # else `quiet_until` is still what `_refresh` would make it
-            self._refresh(req)
+        j, bs = req.num_hashed, self.block_size
+        if num_tokens < (j + 1) * bs or req.hashes is None:  # no block filled since (async scheduling calls
+            return  # this for every request at every step)
+        end = num_tokens if num_tokens < req.final else req.final  # `_cache_full_blocks`, inlined
+        known = seq.num_known_tokens
+        if known is not None and known < end:
+            end = known
+        end //= bs
+        if end <= j:
+            return
+        if end == j + 1:  # one block: a decode step's
+            self.pool.cache_full_block(req.table[j], req.hashes.item(j))
+        else:
+            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+        req.num_hashed = end
+        event = (end + 1) * bs  # `_refresh`: the next block to hash fills here
+        req.quiet_until = req.cap if req.cap < event else event - 1
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.
@@ -368,7 +383,7 @@ class PagedAllocator(KVAllocator):
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
         if filled == j + 1:  # one block filled
-            self.pool.cache_full_block(req.table[j], hashes[j])
+            self.pool.cache_full_block(req.table[j], hashes.item(j))
             req.num_hashed = j = filled
         elif filled > j:
             self._cache_full_blocks(req, total)
@@ -377,32 +392,70 @@ class PagedAllocator(KVAllocator):
         req.quiet_until = cap if cap < event else event - 1
         return True
 
-    def _find_longest_cache_hit(self, keys: tuple[list[int], np.ndarray], max_blocks: int) -> list[int]:
-        """The cached blocks of the leading keys (at most `max_blocks`), up to the first miss: the table's
-        entries up to the first key it lacks, then those still live (an entry goes stale when its block is
-        evicted), checked at once."""
+    def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int, *,
+                                count_free: bool = False) -> tuple[list[int], int]:
+        """The cached blocks of the leading keys (at most `max_blocks`; `keys`: the keys and where their runs
+        start), up to the first miss: the prefix table's entries, one slice per run of keys, up to the first key
+        it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
+        checked at once. With `count_free`, also how many of them nobody holds (`BlockPool.num_evictable`: a
+        hit revives them), else 0."""
         pool = self.pool
-        get = pool.cached_block_hash_to_block.get
+        key_array, runs = keys
+        table = pool.cached_block_hash_to_block
+        rows, slots = table.rows, table.slots
+        is_primary, block_hash = pool.is_primary, pool.block_hash
+        last = self._last_hit
+        if last is not None and last[0] is keys:  # a refused admission retried: its last answer, if it stands
+            hits, arr = last[1], last[2]
+            n = min(len(hits), max_blocks)
+            if n < len(hits):
+                hits, arr = hits[:n], arr[:n]
+            if (is_primary[arr] & (block_hash[arr] == key_array[:n])).all() and (n == max_blocks or n == len(key_array)
+                                                                                  or not self._is_live(keys, n)):
+                # every block still answers its key (a live block is its key's entry) and the next key has none
+                return hits[:], int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
         hits: list[int] = []
-        append = hits.append
-        for h in keys[0][:max_blocks] if max_blocks < len(keys[0]) else keys[0]:
-            block = get(h)
-            if block is None:
+        for r in range(len(runs) - 1):
+            start = runs[r]
+            if start >= max_blocks:
                 break
-            append(block)
+            key = key_array.item(start)
+            base = rows.get(key >> SLOT_BITS)
+            if base is None:
+                break
+            at = base + (key & SLOT_MASK)
+            stop = runs[r + 1]
+            part = slots[at : at + (stop if stop < max_blocks else max_blocks) - start]
+            block = part[0]
+            if block == EMPTY or not is_primary[block] or block_hash[block] != key:
+                break
+            if EMPTY in part:
+                hits += part[: part.index(EMPTY)]
+                break
+            hits += part
         n = len(hits)
         if n > 8:
             arr = np.array(hits, dtype=np.int64)  # (n,)
-            live = pool.is_primary[arr] & (pool.block_hash[arr] == keys[1][:n])
+            live = is_primary[arr] & (block_hash[arr] == key_array[:n])
             if not live.all():
-                del hits[int(np.argmin(live)):]  # a stale entry: the hit ends before it
-        elif n:
-            is_primary, block_hash, key_list = pool.is_primary, pool.block_hash, keys[0]
-            for i, block in enumerate(hits):
-                if not is_primary[block] or block_hash[block] != key_list[i]:
+                n = int(np.argmin(live))  # a stale entry: the hit ends before it
+                del hits[n:]
+                arr = arr[:n]
+            self._last_hit = (keys, hits[:], arr)
+            return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
+        if n:
+            for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
+                if not is_primary[block] or block_hash[block] != key:
                     del hits[i:]
                     break
-        return hits
+        return hits, pool.num_evictable(hits) if count_free else 0
+
+    def _is_live(self, keys: tuple[np.ndarray, list[int]], i: int) -> bool:
+        """Whether key `i` of `keys` has a live entry (a block caching it that answers for it)."""
+        pool = self.pool
+        key = keys[0].item(i)
+        block = pool.cached_block_hash_to_block.get(key)
+        return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
@@ -417,7 +470,7 @@ class PagedAllocator(KVAllocator):
             return
         # fresh blocks: a request's hits end before num_hashed
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
-            self.pool.cache_full_block(req.table[j], hashes[j])
+            self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], hashes[j:end], req.hash_array[j:end])
+            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j)
         req.num_hashed = end
