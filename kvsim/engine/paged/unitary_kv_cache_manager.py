@@ -194,12 +194,11 @@ class PagedAllocator(KVAllocator):
     def append_decode_in_order(self, seqs: list[Sequence]) -> int:
         """One decode token each, stopping at the first request that cannot grow: returns its index. The
         common case (the token lands in the last block) is one compare."""
-        reqs, grow = self._reqs, self._grow
-        for i, seq in enumerate(seqs):
+        reqs = self._reqs
+        for seq in seqs:
             req = reqs[seq]
-            computed = seq.num_computed_tokens
-            if computed >= req.quiet_until and not grow(req, computed + 1):  # computed + 1 > quiet_until
-                return i
+            if seq.num_computed_tokens >= req.quiet_until and not self._grow(req, seq.num_computed_tokens + 1):
+                return seqs.index(seq)  # (rare: the pool is out of blocks)
         return len(seqs)
 
     def free(self, seq: Sequence) -> None:
@@ -339,9 +338,9 @@ class PagedAllocator(KVAllocator):
         A decode token comes here twice per block: when it fills the last block (hash and cache it) and when
         it opens the next one (one block from the pool). Both single-block cases are inlined.
         """
-        bs, cap = self.block_size, req.cap
+        cap = req.cap
         if total > cap:
-            pool = self.pool
+            bs, pool = self.block_size, self.pool
             if total - cap <= bs:
                 if not pool.free_queue.num_free_blocks:
                     return False
@@ -362,17 +361,19 @@ class PagedAllocator(KVAllocator):
         if hashes is None:
             req.quiet_until = cap
             return True
+        bs = self.block_size
         j = req.num_hashed
-        filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
-        known = req.seq.num_known_tokens
-        if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
-            filled = known // bs
-        if filled == j + 1:  # one block filled
-            self.pool.cache_full_block(req.table[j], hashes[j])
-            req.num_hashed = j = filled
-        elif filled > j:
-            self._cache_full_blocks(req, total)
-            j = req.num_hashed
+        if total >= (j + 1) * bs:  # block j may have filled (else none did: a decode token opening a block)
+            filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
+            known = req.seq.num_known_tokens
+            if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
+                filled = known // bs
+            if filled == j + 1:  # one block filled
+                self.pool.cache_full_block(req.table[j], hashes[j])
+                req.num_hashed = j = filled
+            elif filled > j:
+                self._cache_full_blocks(req, total)
+                j = req.num_hashed
         event = (j + 1) * bs  # the next block to hash fills here
         req.quiet_until = cap if cap < event else event - 1
         return True
