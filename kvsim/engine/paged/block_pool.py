@@ -245,6 +245,8 @@ class BlockPool:
         self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
         self.block_group = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) the group of that key
         self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
+        # `ref_count` and `is_cached` one block at a time (Python ints and bools; numpy scalars cost more)
+        self._refs, self._cached = memoryview(self.ref_count), memoryview(self.is_cached)
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
@@ -256,8 +258,6 @@ class BlockPool:
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
         self._table_limit = 8 * num_blocks + 1024  # table entries, stale included, before a purge
         self._views: list[BlockView] | None = None
-        # `ref_count` and `is_cached` one block at a time (Python ints and bools; numpy scalars cost more)
-        self._refs, self._cached = memoryview(self.ref_count), memoryview(self.is_cached)
 
     @property
     def num_usable_blocks(self) -> int:

@@ -338,9 +338,9 @@ class PagedAllocator(KVAllocator):
         A decode token comes here twice per block: when it fills the last block (hash and cache it) and when
         it opens the next one (one block from the pool). Both single-block cases are inlined.
         """
-        cap = req.cap
+        bs, cap = self.block_size, req.cap
         if total > cap:
-            bs, pool = self.block_size, self.pool
+            pool = self.pool
             if total - cap <= bs:
                 if not pool.free_queue.num_free_blocks:
                     return False
@@ -361,19 +361,21 @@ class PagedAllocator(KVAllocator):
         if hashes is None:
             req.quiet_until = cap
             return True
-        bs = self.block_size
         j = req.num_hashed
-        if total >= (j + 1) * bs:  # block j may have filled (else none did: a decode token opening a block)
-            filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
-            known = req.seq.num_known_tokens
-            if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
-                filled = known // bs
-            if filled == j + 1:  # one block filled
-                self.pool.cache_full_block(req.table[j], hashes[j])
-                req.num_hashed = j = filled
-            elif filled > j:
-                self._cache_full_blocks(req, total)
-                j = req.num_hashed
+        event = (j + 1) * bs  # the next block to hash fills here
+        if total < event:  # none filled (a decode token opening a block)
+            req.quiet_until = cap if cap < event else event - 1
+            return True
+        filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
+        known = req.seq.num_known_tokens
+        if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
+            filled = known // bs
+        if filled == j + 1:  # one block filled
+            self.pool.cache_full_block(req.table[j], hashes[j])
+            req.num_hashed = j = filled
+        elif filled > j:
+            self._cache_full_blocks(req, total)
+            j = req.num_hashed
         event = (j + 1) * bs  # the next block to hash fills here
         req.quiet_until = cap if cap < event else event - 1
         return True
