@@ -50,7 +50,10 @@ class FreeBlockSegments:
         self.num_entries += n
         self.num_free_blocks += n
         if type(ids) is not list:
-            self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
+            if n == 1:
+                self._serial[int(ids[0])] = base
+            else:
+                self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
             return [None, ids, base, 0]
         if n > _FEW_REFS:
             self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
@@ -465,13 +468,13 @@ class BlockPool:
                 self.free_queue.push_tail(cached)
             return
         arr = np.array(ids, dtype=np.int64)  # (n,)
-        refs = self.ref_count[arr]
+        refs = self.ref_count[arr]  # (n,)
         refs -= 1
         self.ref_count[arr] = refs
-        num_shared = np.count_nonzero(refs)
-        if num_shared:
-            assert (refs >= 0).all(), "a block freed more often than held"
-            self.num_shared_refs -= int(num_shared)
+        num_held = np.count_nonzero(refs)  # blocks still shared with another request
+        if num_held:
+            assert refs.min() >= 0, "a block freed more often than held"
+            self.num_shared_refs -= int(num_held)
             arr = arr[refs == 0]
         cached = self.is_cached[arr]
         num_cached = np.count_nonzero(cached)
@@ -479,6 +482,9 @@ class BlockPool:
             self.free_queue.push_tail(arr)
         elif not num_cached:
             self.free_queue.push_head(arr)
+        elif num_cached == len(arr) - 1 and not cached[0]:  # a request's last block, partly filled, first
+            self.free_queue.push_head(arr[:1])
+            self.free_queue.push_tail(arr[1:])
         else:
             self.free_queue.push_head(arr[~cached])
             self.free_queue.push_tail(arr[cached])
