@@ -22,7 +22,9 @@ Four measurements (issue 24), each the minimum of --runs runs (the machine is sh
    allocator calls only (the driver between them is not counted; a request's block hashing is: vLLM's
    `Request` construction and token appends, which hash its blocks, are timed; kvsim's requests carry the
    replay's exact block keys, made inside its timed `allocate` as in a replay: the calls a replay makes;
-   `--hash-token-ids` hashes their token ids instead). nano-vllm's
+   `--hash-token-ids` hashes their token ids instead). Each side's admissions, decode tokens and frees of a step
+   are timed as spans, not call by call (a clock read costs ~0.4 µs, a token's whole cost on kvsim's side);
+   the step's sampled tokens are looked up before vLLM's span. nano-vllm's
    block_manager.py is loaded at run time from --nano-vllm (a checkout of GeeeekExplorer/nano-vllm; default
    ~/.cache/kvsim/nano-vllm), never copied here; vLLM's modules come from the conformance harness's cache.
    Goals: kvsim/nano <= 0.25, kvsim/vLLM <= 0.05.
@@ -431,15 +433,16 @@ def run_vllm(trace, block_size: int, max_running: int) -> tuple[int, int]:
             req.kvsim = s
             running.append(req)
         spent += cpu() - t0
-        still, done = [], []
-        for req in running:  # the step's sampled token (its blocks hash as they fill: the request's block_hasher)
-            s = req.kvsim
-            t0 = cpu()
-            req.append_output_token_ids(ids[s.seq_id][req.num_tokens])
+        sampled = [ids[req.kvsim.seq_id][req.num_tokens] for req in running]  # the step's sampled tokens
+        t0 = cpu()
+        for req, token in zip(running, sampled):  # (its blocks hash as they fill: the request's block_hasher)
+            req.append_output_token_ids(token)
             assert kvm.allocate_slots(req, 1) is not None
-            spent += cpu() - t0
+        spent += cpu() - t0
+        still, done = [], []
+        for req in running:
             req.num_computed_tokens += 1
-            (done if req.num_computed_tokens >= s.num_final_tokens else still).append(req)
+            (done if req.num_computed_tokens >= req.kvsim.num_final_tokens else still).append(req)
         t0 = cpu()
         for req in done:
             kvm.free(req)
