@@ -1,8 +1,9 @@
 """The paged allocators' block pool, as vLLM 0.33.0's `BlockPool` / `FreeKVCacheBlockQueue` with blocks as ints:
 ref counts, cache keys and the free queue are arrays indexed by block id, so a request's blocks are taken, cached
 and freed in a few array operations instead of one Python step per block (the hot path of a prefix-cached
-replay: a 12,000-token prompt is 750 blocks). One pool serves every KV cache group of a model: the single-group
-path of uniform models and the per-group managers of mixed ones.
+replay: a 12,000-token prompt is 750 blocks); a few blocks (a decode step's one) go one at a time through
+memoryviews of the same arrays (Python ints, cheaper than numpy's scalars). One pool serves every KV cache group
+of a model: the single-group path of uniform models and the per-group managers of mixed ones.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
-_FEW_REFS = 24  # up to this many, taking, touching and freeing blocks go block by block (scalars through memoryviews)
+_FEW_REFS = 24  # up to this many, blocks are taken, touched and freed one at a time (scalars via memoryviews)
 
 
 class FreeBlockSegments:
@@ -50,10 +51,11 @@ class FreeBlockSegments:
         self.num_entries += n
         self.num_free_blocks += n
         if type(ids) is not list:
-            if n == 1:
-                self._serial[int(ids[0])] = base
-            else:
-                self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
+            if n == 1:  # (a request's last block, partly filled): as a list too, for the head's next take
+                block = int(ids[0])
+                self._serial[block] = base
+                return [[block], ids, base, 0]
+            self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
             return [None, ids, base, 0]
         if n > _FEW_REFS:
             self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
@@ -278,7 +280,7 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
-        if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost per call (same blocks, same order)
+        if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost (same blocks, same order)
             out = self.free_queue.pop_list(num_blocks)
             refs, cached = self._refs, self._cached
             for block in out:
