@@ -254,6 +254,7 @@ class BlockPool:
         self._refs, self._cached = memoryview(self.ref_count), memoryview(self.is_cached)
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
+        self._primary, self._younger = memoryview(self.is_primary), memoryview(self.has_younger)  # as _refs
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
         self.tables: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> oldest block (or stale)
         self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
@@ -309,11 +310,11 @@ class BlockPool:
 
     def _evict_one(self, block: int) -> None:
         """Uncache `block`, taken from the free queue (`_evict` of one block)."""
-        self.is_cached[block] = False
-        if self.has_younger[block] or not self.is_primary[block]:
+        self._cached[block] = False
+        if self._younger[block] or not self._primary[block]:
             self._uncache(block, int(self.block_hash[block]))
         else:
-            self.is_primary[block] = False
+            self._primary[block] = False
 
     def _evict(self, ids: np.ndarray) -> None:
         """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
