@@ -22,7 +22,10 @@ Four measurements (issue 24), each the minimum of --runs runs (the machine is sh
    allocator calls only (the driver between them is not counted; a request's block hashing is: vLLM's
    `Request` construction and token appends, which hash its blocks, are timed; kvsim's requests carry the
    replay's exact block keys, made inside its timed `allocate` as in a replay: the calls a replay makes;
-   `--hash-token-ids` hashes their token ids instead). nano-vllm's
+   `--hash-token-ids` hashes their token ids instead). Each side's admissions, decode tokens and frees of a step
+   are timed as spans, not call by call (a clock read costs ~0.4 µs, a token's whole cost on kvsim's side);
+   the step's sampled tokens are looked up before vLLM's span. Each side's CPU seconds are also printed per
+   kind of call (admissions / decode tokens / frees: where the time goes). nano-vllm's
    block_manager.py is loaded at run time from --nano-vllm (a checkout of GeeeekExplorer/nano-vllm; default
    ~/.cache/kvsim/nano-vllm), never copied here; vLLM's modules come from the conformance harness's cache.
    Goals: kvsim/nano <= 0.25, kvsim/vLLM <= 0.05.
@@ -322,7 +325,7 @@ def _trace(num_requests: int, seed: int, block_keys: bool = True):
     return make_trace(num_requests, seed, "shared-prefix", block_keys=block_keys)  # prompts U[64, 2048], outputs U[16, 1024]
 
 
-def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
+def run_kvsim(trace, block_size: int, max_running: int) -> tuple[list[int], int]:
     from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
     from kvsim.size.kv_cache_spec import KVCacheSpec
 
@@ -330,7 +333,7 @@ def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
     num_blocks = _pool_blocks(block_size, max_running)
     alloc = PagedAllocator(spec, num_blocks * spec.block_bytes, max_model_len=4096, enable_prefix_caching=True)
     cpu = time.thread_time_ns
-    spent = 0
+    spent = [0, 0, 0]  # CPU ns: admissions, decode tokens, frees
     for seq in trace:
         seq.num_computed_tokens = 0
     waiting, running = list(reversed(trace)), []
@@ -341,8 +344,11 @@ def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
             assert alloc.allocate(seq, seq.num_prompt_tokens) is not None
             seq.num_computed_tokens = seq.num_prompt_tokens
             running.append(seq)
+        t1 = cpu()
         assert alloc.append_decode_in_order(running) == len(running)  # the call the replay makes
-        spent += cpu() - t0
+        t2 = cpu()
+        spent[0] += t1 - t0
+        spent[1] += t2 - t1
         still, done = [], []
         for seq in running:
             seq.num_computed_tokens += 1
@@ -350,17 +356,17 @@ def run_kvsim(trace, block_size: int, max_running: int) -> tuple[int, int]:
         t0 = cpu()
         for seq in done:
             alloc.free(seq)
-        spent += cpu() - t0
+        spent[2] += cpu() - t0
         running = still
     return spent, alloc.prefix_hit_tokens
 
 
-def run_nano(nano, trace, block_size: int, max_running: int) -> tuple[int, int]:
+def run_nano(nano, trace, block_size: int, max_running: int) -> tuple[list[int], int]:
     NanoSeq, BlockManager = nano["sequence"].Sequence, nano["block_manager"].BlockManager
     NanoSeq.block_size = block_size  # nano-vllm's class attribute, set from its Config
     bm = BlockManager(_pool_blocks(block_size, max_running), block_size)
     cpu = time.thread_time_ns
-    spent = hits = 0
+    spent, hits = [0, 0, 0], 0  # CPU ns: admissions, decode tokens, frees
     ids = {s.seq_id: s.token_ids.tolist() for s in trace}
     waiting, running = list(reversed(trace)), []
     while waiting or running:
@@ -378,13 +384,16 @@ def run_nano(nano, trace, block_size: int, max_running: int) -> tuple[int, int]:
             hits += seq.num_cached_tokens
             seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
             bm.hash_blocks(seq)  # at once, as kvsim and vLLM cache a prompt's blocks at admission: the same hits
+        t1 = cpu()
         for seq in running:  # Scheduler.schedule's decode
             assert bm.can_append(seq)
             seq.num_scheduled_tokens = 1
             bm.may_append(seq)
         for seq in running:  # Scheduler.postprocess's hashing
             bm.hash_blocks(seq)
-        spent += cpu() - t0
+        t2 = cpu()
+        spent[0] += t1 - t0
+        spent[1] += t2 - t1
         still, done = [], []
         for seq in admitted + running:
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -395,12 +404,12 @@ def run_nano(nano, trace, block_size: int, max_running: int) -> tuple[int, int]:
         t0 = cpu()
         for seq in done:
             bm.deallocate(seq)
-        spent += cpu() - t0
+        spent[2] += cpu() - t0
         running = still
     return spent, hits
 
 
-def run_vllm(trace, block_size: int, max_running: int) -> tuple[int, int]:
+def run_vllm(trace, block_size: int, max_running: int) -> tuple[list[int], int]:
     from kvsim.conformance.vllm_engine import EngineSetup, build_scheduler
     from kvsim.conformance.vllm_import import import_vllm
 
@@ -415,7 +424,7 @@ def run_vllm(trace, block_size: int, max_running: int) -> tuple[int, int]:
     hasher = kvu.get_request_block_hasher(block_size, hash_fn)
     Request, SamplingParams = import_vllm("vllm.v1.request").Request, import_vllm("vllm.sampling_params").SamplingParams
     cpu = time.thread_time_ns
-    spent = hits = 0
+    spent, hits = [0, 0, 0], 0  # CPU ns: admissions, decode tokens, frees
     ids = {s.seq_id: s.token_ids.tolist() for s in trace}
     waiting, running = list(reversed(trace)), []
     while waiting or running:
@@ -430,20 +439,21 @@ def run_vllm(trace, block_size: int, max_running: int) -> tuple[int, int]:
             hits += num_hit
             req.kvsim = s
             running.append(req)
-        spent += cpu() - t0
-        still, done = [], []
-        for req in running:  # the step's sampled token (its blocks hash as they fill: the request's block_hasher)
-            s = req.kvsim
-            t0 = cpu()
-            req.append_output_token_ids(ids[s.seq_id][req.num_tokens])
+        spent[0] += cpu() - t0
+        sampled = [ids[req.kvsim.seq_id][req.num_tokens] for req in running]  # the step's sampled tokens
+        t0 = cpu()
+        for req, token in zip(running, sampled):  # (its blocks hash as they fill: the request's block_hasher)
+            req.append_output_token_ids(token)
             assert kvm.allocate_slots(req, 1) is not None
-            spent += cpu() - t0
+        spent[1] += cpu() - t0
+        still, done = [], []
+        for req in running:
             req.num_computed_tokens += 1
-            (done if req.num_computed_tokens >= s.num_final_tokens else still).append(req)
+            (done if req.num_computed_tokens >= req.kvsim.num_final_tokens else still).append(req)
         t0 = cpu()
         for req in done:
             kvm.free(req)
-        spent += cpu() - t0
+        spent[2] += cpu() - t0
         running = still
     return spent, hits
 
@@ -451,6 +461,15 @@ def run_vllm(trace, block_size: int, max_running: int) -> tuple[int, int]:
 def _pool_blocks(block_size: int, max_running: int) -> int:
     """Room for `max_running` requests of the longest length (2048 + 1024 tokens) and the null block: no preemption."""
     return max_running * -(-(2048 + 1024) // block_size) + 1
+
+
+def _spans(spent: list[int]) -> dict:
+    """A run's CPU nanoseconds per kind of call (admissions, decode tokens, frees) as seconds, their sum first."""
+    return {"cpu_s": sum(spent) / 1e9, "phases_s": [t / 1e9 for t in spent]}
+
+
+def _phase_text(r: dict) -> str:
+    return " / ".join(f"{t:.3f}" for t in r["phases_s"])
 
 
 def bench_allocator(args, out: list) -> None:
@@ -471,17 +490,21 @@ def bench_allocator(args, out: list) -> None:
         row = {"item": 4, "what": f"allocator alone, block size {block_size}, prefix caching, {args.alloc_requests} requests "
                                   f"(shared-prefix stream), {args.alloc_running} running",
                "command": f"{ME} --only allocator", "load": None}
-        k = best(args.runs, lambda: {"cpu_s": run_kvsim(trace, block_size, args.alloc_running)[0] / 1e9})
-        row["kvsim_cpu_s"] = k["cpu_s"]
+        k = best(args.runs, lambda: _spans(run_kvsim(trace, block_size, args.alloc_running)[0]))
+        row.update(kvsim_cpu_s=k["cpu_s"], kvsim_phases_s=k["phases_s"])
         line = f"[4] block {block_size}: kvsim {k['cpu_s']:.3f} CPU s"
+        phases = [f"kvsim {_phase_text(k)}"]
         if nano is not None:
-            n = best(args.runs, lambda: {"cpu_s": run_nano(nano, trace, block_size, args.alloc_running)[0] / 1e9})
-            row.update(nano_cpu_s=n["cpu_s"], kvsim_over_nano=k["cpu_s"] / n["cpu_s"])
+            n = best(args.runs, lambda: _spans(run_nano(nano, trace, block_size, args.alloc_running)[0]))
+            row.update(nano_cpu_s=n["cpu_s"], nano_phases_s=n["phases_s"], kvsim_over_nano=k["cpu_s"] / n["cpu_s"])
             line += f", nano-vllm {n['cpu_s']:.3f} ({row['kvsim_over_nano']:.3f}x, goal <= 0.25)"
+            phases.append(f"nano-vllm {_phase_text(n)}")
         if have_vllm:
-            v = best(args.runs, lambda: {"cpu_s": run_vllm(trace, block_size, args.alloc_running)[0] / 1e9})
-            row.update(vllm_cpu_s=v["cpu_s"], kvsim_over_vllm=k["cpu_s"] / v["cpu_s"])
+            v = best(args.runs, lambda: _spans(run_vllm(trace, block_size, args.alloc_running)[0]))
+            row.update(vllm_cpu_s=v["cpu_s"], vllm_phases_s=v["phases_s"], kvsim_over_vllm=k["cpu_s"] / v["cpu_s"])
             line += f", vLLM {v['cpu_s']:.3f} ({row['kvsim_over_vllm']:.3f}x, goal <= 0.05)"
+            phases.append(f"vLLM {_phase_text(v)}")
+        line += "\n    admissions / decode tokens / frees, CPU s: " + "; ".join(phases)
         row["load"] = load()
         out.append(row)
         print(f"{line}  [{row['load']}]", flush=True)

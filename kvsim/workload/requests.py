@@ -222,26 +222,36 @@ def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> n
     ids would count that chance as a hit, keys do not.)
     """
     nb = num_tokens // block_size
-    j = np.arange(nb, dtype=np.int64)  # (nb,) block index
-    e = (j + 1) * block_size - 1  # (nb,) each block's last token
     p = request.num_prompt_tokens
     assert num_tokens <= request.num_prompt_tokens + request.max_tokens and nb < 1 << _KEY_BLOCK_BITS  # its token ids
-    stream = np.full(nb, request.request_id, dtype=np.int64)  # (nb,)
-    tag = np.zeros(nb, dtype=np.int64)  # (nb,) _KEY_REQUEST
+    # Each stream covers one run of blocks: block j's last token is before token t exactly when j < t // block_size.
+    keys = np.arange(nb, dtype=np.int64)  # (nb,) j, each run's (tag, stream) or-ed in below
+    prompt_end = min(p // block_size, nb)  # blocks whose tokens are all prompt tokens
+    start = 0  # blocks before it are keyed
     if request.hash_ids is not None:
         assert request.prompt_of is None
-        prompt = e < p
-        stream[prompt] = np.asarray(request.hash_ids, dtype=np.int64)[e[prompt] // MOONCAKE_BLOCK_TOKENS]
-        tag[prompt] = _KEY_TRACE
+        last = np.arange(block_size - 1, prompt_end * block_size, block_size, dtype=np.int64)  # (prompt_end,)
+        stream = np.asarray(request.hash_ids, dtype=np.int64)[last // MOONCAKE_BLOCK_TOKENS]  # (prompt_end,)
+        assert not prompt_end or 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, \
+            "stream id out of key range"
+        keys[:prompt_end] |= (stream << _KEY_BLOCK_BITS) | (_KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS))
+        start = prompt_end
     else:
-        if request.prompt_of is not None:
-            stream[e < p] = request.prompt_of
         if request.num_prefix_tokens:
-            group = e < request.num_prefix_tokens
-            stream[group] = request.prefix_group
-            tag[group] = _KEY_GROUP
-    assert not nb or 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
-    return (tag << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS)) | (stream << _KEY_BLOCK_BITS) | j
+            start = min(request.num_prefix_tokens // block_size, nb)
+            keys[:start] |= _block_key_base(_KEY_GROUP, request.prefix_group)
+        if request.prompt_of is not None and prompt_end > start:
+            keys[start:prompt_end] |= _block_key_base(_KEY_REQUEST, request.prompt_of)
+            start = prompt_end
+    if start < nb:
+        keys[start:] |= _block_key_base(_KEY_REQUEST, request.request_id)
+    return keys
+
+
+def _block_key_base(tag: int, stream: int) -> int:
+    """The key of block 0 of `stream` under `tag` (a block's key adds its index)."""
+    assert 0 <= stream < 1 << _KEY_STREAM_BITS, "stream id out of key range"
+    return tag << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS) | stream << _KEY_BLOCK_BITS
 
 
 def _trace_block_ids(seed: int, hash_ids, num_tokens: int) -> np.ndarray:

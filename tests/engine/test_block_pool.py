@@ -241,3 +241,57 @@ def test_prefix_cache_decisions_do_not_depend_on_the_hash_seed():
         runs.append(subprocess.run([sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, check=True).stdout)
     assert runs[0] == runs[1] and '"shared_saved_bytes"' in runs[0]
     assert any(hit > 0 for hit, _ in json.loads(runs[0])[:-2])  # prefix hits happened
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_many_blocks_and_a_few_give_the_same_as_vllms_pool(seed):
+    """Calls of many blocks (array operations) and of a few (one block at a time) in any mix: requests of up to 60
+    new blocks behind prefix hits of up to 60 (held, or free and taken out of the middle of the free queue, which
+    leaves stale entries), decode steps opening one block, frees of whole requests; queue segments pushed as
+    lists and as arrays are taken across, and compacted. The same blocks, queue, ref counts and cache answers as
+    vLLM's pool written plainly."""
+    import numpy as np
+
+    from tests.engine.test_block_pool_vs_vllm import ReferencePool
+
+    rng = np.random.default_rng(seed)
+    num_blocks = 400
+    ref, pool = ReferencePool(num_blocks), BlockPool(num_blocks, enable_caching=True)
+    pool.free_queue._limit = num_blocks  # compact often
+    held: list[list[int]] = []  # each live request's block table
+    keys_of: list[list[int]] = []  # each request's cached keys, in block order (finished requests' too)
+    next_key = 1
+    for _ in range(300):
+        if rng.random() < 0.6 and ref.queue:  # a request: a prefix of an earlier one's keys, then new blocks
+            hits: list[int] = []
+            if keys_of and rng.random() < 0.7:
+                for key in keys_of[int(rng.integers(len(keys_of)))]:
+                    block = pool.get_cached_block(key)
+                    assert block == ref.get_cached_block(key, 0)
+                    if block is None:
+                        break
+                    hits.append(block)
+            revived = sum(ref.ref_count[b] == 0 for b in hits)
+            n = min(int(rng.choice([1, 3, 8, 20, 30, 60])), len(ref.queue) - revived)
+            if n <= 0:
+                continue
+            assert pool.num_evictable(hits) == revived
+            ref.touch(hits)
+            pool.touch(hits)
+            new = pool.get_new_blocks(n) if n > 1 or rng.random() < 0.5 else [pool.get_new_block()]
+            assert new == ref.get_new_blocks(n)
+            keys = [ref.key[b][0] for b in hits]
+            for b in new[: n - int(rng.integers(2))]:  # the last block partly filled (uncached) or not
+                pool.cache_full_block(b, next_key)
+                ref.cache_full_block(b, next_key, 0)
+                keys.append(next_key)
+                next_key += 1
+            keys_of.append(keys)
+            held.append(hits + new)
+        elif held:  # a request finishes: its blocks back, tail first
+            blocks = held.pop(int(rng.integers(len(held))))[::-1]
+            ref.free_blocks(blocks)
+            pool.free_blocks(blocks)
+        assert pool.free_queue.queued_ids().tolist() == ref.queue
+        assert pool.num_free_blocks == len(ref.queue)
+        assert pool.ref_count.tolist() == ref.ref_count and pool.num_shared_refs == ref.num_shared_refs

@@ -1,8 +1,9 @@
 """The paged allocators' block pool, as vLLM 0.33.0's `BlockPool` / `FreeKVCacheBlockQueue` with blocks as ints:
 ref counts, cache keys and the free queue are arrays indexed by block id, so a request's blocks are taken, cached
 and freed in a few array operations instead of one Python step per block (the hot path of a prefix-cached
-replay: a 12,000-token prompt is 750 blocks). One pool serves every KV cache group of a model: the single-group
-path of uniform models and the per-group managers of mixed ones.
+replay: a 12,000-token prompt is 750 blocks); a few blocks (a decode step's one) go one at a time through
+memoryviews of the same arrays (Python ints, cheaper than numpy's scalars). One pool serves every KV cache group
+of a model: the single-group path of uniform models and the per-group managers of mixed ones.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvsim.engine.paged.prefix_table import EMPTY, EMPTY_CHUNK, NUM_SLOTS, SLOT_
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
+_FEW_REFS = 24  # up to this many, blocks are taken, touched and freed one at a time (scalars via memoryviews)
 
 
 class FreeBlockSegments:
@@ -25,39 +27,57 @@ class FreeBlockSegments:
         segments: [ids 4 2] [ids 5 6 7 ...] [ids 1 3]   a freed request's blocks are one segment, pushed
                   at the head (uncached) or the tail (cached)
 
-    A block pulled out of the middle (a prefix hit on a free cached block) is not searched for: its entry goes
-    stale. Every entry carries the serial number it was queued under, and `serial[block]` is the one of the
-    block's live entry (-1: not queued), so a stale entry is skipped when the head reaches it. Entries are
-    compacted once stale ones outnumber the pool.
+    A segment is `[ids as a list, ids as an int64 array, serial of its first entry, next position]`: it keeps the
+    form it was pushed in (a list from a few blocks, an array from many) and makes the other on first need (one
+    block at a time reads the list, many at once slice the array). A block pulled out of the middle (a prefix hit
+    on a free cached block) is not searched for: its entry goes stale. The entries of a segment carry consecutive
+    serial numbers, and `serial[block]` is the one of a queued block's live entry (-1: taken out), so a stale entry
+    is skipped when the head reaches it; a block the head hands out keeps its last serial, which no entry ahead
+    of the head carries. While no entry is stale (`num_entries == num_free_blocks`) the head hands out blocks
+    without checking them. Entries are compacted once stale ones outnumber the pool.
     """
 
     def __init__(self, num_blocks: int, first_free: np.ndarray):
         self.serial = np.full(num_blocks, _NOT_QUEUED, dtype=np.int64)  # (num_blocks,) live entry's serial
-        self.segments: deque[list] = deque()  # [ids (m,) int64, serials (m,) int64, next position]
+        self._serial = memoryview(self.serial)  # the same memory, one block at a time as Python ints
+        self.segments: deque[list] = deque()  # [ids list | None, ids (m,) int64 | None, first serial, next position]
         self.num_entries = 0  # entries not yet passed by the head, stale ones included
         self.num_free_blocks = 0
         self._next_serial = 0
         self._limit = 2 * num_blocks + 1024  # entries kept before stale ones are compacted away
         self.push_tail(first_free)
 
-    def _segment(self, ids: np.ndarray) -> list:
+    def _segment(self, ids: list[int] | np.ndarray) -> list:
         n = len(ids)
-        serials = np.arange(self._next_serial, self._next_serial + n, dtype=np.int64)  # (n,)
-        self._next_serial += n
-        self.serial[ids] = serials
+        base = self._next_serial
+        self._next_serial = base + n
         self.num_entries += n
         self.num_free_blocks += n
-        return [ids, serials, 0]
+        if type(ids) is not list:
+            if n == 1:  # (a request's last block, partly filled): as a list too, for the head's next take
+                block = int(ids[0])
+                self._serial[block] = base
+                return [[block], ids, base, 0]
+            self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
+            return [None, ids, base, 0]
+        if n > _FEW_REFS:
+            self.serial[ids] = np.arange(base, base + n, dtype=np.int64)
+        else:
+            serial = self._serial
+            for s, block in enumerate(ids, base):
+                serial[block] = s
+        return [ids, None, base, 0]
 
-    def push_tail(self, ids: np.ndarray) -> None:
-        """Queue `ids` (in order) at the tail: the last to be reused."""
+    def push_tail(self, ids: list[int] | np.ndarray) -> None:
+        """Queue `ids` (in order; a list or an int64 array, kept: not to be changed after) at the tail: the last
+        to be reused."""
         if len(ids):
             self.segments.append(self._segment(ids))
             if self.num_entries > self._limit:
                 self.compact()
 
-    def push_head(self, ids: np.ndarray) -> None:
-        """Queue `ids` (in order, the first reused first) at the head."""
+    def push_head(self, ids: list[int] | np.ndarray) -> None:
+        """Queue `ids` (in order, the first reused first; a list or an int64 array, kept) at the head."""
         if len(ids):
             self.segments.appendleft(self._segment(ids))
             if self.num_entries > self._limit:
@@ -70,48 +90,79 @@ class FreeBlockSegments:
 
     def remove_one(self, block: int) -> None:
         """Take queued `block` out (its entry goes stale)."""
-        self.serial[block] = _NOT_QUEUED
+        self._serial[block] = _NOT_QUEUED
         self.num_free_blocks -= 1
 
     def pop(self, num_blocks: int) -> np.ndarray:
         """The `num_blocks` blocks at the head, head first, out of the queue: (num_blocks,) int64."""
         assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
-        serial, out, need = self.serial, [], num_blocks
+        clean = self.num_entries == self.num_free_blocks  # no stale entry: every entry taken is a block
+        out, need = [], num_blocks
         while need:
             seg = self.segments[0]
-            ids, serials, pos = seg
+            ids, arr, base, pos = seg
+            if arr is None:
+                arr = seg[1] = np.array(ids, dtype=np.int64)
+            take = min(len(arr) - pos, need)
+            if not take:
+                self.segments.popleft()
+                continue
+            cand = arr[pos : pos + take]  # (take,)
+            if not clean:
+                valid = self.serial[cand] == np.arange(base + pos, base + pos + take, dtype=np.int64)
+                if np.count_nonzero(valid) != take:
+                    cand = cand[valid]
+            out.append(cand)
+            need -= len(cand)
+            seg[3] = pos + take
+            self.num_entries -= take
+        self.num_free_blocks -= num_blocks
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def pop_list(self, num_blocks: int) -> list[int]:
+        """`pop(num_blocks)` as a list, one entry at a time (for a few blocks)."""
+        assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
+        clean = self.num_entries == self.num_free_blocks
+        serial = self._serial
+        out: list[int] = []
+        need = num_blocks
+        while need:
+            seg = self.segments[0]
+            ids, arr, base, pos = seg
+            if ids is None:
+                ids = seg[0] = arr.tolist()
             take = min(len(ids) - pos, need)
             if not take:
                 self.segments.popleft()
                 continue
-            cand = ids[pos : pos + take]  # (take,)
-            valid = serial[cand] == serials[pos : pos + take]
-            if not valid.all():
-                cand = cand[valid]
-            out.append(cand)
-            need -= len(cand)
-            seg[2] = pos + take
+            seg[3] = pos + take
             self.num_entries -= take
-        taken = out[0] if len(out) == 1 else np.concatenate(out)
-        serial[taken] = _NOT_QUEUED
+            if clean:
+                out += ids[pos : pos + take]
+                need -= take
+                continue
+            for s, block in enumerate(ids[pos : pos + take], base + pos):
+                if serial[block] == s:
+                    out.append(block)
+                    need -= 1
         self.num_free_blocks -= num_blocks
-        return taken
+        return out
 
     def pop_one(self) -> int:
-        """The block at the head, out of the queue."""
-        assert self.num_free_blocks, "free queue is empty"
-        serial = self.serial
+        """The block at the head, out of the queue (the caller checks that one is free)."""
+        serial = self._serial
         while True:
             seg = self.segments[0]
-            ids, serials, pos = seg
+            ids, arr, base, pos = seg
+            if ids is None:
+                ids = seg[0] = arr.tolist()
             if pos == len(ids):
                 self.segments.popleft()
                 continue
-            block = int(ids[pos])
-            seg[2] = pos + 1
+            block = ids[pos]
+            seg[3] = pos + 1
             self.num_entries -= 1
-            if serial[block] == serials[pos]:
-                serial[block] = _NOT_QUEUED
+            if serial[block] == base + pos:
                 self.num_free_blocks -= 1
                 return block
 
@@ -126,9 +177,11 @@ class FreeBlockSegments:
     def queued_ids(self) -> np.ndarray:
         """Queued blocks, head first: (num_free_blocks,) int64."""
         parts = []
-        for ids, serials, pos in self.segments:
-            live = self.serial[ids[pos:]] == serials[pos:]
-            parts.append(ids[pos:][live])
+        for ids, arr, base, pos in self.segments:
+            if arr is None:
+                arr = np.array(ids, dtype=np.int64)
+            live = self.serial[arr[pos:]] == np.arange(base + pos, base + len(arr), dtype=np.int64)
+            parts.append(arr[pos:][live])
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
@@ -202,8 +255,11 @@ class BlockPool:
         self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
         self.block_group = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) the group of that key
         self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
+        # `ref_count` and `is_cached` one block at a time (Python ints and bools; numpy scalars cost more)
+        self._refs, self._cached = memoryview(self.ref_count), memoryview(self.is_cached)
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
+        self._primary, self._younger = memoryview(self.is_primary), memoryview(self.has_younger)  # as _refs
         self.free_queue = FreeBlockSegments(num_blocks, np.arange(1, num_blocks, dtype=np.int64))
         self.tables = [PrefixTable() for _ in range(num_groups)]  # key -> oldest block (or stale)
         self.duplicates: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # key -> younger copies
@@ -230,28 +286,40 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
-        if num_blocks <= _FEW:  # a few: one at a time beats numpy's fixed cost per call (same blocks, same order)
-            return [self.get_new_block() for _ in range(num_blocks)]
+        if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost (same blocks, same order)
+            out = self.free_queue.pop_list(num_blocks)
+            refs, cached = self._refs, self._cached
+            for block in out:
+                refs[block] = 1
+                if cached[block]:
+                    self._evict_one(block)
+            self.num_blocks_allocated += num_blocks
+            return out
         ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
         self.ref_count[ids] = 1
         cached = self.is_cached[ids]
-        if cached.any():
-            self._evict(ids[cached] if not cached.all() else ids)
+        num_cached = np.count_nonzero(cached)
+        if num_cached:
+            self._evict(ids[cached] if num_cached != num_blocks else ids)
         self.num_blocks_allocated += num_blocks
         return ids.tolist()
 
     def get_new_block(self) -> int:
         """`get_new_blocks(1)[0]`: a decode step opening one block."""
         block = self.free_queue.pop_one()
-        self.ref_count[block] = 1
-        if self.is_cached[block]:
-            self.is_cached[block] = False
-            if self.has_younger[block] or not self.is_primary[block]:
-                self._uncache(block, int(self.block_hash[block]))
-            else:
-                self.is_primary[block] = False
+        self._refs[block] = 1
+        if self._cached[block]:
+            self._evict_one(block)
         self.num_blocks_allocated += 1
         return block
+
+    def _evict_one(self, block: int) -> None:
+        """Uncache `block`, taken from the free queue (`_evict` of one block)."""
+        self._cached[block] = False
+        if self._younger[block] or not self._primary[block]:
+            self._uncache(block, int(self.block_hash[block]))
+        else:
+            self._primary[block] = False
 
     def _evict(self, ids: np.ndarray) -> None:
         """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
@@ -416,59 +484,72 @@ class BlockPool:
 
     def num_evictable(self, ids: list[int]) -> int:
         """How many of `ids` nobody holds (a hit on them takes them out of the free queue)."""
-        return int(np.count_nonzero(self.ref_count[ids] == 0)) if ids else 0
+        if len(ids) <= 4 * _FEW_REFS:  # reads only: block by block wins for longer
+            refs = self._refs
+            return [refs[block] for block in ids].count(0)
+        return int(np.count_nonzero(self.ref_count[np.array(ids, dtype=np.int64)] == 0))
 
     def touch(self, ids: list[int]) -> None:
         """One more holder for each of `ids` (a prefix hit); free ones leave the free queue."""
-        if len(ids) <= _FEW:
-            ref_count = self.ref_count
+        if len(ids) <= _FEW_REFS:
+            refs = self._refs
             for block in ids:
-                if ref_count[block] == 0:
-                    self.free_queue.remove_one(block)
-                else:
+                ref = refs[block]
+                if ref:
                     self.num_shared_refs += 1
-                ref_count[block] += 1
+                else:
+                    self.free_queue.remove_one(block)
+                refs[block] = ref + 1
             return
-        refs = self.ref_count[ids]  # (n,)
+        arr = np.array(ids, dtype=np.int64)  # (n,)
+        refs = self.ref_count[arr]  # (n,)
         free = refs == 0
         num_free = int(np.count_nonzero(free))
         if num_free:
-            self.free_queue.remove(np.asarray(ids, dtype=np.int64)[free])
+            self.free_queue.remove(arr[free])
         self.num_shared_refs += len(ids) - num_free
-        self.ref_count[ids] = refs + 1
+        self.ref_count[arr] = refs + 1
 
     def free_blocks(self, ids: list[int]) -> None:
         """One holder fewer for each of `ids`, given in eviction order (a request's tail first). A block nobody
         holds goes back to the free queue: cached ones to the tail, uncached to the head, each kind in the order
         given (vLLM's `append_n` / `prepend_n`)."""
-        if len(ids) <= _FEW:
-            ref_count, is_cached = self.ref_count, self.is_cached
+        if len(ids) <= _FEW_REFS:
+            refs, is_cached = self._refs, self._cached
             uncached, cached = [], []
             for block in ids:
-                ref = ref_count[block] = ref_count[block] - 1
+                ref = refs[block] - 1
+                refs[block] = ref
                 if ref:
                     assert ref > 0, "a block freed more often than held"
                     self.num_shared_refs -= 1
-                    continue
-                (cached if is_cached[block] else uncached).append(block)
+                elif is_cached[block]:
+                    cached.append(block)
+                else:
+                    uncached.append(block)
             if uncached:
-                self.free_queue.push_head(np.array(uncached, dtype=np.int64))
+                self.free_queue.push_head(uncached)
             if cached:
-                self.free_queue.push_tail(np.array(cached, dtype=np.int64))
+                self.free_queue.push_tail(cached)
             return
-        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (n,)
-        refs = self.ref_count[arr] - 1
+        arr = np.array(ids, dtype=np.int64)  # (n,)
+        refs = self.ref_count[arr]  # (n,)
+        refs -= 1
         self.ref_count[arr] = refs
-        zero = refs == 0
-        if not zero.all():
-            assert (refs >= 0).all(), "a block freed more often than held"
-            self.num_shared_refs -= int(np.count_nonzero(refs))
-            arr = arr[zero]
+        num_held = np.count_nonzero(refs)  # blocks still shared with another request
+        if num_held:
+            assert refs.min() >= 0, "a block freed more often than held"
+            self.num_shared_refs -= int(num_held)
+            arr = arr[refs == 0]
         cached = self.is_cached[arr]
-        if cached.all():
+        num_cached = np.count_nonzero(cached)
+        if num_cached == len(arr):
             self.free_queue.push_tail(arr)
-        elif not cached.any():
+        elif not num_cached:
             self.free_queue.push_head(arr)
+        elif num_cached == len(arr) - 1 and not cached[0]:  # a request's last block, partly filled, first
+            self.free_queue.push_head(arr[:1])
+            self.free_queue.push_tail(arr[1:])
         else:
             self.free_queue.push_head(arr[~cached])
             self.free_queue.push_tail(arr[cached])

@@ -198,12 +198,11 @@ class PagedAllocator(KVAllocator):
     def append_decode_in_order(self, seqs: list[Sequence]) -> int:
         """One decode token each, stopping at the first request that cannot grow: returns its index. The
         common case (the token lands in the last block) is one compare."""
-        reqs, grow = self._reqs, self._grow
-        for i, seq in enumerate(seqs):
+        reqs = self._reqs
+        for seq in seqs:
             req = reqs[seq]
-            computed = seq.num_computed_tokens
-            if computed >= req.quiet_until and not grow(req, computed + 1):  # computed + 1 > quiet_until
-                return i
+            if seq.num_computed_tokens >= req.quiet_until and not self._grow(req, seq.num_computed_tokens + 1):
+                return seqs.index(seq)  # (rare: the pool is out of blocks)
         return len(seqs)
 
     def free(self, seq: Sequence) -> None:
@@ -378,6 +377,10 @@ class PagedAllocator(KVAllocator):
             req.quiet_until = cap
             return True
         j = req.num_hashed
+        event = (j + 1) * bs  # the next block to hash fills here
+        if total < event:  # none filled (a decode token opening a block)
+            req.quiet_until = cap if cap < event else event - 1
+            return True
         filled = (total if total < req.final else req.final) // bs  # leading blocks all within total
         known = req.seq.num_known_tokens
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
