@@ -163,14 +163,13 @@ class Scheduler:
                     while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
                         j += 1
                 else:  # `_one_token` inlined: the async hot path
-                    max_model_len = self.max_model_len
-                    while j < end:
-                        s = running[j]
+                    last = self.max_model_len - 2  # the most computed tokens that leave room for one more
+                    for s in running[j:end]:
                         computed = s.num_computed_tokens
                         if computed < s.prefill_target:
                             break
                         placeholders = s.num_output_placeholders
-                        if (s.num_known_tokens + placeholders - computed != 1 or computed + 2 > max_model_len
+                        if (s.num_known_tokens + placeholders - computed != 1 or computed > last
                                 or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
                             break
                         j += 1
@@ -666,9 +665,12 @@ class Scheduler:
         self._advance(out, decodes=not merge)
         if previous is not None and self._defer_free:
             self._drain_deferred_frees()
-        finished = self._update_from_output(previous, out.num_steps if merge else 0) if previous is not None else []
+        # and without prefix caching, a decode run's steps before its last settle in that pass too
+        settle = out.num_steps - 1 if merge and not self._hash_block_size else 0
+        finished = self._update_from_output(previous, out.num_steps if merge else 0, settle) if previous is not None else []
         if out.num_steps > 1:
-            self._settle_run(out)
+            if not settle:
+                self._settle_run(out)
             if self.allocator.decode_frees_blocks:
                 self._null_left_windows(out)
         return finished
@@ -741,12 +743,12 @@ class Scheduler:
                 seq.num_output_placeholders += 1
         sampled += out.decodes
 
-    def _update_from_output(self, out: SchedulerOutput, advance_decodes: int = 0) -> list[SchedSeq]:
+    def _update_from_output(self, out: SchedulerOutput, advance_decodes: int = 0, settle_steps: int = 0) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
         `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting.
         `advance_decodes` (async): see `_update_from_async_output`."""
         if self.async_scheduling:
-            finished = self._update_from_async_output(out, advance_decodes)
+            finished = self._update_from_async_output(out, advance_decodes, settle_steps)
         else:
             finished = []
             k = out.num_steps
@@ -785,7 +787,8 @@ class Scheduler:
         position = {seq.seq_id: i for i, seq in enumerate(self.running)}
         return sorted(finished, key=lambda seq: position.get(seq.seq_id, -1))
 
-    def _update_from_async_output(self, out: SchedulerOutput, advance_decodes: int = 0) -> list[SchedSeq]:
+    def _update_from_async_output(self, out: SchedulerOutput, advance_decodes: int = 0,
+                                  settle_steps: int = 0) -> list[SchedSeq]:
         """`_update_from_output` under async scheduling, for the step of `out` (a decode run's last step: the
         others settled with it). Each sampled request settles one token; the placeholder goes unless its output
         is stale (preempted while `out` ran), and with prefix caching the blocks its settled tokens fill are
@@ -794,7 +797,9 @@ class Scheduler:
 
         `advance_decodes` > 0: the row scheduled after `out` decodes the same requests in `advance_decodes`
         steps, and `_advance` left them to this pass: each advances that far and keeps its token in flight and
-        its placeholder (one leaves, one comes), as `_advance` then this pass one after the other would."""
+        its placeholder (one leaves, one comes), as `_advance` then this pass one after the other would.
+        `settle_steps` > 0 (without prefix caching): that next row is a decode run, and its steps but the last
+        settle here as `_settle_run` would after this pass (none finishes a request)."""
         finished: list[SchedSeq] = []
         hash_bs = self._hash_block_size
         stale = set()
@@ -816,15 +821,20 @@ class Scheduler:
                 finished.append(seq)
         k = advance_decodes
         if k and not hash_bs:  # merged with the next row's advance (see above), without prefix caching
+            inner = settle_steps
             for seq in out.decodes:
                 seq.num_computed_tokens += k
-                seq.num_output_tokens = num_output = seq.num_output_tokens + 1
-                seq.num_known_tokens = seq.num_prompt_tokens + num_output
+                num_output = seq.num_output_tokens + 1
                 if seq.stale_output:
                     seq.stale_output = False
                     seq.num_output_placeholders += 1
                 if num_output >= seq.max_tokens:
                     finished.append(seq)
+                if inner:  # `_settle_run`
+                    num_output += inner
+                    assert num_output < seq.max_tokens, seq
+                seq.num_output_tokens = num_output
+                seq.num_known_tokens = seq.num_prompt_tokens + num_output
             return finished
         if k:  # the same with prefix caching
             for seq in out.decodes:
