@@ -35,11 +35,13 @@ class SchedSeq(Sequence):
     # async scheduling with prefix caching: full blocks (of `KVAllocator.block_size`) the allocator was last asked
     # to cache since its admission; it caches nothing new until a call reaches past them (0 after a preemption)
     num_cache_asked_blocks: int = 0
+    num_finish_tokens: int = 0  # prompt + max_tokens: `num_tokens` once it has finished (kept by `set_max_tokens`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.prefill_target == 0:
             self.prefill_target = self.num_prompt_tokens
+        self.num_finish_tokens = self.num_prompt_tokens + self.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +51,7 @@ class SchedSeq(Sequence):
     def set_max_tokens(self, max_tokens: int) -> None:
         """Cap how many tokens it samples (at least one: a prefill always samples)."""
         self.max_tokens = max(1, max_tokens)
+        self.num_finish_tokens = self.num_prompt_tokens + self.max_tokens
 
 
 class SchedulerOutput:

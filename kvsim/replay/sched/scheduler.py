@@ -163,15 +163,14 @@ class Scheduler:
                     while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
                         j += 1
                 else:  # `_one_token` inlined: the async hot path
-                    max_model_len = self.max_model_len
-                    while j < end:
-                        s = running[j]
+                    last = self.max_model_len - 2  # the most computed tokens that leave room for one more
+                    for s in running[j:end]:
                         computed = s.num_computed_tokens
                         if computed < s.prefill_target:
                             break
-                        placeholders, prompt = s.num_output_placeholders, s.num_prompt_tokens
-                        if (prompt + s.num_output_tokens + placeholders - computed != 1 or computed + 2 > max_model_len
-                                or (placeholders and computed + 2 - placeholders >= prompt + s.max_tokens)):
+                        placeholders = s.num_output_placeholders
+                        if (s.num_known_tokens + placeholders - computed != 1 or computed > last
+                                or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
                             break
                         j += 1
                 batch = running[i:j]
@@ -184,7 +183,7 @@ class Scheduler:
                 seq, n = running[i], 1
             else:
                 computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
-                if placeholders and computed + 2 - placeholders >= seq.num_prompt_tokens + seq.max_tokens:
+                if placeholders and computed + 2 - placeholders >= seq.num_finish_tokens:
                     i += 1  # async: the step in flight samples its last token; nothing more to schedule
                     continue
                 n = min(seq.num_tokens + placeholders - computed, budget, self.max_model_len - computed - 1)
@@ -350,9 +349,9 @@ class Scheduler:
         `seq` (so it may join the batched decodes): its step in flight does not sample its last token, it lacks
         one token, and max_model_len leaves room for it."""
         computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
-        tokens = seq.num_prompt_tokens + seq.num_output_tokens  # seq.num_tokens
-        return (tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
-                and not (placeholders and computed + 2 - placeholders >= seq.num_prompt_tokens + seq.max_tokens))
+        # num_known_tokens: seq.num_tokens under async scheduling (kept with num_output_tokens)
+        return (seq.num_known_tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
+                and not (placeholders and computed + 2 - placeholders >= seq.num_finish_tokens))
 
     @staticmethod
     def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
@@ -501,16 +500,21 @@ class Scheduler:
         alloc = self.allocator
         if alloc.decode_frees_blocks and alloc.enable_prefix_caching:
             return  # the run's growth would free blocks leaving a window before its settled steps cache them
-        if any(seq.num_output_placeholders != 1 for seq in decodes):
-            return
+        left, ctx_sum = MAX_DECODE_RUN + 1, 0  # one pass: the fewest tokens left to sample, the contexts' sum
+        for seq in decodes:
+            if seq.num_output_placeholders != 1:
+                return
+            r = seq.max_tokens - seq.num_output_tokens
+            if r < left:
+                left = r
+            ctx_sum += seq.num_computed_tokens
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]) - 1)
+        k = left - 1
         k = min(k, alloc.max_decode_run(n))
         if k >= 2 and waiting_head is not None and alloc.decode_frees_blocks:
             k = self._steps_while_free_blocks_do_not_grow(decodes, k)
         if k < 2:
             return
-        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
         if waiting_head is None:
             if time_to_next_arrival <= 0:  # arrived while the step in flight ran: the next step admits it
                 return
@@ -649,15 +653,24 @@ class Scheduler:
         Synchronous: `out`'s own samples. Async scheduling: those of the step before it, which was in flight
         while `out` was scheduled; `out` stays in flight until the next `postprocess` or `flush`.
         """
-        self._advance(out)
         if not self.async_scheduling:
+            self._advance(out)
             return self._update_from_output(out)
         previous, self._in_flight = self._in_flight, out
+        # the same requests decoding in both rows (and no connector's frees between): `out`'s decodes advance
+        # while `previous`'s outputs settle, in one pass (their placeholder and token in flight stay as they are)
+        decodes = out.decodes
+        merge = (previous is not None and not self._defer_free and decodes
+                 and len(decodes) == len(previous.decodes) and decodes == previous.decodes)
+        self._advance(out, decodes=not merge)
         if previous is not None and self._defer_free:
             self._drain_deferred_frees()
-        finished = self._update_from_output(previous) if previous is not None else []
+        # and without prefix caching, a decode run's steps before its last settle in that pass too
+        settle = out.num_steps - 1 if merge and not self._hash_block_size else 0
+        finished = self._update_from_output(previous, out.num_steps if merge else 0, settle) if previous is not None else []
         if out.num_steps > 1:
-            self._settle_run(out)
+            if not settle:
+                self._settle_run(out)
             if self.allocator.decode_frees_blocks:
                 self._null_left_windows(out)
         return finished
@@ -701,9 +714,10 @@ class Scheduler:
             self._drain_deferred_frees()
         return self._update_from_output(previous) if previous is not None else []
 
-    def _advance(self, out: SchedulerOutput) -> None:
+    def _advance(self, out: SchedulerOutput, decodes: bool = True) -> None:
         """What vLLM's `_update_after_schedule` does: computed tokens advance; a request whose tokens are all
-        computed samples one (async: an output placeholder until its output is processed)."""
+        computed samples one (async: an output placeholder until its output is processed). Async, `decodes`
+        False: the decodes are left to `_update_from_async_output`'s merged pass (they still sample)."""
         sampled = out.sampled
         k = out.num_steps
         if not self.async_scheduling:
@@ -722,17 +736,19 @@ class Scheduler:
             if seq.num_computed_tokens >= seq.num_prompt_tokens + seq.num_output_tokens + seq.num_output_placeholders:
                 sampled.append(seq)
                 seq.num_output_placeholders += 1
-        for seq in out.decodes:
-            seq.num_computed_tokens += k
-            seq.num_in_flight_tokens += 1
-            seq.num_output_placeholders += 1
+        if decodes:
+            for seq in out.decodes:
+                seq.num_computed_tokens += k
+                seq.num_in_flight_tokens += 1
+                seq.num_output_placeholders += 1
         sampled += out.decodes
 
-    def _update_from_output(self, out: SchedulerOutput) -> list[SchedSeq]:
+    def _update_from_output(self, out: SchedulerOutput, advance_decodes: int = 0, settle_steps: int = 0) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
-        `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting."""
+        `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting.
+        `advance_decodes` (async): see `_update_from_async_output`."""
         if self.async_scheduling:
-            finished = self._update_from_async_output(out)
+            finished = self._update_from_async_output(out, advance_decodes, settle_steps)
         else:
             finished = []
             k = out.num_steps
@@ -771,12 +787,19 @@ class Scheduler:
         position = {seq.seq_id: i for i, seq in enumerate(self.running)}
         return sorted(finished, key=lambda seq: position.get(seq.seq_id, -1))
 
-    def _update_from_async_output(self, out: SchedulerOutput) -> list[SchedSeq]:
+    def _update_from_async_output(self, out: SchedulerOutput, advance_decodes: int = 0,
+                                  settle_steps: int = 0) -> list[SchedSeq]:
         """`_update_from_output` under async scheduling, for the step of `out` (a decode run's last step: the
         others settled with it). Each sampled request settles one token; the placeholder goes unless its output
         is stale (preempted while `out` ran), and with prefix caching the blocks its settled tokens fill are
         cached: computed less what the newer step in flight still computes (`num_in_flight_tokens`, once
-        `out`'s tokens are taken off). Finishes in sampling order: completed prefills, then decodes."""
+        `out`'s tokens are taken off). Finishes in sampling order: completed prefills, then decodes.
+
+        `advance_decodes` > 0: the row scheduled after `out` decodes the same requests in `advance_decodes`
+        steps, and `_advance` left them to this pass: each advances that far and keeps its token in flight and
+        its placeholder (one leaves, one comes), as `_advance` then this pass one after the other would.
+        `settle_steps` > 0 (without prefix caching): that next row is a decode run, and its steps but the last
+        settle here as `_settle_run` would after this pass (none finishes a request)."""
         finished: list[SchedSeq] = []
         hash_bs = self._hash_block_size
         stale = set()
@@ -796,18 +819,61 @@ class Scheduler:
                         self._cache_settled(seq, settled)
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
+        k = advance_decodes
+        if k and not hash_bs:  # merged with the next row's advance (see above), without prefix caching
+            inner = settle_steps
+            for seq in out.decodes:
+                seq.num_computed_tokens += k
+                num_output = seq.num_output_tokens + 1
+                if seq.stale_output:
+                    seq.stale_output = False
+                    seq.num_output_placeholders += 1
+                if num_output >= seq.max_tokens:
+                    finished.append(seq)
+                if inner:  # `_settle_run`
+                    num_output += inner
+                    assert num_output < seq.max_tokens, seq
+                seq.num_output_tokens = num_output
+                seq.num_known_tokens = seq.num_prompt_tokens + num_output
+            return finished
+        if k:  # the same with prefix caching
+            for seq in out.decodes:
+                seq.num_computed_tokens = computed = seq.num_computed_tokens + k
+                seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+                seq.num_known_tokens = known = seq.num_prompt_tokens + num_output
+                if seq.stale_output:
+                    seq.stale_output = False
+                    seq.num_output_placeholders += 1
+                else:
+                    settled = computed - seq.num_in_flight_tokens
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
+                if num_output >= seq.max_tokens:
+                    finished.append(seq)
+            return finished
+        if not hash_bs:  # the loop below without prefix caching: the async hot path
+            for seq in out.decodes:
+                seq.num_in_flight_tokens -= 1
+                seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+                seq.num_known_tokens = seq.num_prompt_tokens + num_output
+                if seq.stale_output:
+                    seq.stale_output = False
+                elif seq.num_output_placeholders:
+                    seq.num_output_placeholders -= 1
+                if num_output >= seq.max_tokens:
+                    finished.append(seq)
+            return finished
         for seq in out.decodes:
-            seq.num_in_flight_tokens -= 1
+            seq.num_in_flight_tokens = in_flight = seq.num_in_flight_tokens - 1
             seq.num_output_tokens = num_output = seq.num_output_tokens + 1
             seq.num_known_tokens = known = seq.num_prompt_tokens + num_output
             if seq.stale_output:
                 seq.stale_output = False
             elif seq.num_output_placeholders:
                 seq.num_output_placeholders -= 1
-                if hash_bs:
-                    settled = seq.num_computed_tokens - seq.num_in_flight_tokens
-                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
-                        self._cache_settled(seq, settled)
+                settled = seq.num_computed_tokens - in_flight
+                if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                    self._cache_settled(seq, settled)
             if num_output >= seq.max_tokens:
                 finished.append(seq)
         return finished
