@@ -20,7 +20,7 @@ from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
-_FEW_HITS = 48  # up to this many hits, a lookup checks them one at a time
+_FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
 
 
 class PagedRequest:
