@@ -25,7 +25,7 @@ from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_file
-from kvsim.workload.requests import RequestSpec, make_block_keys
+from kvsim.workload.requests import RequestSpec, make_block_key_runs
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def make_trace(num_requests: int, seed: int, stream: str = "random", *, block_ke
             group = stream == "shared-prefix"
             spec = RequestSpec(i, 0.0, int(p), int(o), prefix_group=i % SHARED_PREFIX_GROUPS if group else None,
                                num_prefix_tokens=min(int(p), SHARED_PREFIX_TOKENS) if group else 0)
-            seq.block_keys = partial(make_block_keys, spec)
+            seq.block_keys = partial(make_block_key_runs, spec)
         trace.append(seq)
     return trace
 

@@ -72,7 +72,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     Decode runs are off with an observer, so every row is one step. `on_schedule(out, sched)` sees each row
     that computes, right after it is scheduled (the block tables as the row runs them).
     """
-    from kvsim.workload.requests import make_block_keys, make_token_ids
+    from kvsim.workload.requests import make_block_key_runs, make_token_ids
 
     spec = ctx.spec(config.block_size, config)
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
@@ -183,7 +183,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             r = requests[i]
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             if keyed:
-                seq.block_keys = partial(make_block_keys, r)
+                seq.block_keys = partial(make_block_key_runs, r)
             reason = sched.add_request(seq)
             if reason is not None:
                 rejected[i] = reason

@@ -221,6 +221,28 @@ def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> n
     collide. (Ids drawn from different streams agree only by chance, 2^-31 per token: block hashes of the
     ids would count that chance as a hit, keys do not.)
     """
+    return _block_keys(request, block_size, num_tokens, None)
+
+
+def make_block_key_runs(request: RequestSpec, block_size: int, num_tokens: int) -> tuple[np.ndarray, list[int]]:
+    """`make_block_keys(request, block_size, num_tokens)` and where its runs of keys start
+    (`kvsim.engine.paged.prefix_table.key_runs` of the keys, the same list), from the keys' structure: a run
+    breaks where a stream's blocks start (unless the stream before is the same) and at every 32nd block (a key's
+    low bits are its block index). What a replay's requests carry as `Sequence.block_keys`."""
+    starts: list[int] = []
+    keys = _block_keys(request, block_size, num_tokens, starts)
+    nb = len(keys)
+    if not nb:
+        return keys, [0]
+    return keys, sorted({*range(0, nb, 1 << _RUN_BITS), *starts}) + [nb]
+
+
+_RUN_BITS = 5  # the prefix table's chunk: 32 consecutive keys (`kvsim.engine.paged.prefix_table.SLOT_BITS`)
+_RUN_MASK = (1 << _RUN_BITS) - 1
+
+
+def _block_keys(request: RequestSpec, block_size: int, num_tokens: int, starts: list[int] | None) -> np.ndarray:
+    """`make_block_keys`; with `starts`, also where a stream's blocks start after a different stream's."""
     nb = num_tokens // block_size
     p = request.num_prompt_tokens
     assert num_tokens <= request.num_prompt_tokens + request.max_tokens and nb < 1 << _KEY_BLOCK_BITS  # its token ids
@@ -236,15 +258,37 @@ def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> n
             "stream id out of key range"
         keys[:prompt_end] |= (stream << _KEY_BLOCK_BITS) | (_KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS))
         start = prompt_end
+        if starts is not None and (MOONCAKE_BLOCK_TOKENS % block_size or MOONCAKE_BLOCK_TOKENS // block_size & _RUN_MASK):
+            # hash id m's blocks start at block 512 m // block_size (within the chunk breaks when 32 blocks or
+            # a multiple of them make 512 tokens): a break where the id differs from the one before
+            ids = request.hash_ids
+            for m in range(1, -(-prompt_end * block_size // MOONCAKE_BLOCK_TOKENS)):
+                first = MOONCAKE_BLOCK_TOKENS * m // block_size
+                if (first < prompt_end and first & _RUN_MASK and ids[((first + 1) * block_size - 1) // MOONCAKE_BLOCK_TOKENS]
+                        != ids[(first * block_size - 1) // MOONCAKE_BLOCK_TOKENS]):
+                    starts.append(first)
     else:
+        group_end = 0
         if request.num_prefix_tokens:
-            start = min(request.num_prefix_tokens // block_size, nb)
+            start = group_end = min(request.num_prefix_tokens // block_size, nb)
             keys[:start] |= _block_key_base(_KEY_GROUP, request.prefix_group)
         if request.prompt_of is not None and prompt_end > start:
             keys[start:prompt_end] |= _block_key_base(_KEY_REQUEST, request.prompt_of)
             start = prompt_end
+            if starts is not None and group_end:
+                starts.append(group_end)  # a group's stream, then a request's
+        if starts is not None and start and start < nb and (start == group_end or request.prompt_of != request.request_id):
+            starts.append(start)
+        return _key_tail(keys, start, nb, request.request_id)
+    if starts is not None and start and start < nb:
+        starts.append(start)  # a trace's stream, then the request's own
+    return _key_tail(keys, start, nb, request.request_id)
+
+
+def _key_tail(keys: np.ndarray, start: int, nb: int, request_id: int) -> np.ndarray:
+    """Blocks `start`.. are the request's own stream's."""
     if start < nb:
-        keys[start:] |= _block_key_base(_KEY_REQUEST, request.request_id)
+        keys[start:] |= _block_key_base(_KEY_REQUEST, request_id)
     return keys
 
 

@@ -82,3 +82,32 @@ def test_keys_cover_the_full_blocks_within_num_tokens():
     request = RequestSpec(0, 0.0, 100, 20, hash_ids=None)
     assert len(make_block_keys(request, 16, 100)) == 6 and len(make_block_keys(request, 16, 120)) == 7
     assert make_block_keys(request, 16, 100).tolist() == make_block_keys(request, 16, 120).tolist()[:6]
+
+
+def test_key_runs_from_the_keys_structure():
+    """`make_block_key_runs` gives `make_block_keys`' keys and the runs `key_runs` finds in them, from the keys'
+    structure: Mooncake ids repeated back to back (one run across them) or not, block sizes that do not divide
+    512 or exceed it, groups, parallel samples whose prompt is their own or another's, any number of tokens."""
+    import random
+
+    from kvsim.engine.paged.prefix_table import key_runs
+    from kvsim.workload.requests import make_block_key_runs
+
+    rng = random.Random(7)
+    for _ in range(4000):
+        block_size = rng.choice([1, 3, 16, 32, 48, 100, 256, 512, 600, 2048])
+        prompt, output, rid = rng.randint(1, 12000), rng.randint(0, 2000), rng.randint(0, 99)
+        if rng.random() < 0.4:
+            ids = tuple(rng.randint(0, 2) if rng.random() < 0.6 else rng.randint(0, 10**6) for _ in range(-(-prompt // 512)))
+            r = RequestSpec(rid, 0.0, prompt, output, hash_ids=ids)
+        else:
+            kw = {}
+            if rng.random() < 0.5:
+                kw.update(prefix_group=rng.randint(0, 9), num_prefix_tokens=rng.randint(1, prompt))
+            if rng.random() < 0.5:
+                kw.update(prompt_of=rng.choice([rid, rng.randint(0, 99)]))
+            r = RequestSpec(rid, 0.0, prompt, output, **kw)
+        num_tokens = rng.randint(0, prompt + output)
+        keys, runs = make_block_key_runs(r, block_size, num_tokens)
+        assert np.array_equal(keys, make_block_keys(r, block_size, num_tokens))
+        assert runs == key_runs(keys), (r, block_size, num_tokens)

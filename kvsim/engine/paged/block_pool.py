@@ -255,8 +255,10 @@ class BlockPool:
         self.block_hash = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) meaningful where is_cached
         self.block_group = np.zeros(num_blocks, dtype=np.int64)  # (num_blocks,) the group of that key
         self.is_cached = np.zeros(num_blocks, dtype=bool)  # (num_blocks,)
-        # `ref_count` and `is_cached` one block at a time (Python ints and bools; numpy scalars cost more)
+        # `ref_count`, `is_cached` and `block_hash` one block at a time (Python ints and bools; numpy scalars
+        # cost more)
         self._refs, self._cached = memoryview(self.ref_count), memoryview(self.is_cached)
+        self._hashes = memoryview(self.block_hash)
         self.is_primary = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) the table's answer for its key
         self.has_younger = np.zeros(num_blocks, dtype=bool)  # (num_blocks,) a primary with younger copies
         self._primary, self._younger = memoryview(self.is_primary), memoryview(self.has_younger)  # as _refs
@@ -370,28 +372,29 @@ class BlockPool:
         return block
 
     def cache_full_block(self, block: int, block_hash: int, group: int = 0) -> None:
-        """Register uncached full `block` under (`block_hash`, `group`), behind any block already caching it."""
-        self.block_hash[block] = block_hash
+        """Register uncached full `block` under (`block_hash`, `group`), behind any block already caching it
+        (one block: its scalars through the memoryviews)."""
+        self._hashes[block] = block_hash
         if self.num_groups > 1:
             self.block_group[block] = group
-        self.is_cached[block] = True
+        self._cached[block] = True
         table = self.tables[group]
         base = table.rows.get(block_hash >> SLOT_BITS)
         if base is None:  # the first key of its chunk
             table.slots[table.add_chunk(block_hash >> SLOT_BITS) + (block_hash & SLOT_MASK)] = block
-            self.is_primary[block] = True
+            self._primary[block] = True
             if len(table.rows) > self._table_limit:
                 self._purge()
             return
         at = base + (block_hash & SLOT_MASK)
         first = table.slots[at]
         if first != EMPTY and first != block:
-            if self.is_primary[first] and self.block_hash[first] == block_hash and self.block_group[first] == group:
+            if self._primary[first] and self._hashes[first] == block_hash and self.block_group[first] == group:
                 self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
-                self.has_younger[first] = True
+                self._younger[first] = True
                 return
         table.slots[at] = block  # an empty slot or a stale entry
-        self.is_primary[block] = True
+        self._primary[block] = True
 
     def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:

@@ -78,7 +78,11 @@ class RequestBlockKeys:
             return last
         chained = None
         if seq.block_keys is not None:
-            array = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64
+            made = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64, or with its runs
+            if type(made) is tuple:
+                self._last = last = [seq, seq.token_ids, made, None]
+                return last
+            array = made
         else:
             chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
             array = np.array(chained, dtype=np.int64)

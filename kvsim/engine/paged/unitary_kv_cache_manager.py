@@ -20,6 +20,8 @@ from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
+_FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
+
 
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
@@ -356,10 +358,28 @@ class PagedAllocator(KVAllocator):
         bs, cap = self.block_size, req.cap
         if total > cap:
             pool = self.pool
-            if total - cap <= bs:
-                if not pool.free_queue.num_free_blocks:
+            if total - cap <= bs:  # one block: `pool.get_new_block()`, its common case inlined
+                queue = pool.free_queue
+                if not queue.num_free_blocks:
                     return False
-                req.table.append(pool.get_new_block())
+                seg = queue.segments[0]  # the head's segment: its next entry, if live (`pop_one`)
+                ids, pos = seg[0], seg[3]
+                if ids is not None and pos < len(ids) and queue._serial[ids[pos]] == seg[2] + pos:
+                    block = ids[pos]
+                    seg[3] = pos + 1
+                    queue.num_entries -= 1
+                    queue.num_free_blocks -= 1
+                else:
+                    block = queue.pop_one()
+                pool._refs[block] = 1
+                if pool._cached[block]:  # it caches an older prefix: evicted (`_evict_one`)
+                    if pool._younger[block] or not pool._primary[block]:
+                        pool._evict_one(block)
+                    else:
+                        pool._cached[block] = False
+                        pool._primary[block] = False
+                pool.num_blocks_allocated += 1
+                req.table.append(block)
                 cap += bs
             else:
                 num_new = (total - cap + bs - 1) // bs
@@ -385,8 +405,18 @@ class PagedAllocator(KVAllocator):
         known = req.seq.num_known_tokens
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
-        if filled == j + 1:  # one block filled
-            self.pool.cache_full_block(req.table[j], hashes.item(j))
+        if filled == j + 1:  # one block filled: `pool.cache_full_block`, its common case inlined
+            block, key = req.table[j], hashes.item(j)
+            pool = self.pool
+            table = pool.cached_block_hash_to_block
+            base = table.rows.get(key >> SLOT_BITS)
+            if base is not None and table.slots[base + (key & SLOT_MASK)] == EMPTY:  # its chunk, no entry yet
+                pool._hashes[block] = key
+                pool._cached[block] = True
+                table.slots[base + (key & SLOT_MASK)] = block
+                pool._primary[block] = True
+            else:
+                pool.cache_full_block(block, key)
             req.num_hashed = j = filled
         elif filled > j:
             self._cache_full_blocks(req, total)
@@ -437,7 +467,7 @@ class PagedAllocator(KVAllocator):
                 break
             hits += part
         n = len(hits)
-        if n > 8:
+        if n > _FEW_HITS:
             arr = np.array(hits, dtype=np.int64)  # (n,)
             live = is_primary[arr] & (block_hash[arr] == key_array[:n])
             if not live.all():
@@ -446,9 +476,10 @@ class PagedAllocator(KVAllocator):
                 arr = arr[:n]
             self._last_hit = (keys, hits[:], arr)
             return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
-        if n:
+        if n:  # a few: block by block, through the pool's memoryviews (Python ints; numpy's fixed cost is more)
+            primary, cached_key = pool._primary, pool._hashes
             for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
-                if not is_primary[block] or block_hash[block] != key:
+                if not primary[block] or cached_key[block] != key:
                     del hits[i:]
                     break
         return hits, pool.num_evictable(hits) if count_free else 0
