@@ -37,11 +37,11 @@ class Sequence:
     # Async scheduling: computed tokens of steps whose output has not returned yet (vLLM's
     # `num_in_flight_tokens`); a sliding window frees only blocks before the settled tokens, computed - these.
     num_in_flight_tokens: int = 0
-    # Exact prefix keys of full blocks, in place of hashing `token_ids`: (block_size, num_tokens) -> keys of the
+    # Exact prefix keys of full blocks, in place of hashing `token_ids`: (block_size, num_tokens) -> (keys of the
     # full blocks within the first num_tokens, (num_tokens // block_size,) int64, equal exactly where the token
-    # prefixes are built equal (`kvsim.workload.requests.make_block_keys`), or (keys, where their runs start:
-    # `kvsim.engine.paged.prefix_table.key_runs` of them; `make_block_key_runs`). None: prefix caching hashes token_ids.
-    block_keys: Callable[[int, int], np.ndarray | tuple[np.ndarray, list[int]]] | None = None
+    # prefixes are built equal (`kvsim.workload.requests.make_block_keys`), and where their runs start, as
+    # `kvsim.engine.paged.prefix_table.key_runs` finds them): `make_block_key_runs`. None: prefix caching hashes token_ids.
+    block_keys: Callable[[int, int], tuple[np.ndarray, list[int]]] | None = None
     extra: dict = field(default_factory=dict)  # scheduler / report bookkeeping, never read by allocators
 
     def __post_init__(self) -> None:

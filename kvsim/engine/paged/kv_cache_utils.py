@@ -76,16 +76,11 @@ class RequestBlockKeys:
         last = self._last
         if last is not None and last[0] is seq and last[1] is seq.token_ids:
             return last
-        chained = None
-        if seq.block_keys is not None:
-            made = seq.block_keys(self.block_size, seq.num_final_tokens)  # (full blocks,) int64, or with its runs
-            if type(made) is tuple:
-                self._last = last = [seq, seq.token_ids, made, None]
-                return last
-            array = made
-        else:
-            chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
-            array = np.array(chained, dtype=np.int64)
+        if seq.block_keys is not None:  # (full blocks,) int64 keys and their runs
+            self._last = last = [seq, seq.token_ids, seq.block_keys(self.block_size, seq.num_final_tokens), None]
+            return last
+        chained = block_hashes(seq.token_ids, seq.num_final_tokens, self.block_size)
+        array = np.array(chained, dtype=np.int64)
         self._last = last = [seq, seq.token_ids, (array, key_runs(array)), chained]
         return last
 
