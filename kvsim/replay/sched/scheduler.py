@@ -851,18 +851,6 @@ class Scheduler:
                 if num_output >= seq.max_tokens:
                     finished.append(seq)
             return finished
-        if not hash_bs:  # the loop below without prefix caching: the async hot path
-            for seq in out.decodes:
-                seq.num_in_flight_tokens -= 1
-                seq.num_output_tokens = num_output = seq.num_output_tokens + 1
-                seq.num_known_tokens = seq.num_prompt_tokens + num_output
-                if seq.stale_output:
-                    seq.stale_output = False
-                elif seq.num_output_placeholders:
-                    seq.num_output_placeholders -= 1
-                if num_output >= seq.max_tokens:
-                    finished.append(seq)
-            return finished
         for seq in out.decodes:
             seq.num_in_flight_tokens = in_flight = seq.num_in_flight_tokens - 1
             seq.num_output_tokens = num_output = seq.num_output_tokens + 1
@@ -871,9 +859,10 @@ class Scheduler:
                 seq.stale_output = False
             elif seq.num_output_placeholders:
                 seq.num_output_placeholders -= 1
-                settled = seq.num_computed_tokens - in_flight
-                if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
-                    self._cache_settled(seq, settled)
+                if hash_bs:
+                    settled = seq.num_computed_tokens - in_flight
+                    if (settled if settled < known else known) // hash_bs > seq.num_cache_asked_blocks:
+                        self._cache_settled(seq, settled)
             if num_output >= seq.max_tokens:
                 finished.append(seq)
         return finished
