@@ -21,14 +21,16 @@ from kvsim.size.kv_cache_spec import KVCacheSpec
 from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 _FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
+_EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is cached as it fills
 
 
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "quiet_until", "hit", "cap", "used")
+    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until", "hit", "cap",
+                 "used")
 
-    def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None):
+    def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
         self.final = seq.num_final_tokens
         self.table: list[int] = []  # the block table (block ids)
@@ -36,6 +38,8 @@ class PagedRequest:
         # (`key_runs`); None: no prefix caching
         self.hashes, self.runs = hashes if hashes is not None else (None, None)
         self.num_hashed = 0  # leading blocks registered in the prefix cache
+        # blocks from this index on (its private blocks) are cached when its blocks are freed, not as they fill
+        self.lazy_from = lazy_from
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
         self.hit = 0  # prefix-cache hit at admission
         self.cap = 0  # token slots allocated: len(table) * block_size
@@ -55,6 +59,33 @@ class PagedAllocator(KVAllocator):
     `quiet_until` lets an append serve tokens with one compare: the next block to open or to hash comes one
     token later. The running totals `_sum_cap` and `_sum_used` over admitted requests make `breakdown()` one
     pass over their computed lengths.
+
+    Private blocks are cached lazily. A request with exact block keys (`Sequence.block_keys`, a replay's
+    `make_block_keys`) keys every block whose last token is past its prompt (j >= prompt // block_size) by its
+    own stream: no other request ever looks such a key up (a parallel-sampling child shares only the prompt's
+    blocks). Its entry matters only once the request's blocks are freed (their place in the free queue, its own
+    re-admission's hit, eviction order), so these blocks are not cached as they fill but all at once just before
+    `free` or `pop_blocks_for_free` (`_cache_private_blocks`), up to where vLLM's eager caching would have taken
+    them by then, in the same order: the table, its duplicates and the free queue are then exactly as eager
+    caching leaves them (an older copy of the key, from the request's earlier admission, evicted meanwhile or
+    not, answers or queues the new block alike; the blocks are held, so no eviction meets them). A decode block
+    then costs what it costs without prefix caching. Where that bound is, from the request's state at the free:
+
+        synchronous scheduling      min(computed, final) tokens     vLLM's allocate_slots caches
+                                                                    min(computed + new, num_tokens), and every
+                                                                    step scheduled has computed
+        async scheduling            min(computed - in flight,       the last `cache_blocks` of a processed
+                                        known, final)               output (update_from_output), or the last
+                                                                    allocate_slots when no step is in flight
+
+    A request preempted with a step in flight whose tokens were all known when that step was scheduled (no
+    output of it was processed since) had its blocks cached further, up to min(computed, known), by that
+    step's allocate_slots: the scheduler asks `cache_blocks` for those before the free. `cache_blocks` caches
+    private blocks too (exact eager caching up to its bound), so a scheduler that calls it as outputs settle
+    stays exact; it need not for lazy requests (`needs_settled_caching`). Laziness stops (requests admitted
+    from then on cache every block as it fills) once something observes caching as it happens: a router's view
+    of the cache (`cached_block_hashes`) or a KV connector's question (`get_computed_tokens`). Requests keyed by
+    hashes of their token ids cache every block as it fills (two requests' outputs may repeat each other).
     """
 
     paged = True
@@ -93,6 +124,9 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
+        # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
+        self.lazy_private_blocks = enable_prefix_caching
+        self._num_eager = 0  # admitted requests that cache every block as it fills
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -103,7 +137,18 @@ class PagedAllocator(KVAllocator):
     def kv_cache_usage(self) -> float:
         return self.pool.get_usage()
 
+    @property
+    def needs_settled_caching(self) -> bool:
+        """Whether some admitted request caches its blocks as its tokens settle (async scheduling's
+        `cache_blocks` after each output); False: every admitted request caches its private blocks lazily and
+        the scheduler may skip those calls."""
+        return self._num_eager > 0
+
     def cached_block_hashes(self) -> Container[int]:
+        """The keys cached now (a router's view). The router reads caching as it happens: requests admitted from
+        now on cache every block as it fills. (It asks about prompt blocks, which no lazy block is: the lazy
+        blocks of requests already running answer the same whether cached yet or not.)"""
+        self.lazy_private_blocks = False
         return self.pool.cached_hashes()
 
     def allocate(
@@ -156,9 +201,14 @@ class PagedAllocator(KVAllocator):
         if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
             return None  # leaving `reserved_blocks` free
 
+        lazy_from = _EAGER
         if hashes is not None:
             self._keys.forget()  # admitted: its keys move to its PagedRequest
-        req = PagedRequest(seq, hashes)
+            if self.lazy_private_blocks and seq.block_keys is not None:
+                lazy_from = seq.num_prompt_tokens // bs  # its blocks past the prompt are its own stream's
+            else:
+                self._num_eager += 1
+        req = PagedRequest(seq, hashes, lazy_from)
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
@@ -184,6 +234,9 @@ class PagedAllocator(KVAllocator):
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
         scheduler hands a KV connector before it allocates)."""
+        # a KV connector asks this before each admission: it sees caching as it happens, so requests admitted from
+        # now on cache every block as it fills (see the class docstring)
+        self.lazy_private_blocks = False
         if not self.enable_prefix_caching or not self._keys.has_keys(seq):
             return 0
         query = min(num_tokens, seq.num_final_tokens)
@@ -208,16 +261,19 @@ class PagedAllocator(KVAllocator):
         return len(seqs)
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes."""
+        """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes. Its
+        private blocks are cached first, as far as eager caching would have cached them (`_cache_private_blocks`)."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
+        self._cache_private_blocks(req)
         self.pool.free_blocks(req.table[::-1])
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as internal
-        fragmentation until `free_popped_blocks`)."""
+        fragmentation until `free_popped_blocks`), with its private blocks cached first as `free` does."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
+        self._cache_private_blocks(req)
         self._num_popped += len(req.table)
         return list(req.table)
 
@@ -227,7 +283,9 @@ class PagedAllocator(KVAllocator):
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens now (vLLM's
-        `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known)."""
+        `KVCacheManager.cache_blocks`, which async scheduling calls once a step's sampled tokens are known), its
+        private blocks too: what eager caching has cached by now, so calling it is always exact (and needless for
+        a lazy request, see `needs_settled_caching`)."""
         req = self._reqs[seq]
         j, bs = req.num_hashed, self.block_size
         if num_tokens < (j + 1) * bs or req.hashes is None:  # no block filled since (async scheduling calls
@@ -245,7 +303,7 @@ class PagedAllocator(KVAllocator):
             self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
         req.num_hashed = end
         event = (end + 1) * bs  # `_refresh`: the next block to hash fills here
-        req.quiet_until = req.cap if req.cap < event else event - 1
+        req.quiet_until = req.cap if req.cap < event or end >= req.lazy_from else event - 1
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Whether `seq` fits alone: its whole prompt admitted at once, then decoded to the end.
@@ -339,7 +397,7 @@ class PagedAllocator(KVAllocator):
         """`quiet_until`: the most computed + new tokens an append serves with one compare (the next block to
         open or to hash comes one token later)."""
         event = req.cap + 1
-        if req.hashes is not None:
+        if req.hashes is not None and req.num_hashed < req.lazy_from:  # (lazy blocks: no event)
             event = min(event, (req.num_hashed + 1) * self.block_size)
         req.quiet_until = event - 1
 
@@ -397,6 +455,9 @@ class PagedAllocator(KVAllocator):
             req.quiet_until = cap
             return True
         j = req.num_hashed
+        if j >= req.lazy_from:  # the rest are private blocks: cached when they are freed
+            req.quiet_until = cap
+            return True
         event = (j + 1) * bs  # the next block to hash fills here
         if total < event:  # none filled (a decode token opening a block)
             req.quiet_until = cap if cap < event else event - 1
@@ -405,6 +466,8 @@ class PagedAllocator(KVAllocator):
         known = req.seq.num_known_tokens
         if known is not None and known < filled * bs:  # async: the last scheduled token is not known yet
             filled = known // bs
+        if filled > req.lazy_from:  # the private blocks wait for the free
+            filled = req.lazy_from
         if filled == j + 1:  # one block filled: `pool.cache_full_block`, its common case inlined
             block, key = req.table[j], hashes.item(j)
             pool = self.pool
@@ -419,10 +482,10 @@ class PagedAllocator(KVAllocator):
                 pool.cache_full_block(block, key)
             req.num_hashed = j = filled
         elif filled > j:
-            self._cache_full_blocks(req, total)
+            self._cache_full_blocks(req, filled * bs)
             j = req.num_hashed
         event = (j + 1) * bs  # the next block to hash fills here
-        req.quiet_until = cap if cap < event else event - 1
+        req.quiet_until = cap if cap < event or j >= req.lazy_from else event - 1
         return True
 
     def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int, *,
@@ -490,6 +553,30 @@ class PagedAllocator(KVAllocator):
         key = keys[0].item(i)
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
+
+    def _cache_private_blocks(self, req: PagedRequest) -> None:
+        """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
+        would have by now (the class docstring's bound: computed tokens less those in flight, within the known
+        and the final tokens), oldest first, in one `cache_full_blocks` call."""
+        if req.lazy_from == _EAGER:
+            if req.hashes is not None:
+                self._num_eager -= 1
+            return
+        seq = req.seq
+        end = seq.num_computed_tokens - seq.num_in_flight_tokens
+        known = seq.num_known_tokens
+        if known is not None and known < end:
+            end = known
+        if req.final < end:
+            end = req.final
+        end //= self.block_size
+        j = req.num_hashed
+        if end > j:
+            if end == j + 1:
+                self.pool.cache_full_block(req.table[j], req.hashes.item(j))
+            else:
+                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+            req.num_hashed = end
 
     def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under

@@ -600,6 +600,13 @@ class Scheduler:
             seq.num_output_placeholders = 0
         out.preempted.append(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
+        if seq.num_in_flight_tokens and self._hash_block_size and hasattr(self.allocator, "lazy_private_blocks"):
+            # async, a step in flight computing its tokens, an allocator that may cache them lazily (which caches
+            # up to the settled tokens at the free): if no output of it was processed since that step was
+            # scheduled, vLLM's allocate_slots cached that step's blocks then, as far as its tokens were known
+            settled = self._settled_row
+            if settled is None or not any(s is seq for s in settled.sampled):
+                self.allocator.cache_blocks(seq, seq.num_computed_tokens)
         computed = seq.num_computed_tokens
         swap_bytes = computed * self.bytes_per_token
         if self.preemption == "swap" and computed and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes:
@@ -646,6 +653,9 @@ class Scheduler:
 
     # --- after a step has run: vLLM's `_update_after_schedule` and `update_from_output` --------------
 
+    # async scheduling: the row whose outputs the last `postprocess` processed (None: none, or a flush since)
+    _settled_row: SchedulerOutput | None = None
+
     def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
         """After `out` has run: advance computed tokens by what it computed, then process sampled tokens (vLLM's
         `update_from_output`) and free and return the requests that finished (`check_stop`).
@@ -657,6 +667,7 @@ class Scheduler:
             self._advance(out)
             return self._update_from_output(out)
         previous, self._in_flight = self._in_flight, out
+        self._settled_row = previous
         # the same requests decoding in both rows (and no connector's frees between): `out`'s decodes advance
         # while `previous`'s outputs settle, in one pass (their placeholder and token in flight stay as they are)
         decodes = out.decodes
@@ -665,8 +676,9 @@ class Scheduler:
         self._advance(out, decodes=not merge)
         if previous is not None and self._defer_free:
             self._drain_deferred_frees()
-        # and without prefix caching, a decode run's steps before its last settle in that pass too
-        settle = out.num_steps - 1 if merge and not self._hash_block_size else 0
+        # and where nothing is cached as tokens settle (no prefix caching, or every request's decode blocks
+        # cached when its blocks are freed), a decode run's steps before its last settle in that pass too
+        settle = out.num_steps - 1 if merge and not self._settled_caching_block_size() else 0
         finished = self._update_from_output(previous, out.num_steps if merge else 0, settle) if previous is not None else []
         if out.num_steps > 1:
             if not settle:
@@ -678,7 +690,7 @@ class Scheduler:
     def _settle_run(self, out: SchedulerOutput) -> None:
         """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
         steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
-        hash_bs = self._hash_block_size
+        hash_bs = self._settled_caching_block_size()
         inner = out.num_steps - 1
         for seq in out.decodes:
             seq.num_output_tokens += inner
@@ -699,11 +711,21 @@ class Scheduler:
         for seq in out.decodes:  # settled: the tokens before the run's last step's
             remove_skipped_blocks(seq, max(0, seq.num_computed_tokens - 2))
 
+    def _settled_caching_block_size(self) -> int:
+        """Async scheduling: the block size at which settled tokens' blocks are cached (`_cache_settled`), or 0
+        where nothing needs it: no prefix caching, or every admitted request's blocks past its prompt are cached
+        when its blocks are freed (the allocator's `needs_settled_caching`; its prompt's blocks are all cached
+        when scheduled, their tokens known)."""
+        if not self._hash_block_size or not getattr(self.allocator, "needs_settled_caching", True):
+            return 0
+        return self._hash_block_size
+
     def _cache_settled(self, seq: SchedSeq, num_tokens: int) -> None:
         """Async prefix caching: `allocator.cache_blocks(seq, num_tokens)`, as vLLM caches the full blocks of the
         tokens settled so far. The callers skip it where it would cache nothing: where the full blocks within
         `num_tokens` and the known tokens were all asked for before (`SchedSeq.num_cache_asked_blocks`; the
-        allocator caches up to the same bound, capped by its own)."""
+        allocator caches up to the same bound, capped by its own), and for every request while the allocator
+        caches each request's decode blocks when its blocks are freed (`_settled_caching_block_size`)."""
         seq.num_cache_asked_blocks = min(num_tokens, seq.num_known_tokens) // self._hash_block_size
         self.allocator.cache_blocks(seq, num_tokens)
 
@@ -801,7 +823,7 @@ class Scheduler:
         `settle_steps` > 0 (without prefix caching): that next row is a decode run, and its steps but the last
         settle here as `_settle_run` would after this pass (none finishes a request)."""
         finished: list[SchedSeq] = []
-        hash_bs = self._hash_block_size
+        hash_bs = self._settled_caching_block_size()
         stale = set()
         for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
             seq.num_in_flight_tokens -= n
