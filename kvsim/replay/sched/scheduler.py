@@ -678,7 +678,8 @@ class Scheduler:
             self._drain_deferred_frees()
         # and where nothing is cached as tokens settle (no prefix caching, or every request's decode blocks
         # cached when its blocks are freed), a decode run's steps before its last settle in that pass too
-        settle = out.num_steps - 1 if merge and not self._settled_caching_block_size() else 0
+        caching = self._hash_block_size and self._settled_caching_block_size()
+        settle = out.num_steps - 1 if merge and not caching else 0
         finished = self._update_from_output(previous, out.num_steps if merge else 0, settle) if previous is not None else []
         if out.num_steps > 1:
             if not settle:
@@ -690,7 +691,7 @@ class Scheduler:
     def _settle_run(self, out: SchedulerOutput) -> None:
         """Async scheduling: the outputs of a decode run's steps before its last (in flight), processed as the
         steps after them would have (`_extend_async_decode_run` made sure none finishes a request)."""
-        hash_bs = self._settled_caching_block_size()
+        hash_bs = self._hash_block_size and self._settled_caching_block_size()
         inner = out.num_steps - 1
         for seq in out.decodes:
             seq.num_output_tokens += inner
@@ -823,7 +824,7 @@ class Scheduler:
         `settle_steps` > 0 (without prefix caching): that next row is a decode run, and its steps but the last
         settle here as `_settle_run` would after this pass (none finishes a request)."""
         finished: list[SchedSeq] = []
-        hash_bs = self._settled_caching_block_size()
+        hash_bs = self._hash_block_size and self._settled_caching_block_size()
         stale = set()
         for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
             seq.num_in_flight_tokens -= n
