@@ -821,8 +821,8 @@ class Scheduler:
         `advance_decodes` > 0: the row scheduled after `out` decodes the same requests in `advance_decodes`
         steps, and `_advance` left them to this pass: each advances that far and keeps its token in flight and
         its placeholder (one leaves, one comes), as `_advance` then this pass one after the other would.
-        `settle_steps` > 0 (without prefix caching): that next row is a decode run, and its steps but the last
-        settle here as `_settle_run` would after this pass (none finishes a request)."""
+        `settle_steps` > 0 (nothing cached as tokens settle): that next row is a decode run, and its steps but the
+        last settle here as `_settle_run` would after this pass (none finishes a request)."""
         finished: list[SchedSeq] = []
         hash_bs = self._hash_block_size and self._settled_caching_block_size()
         stale = set()
@@ -843,7 +843,7 @@ class Scheduler:
             if seq.num_output_tokens >= seq.max_tokens:
                 finished.append(seq)
         k = advance_decodes
-        if k and not hash_bs:  # merged with the next row's advance (see above), without prefix caching
+        if k and not hash_bs:  # merged with the next row's advance (see above), nothing cached as tokens settle
             inner = settle_steps
             for seq in out.decodes:
                 seq.num_computed_tokens += k
