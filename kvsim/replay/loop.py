@@ -8,6 +8,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import Callable, Generator
 
 import numpy as np
@@ -22,6 +23,7 @@ from kvsim.replay.sched.scheduler import Scheduler
 from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
+_computed_tokens = attrgetter("num_computed_tokens")
 # (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
 StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
@@ -365,13 +367,11 @@ def connector_settings(ctx: ReplayContext):
 
 def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:
     """Roofline seconds of one step: its tokens, the context they attend to, and the KV it reads."""
-    attended = 0
-    read = 0
+    tokens = attended = read = 0
     for _, start, num in out.prefills:  # a causal chunk: its token j attends to start + j + 1 positions
+        tokens += num
         attended += num * start + num * (num + 1) // 2
         read += start + num
-    ctx = sum(seq.num_computed_tokens for seq in out.decodes) + len(out.decodes)  # each decode token's context
-    attended += ctx
-    read += ctx
-    tokens = out.num_prefill_tokens + len(out.decodes)
-    return roofline.step_time(tokens, attended, read, swap_bytes)
+    decodes = out.decodes
+    ctx = sum(map(_computed_tokens, decodes)) + len(decodes)  # each decode token's context
+    return roofline.step_time(tokens + len(decodes), attended + ctx, read + ctx, swap_bytes)

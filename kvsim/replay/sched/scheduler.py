@@ -152,19 +152,24 @@ class Scheduler:
         split = self.mamba_block_size > 0
 
         # 1. Running requests, in order (vLLM's running loop).
+        async_scheduling = self.async_scheduling
+        last = self.max_model_len - 2  # async: the most computed tokens that leave room for one more
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_computed_tokens >= seq.prefill_target and (not self.async_scheduling or self._one_token(seq)):
-                # decoding: a run of decodes grows in one call (async: those the branch below gives one token)
-                j = i + 1
+            j = i  # the decodes from i on: running[i:j]
+            if seq.num_computed_tokens >= seq.prefill_target:
                 end = min(len(running), i + budget)
-                if not self.async_scheduling:
-                    while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
+                if not async_scheduling:
+                    for s in running[i + 1:end]:
+                        if s.num_computed_tokens < s.prefill_target:
+                            break
                         j += 1
-                else:  # `_one_token` inlined: the async hot path
-                    last = self.max_model_len - 2  # the most computed tokens that leave room for one more
-                    for s in running[j:end]:
+                    j += 1
+                else:  # those the branch below would give exactly one token (the async hot path): the step in
+                    # flight does not sample its last token, it lacks one token (num_known_tokens: prompt + output
+                    # so far under async scheduling), and max_model_len leaves room for it
+                    for s in running[i:end]:
                         computed = s.num_computed_tokens
                         if computed < s.prefill_target:
                             break
@@ -173,6 +178,7 @@ class Scheduler:
                                 or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
                             break
                         j += 1
+            if j > i:  # decoding: a run of decodes grows in one call
                 batch = running[i:j]
                 grown = alloc.append_decode_in_order(batch)
                 decodes += batch[:grown] if grown < len(batch) else batch
@@ -343,15 +349,6 @@ class Scheduler:
         )
         end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
-
-    def _one_token(self, seq: SchedSeq) -> bool:
-        """Async scheduling: the general branch of the running loop would schedule exactly one token of decoding
-        `seq` (so it may join the batched decodes): its step in flight does not sample its last token, it lacks
-        one token, and max_model_len leaves room for it."""
-        computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
-        # num_known_tokens: seq.num_tokens under async scheduling (kept with num_output_tokens)
-        return (seq.num_known_tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
-                and not (placeholders and computed + 2 - placeholders >= seq.num_finish_tokens))
 
     @staticmethod
     def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
