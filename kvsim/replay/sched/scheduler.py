@@ -462,11 +462,15 @@ class Scheduler:
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
+        k, ctx_sum = MAX_DECODE_RUN, 0  # one pass: the fewest tokens left to sample, the contexts' sum
+        for seq in decodes:
+            r = seq.max_tokens - seq.num_output_tokens
+            if r < k:
+                k = r
+            ctx_sum += seq.num_computed_tokens
         k = min(k, self.allocator.max_decode_run(n))
         if k < 2:
             return
-        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
         if waiting_head is None:
             k, run_time = self.roofline.decode_steps_before(n, ctx_sum, k, time_to_next_arrival)
             if k < 2:
@@ -560,13 +564,34 @@ class Scheduler:
         return k if not len(grown) else int(grown[0]) + 1  # steps 1 .. first such step - 1
 
     def _grow_decode_run(self, out: SchedulerOutput, k: int, run_time: float, waiting_head) -> None:
-        """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step."""
+        """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step.
+
+        Room for the middle step, the memory breakdown there, then room for the whole run: each request's
+        `append_slots(seq, mid + 1)`, then `append_slots(seq, k - mid)` from `mid` tokens further, in running order.
+        Where decoding frees no blocks, a request's growth depends on its own tokens alone, so each of the two
+        passes is one `append_decode_in_order` (one token past computed tokens moved forward first): the same
+        calls in the same order, without a call per request."""
         decodes = out.decodes
         out.num_steps = k
         out.run_time_s = run_time
-        # Room for the middle step, the memory breakdown there, then room for the whole run.
         mid = (k - 1) // 2
         alloc = self.allocator
+        if not alloc.decode_frees_blocks:
+            n = len(decodes)
+            if mid:
+                for seq in decodes:
+                    seq.num_computed_tokens += mid
+            grown = alloc.append_decode_in_order(decodes)  # room for mid + 1 steps
+            assert grown == n, decodes[grown]
+            out.breakdown = alloc.breakdown(waiting_head)
+            rest = k - 1 - mid
+            for seq in decodes:
+                seq.num_computed_tokens += rest
+            grown = alloc.append_decode_in_order(decodes)  # room for all k steps
+            assert grown == n, decodes[grown]
+            for seq in decodes:
+                seq.num_computed_tokens -= k - 1
+            return
         for seq in decodes:
             ok = alloc.append_slots(seq, mid + 1)
             assert ok, seq
