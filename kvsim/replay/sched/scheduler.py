@@ -159,7 +159,7 @@ class Scheduler:
             seq = running[i]
             j = i  # the decodes from i on: running[i:j]
             if seq.num_computed_tokens >= seq.prefill_target:
-                end = min(len(running), i + budget)
+                end = i + budget  # (a slice stops at the list's end)
                 if not async_scheduling:
                     for s in running[i + 1:end]:
                         if s.num_computed_tokens < s.prefill_target:
@@ -171,11 +171,13 @@ class Scheduler:
                     # so far under async scheduling), and max_model_len leaves room for it
                     for s in running[i:end]:
                         computed = s.num_computed_tokens
-                        if computed < s.prefill_target:
-                            break
                         placeholders = s.num_output_placeholders
-                        if (s.num_known_tokens + placeholders - computed != 1 or computed > last
-                                or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
+                        if placeholders == 1:  # the common case: its last step is in flight (the same tests)
+                            if (computed != s.num_known_tokens or computed < s.prefill_target or computed > last
+                                    or computed + 1 >= s.num_finish_tokens):
+                                break
+                        elif (computed < s.prefill_target or s.num_known_tokens + placeholders - computed != 1
+                              or computed > last or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
                             break
                         j += 1
             if j > i:  # decoding: a run of decodes grows in one call
