@@ -8,6 +8,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter, itemgetter
 from typing import Callable, Generator
 
 import numpy as np
@@ -22,6 +23,8 @@ from kvsim.replay.sched.scheduler import Scheduler
 from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
+_computed_tokens = attrgetter("num_computed_tokens")
+_chunk_tokens = itemgetter(2)  # a prefill chunk's (seq, start, num_tokens): its tokens
 # (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
 StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
@@ -292,16 +295,17 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 timer_steps.append(first_timer_step)
                 timer_steps.append(cache.timer.num_steps - 1)
         b = out.breakdown
+        prefills, num_steps = out.prefills, out.num_steps
         rows.extend(
             (
                 step,
-                out.num_steps,
+                num_steps,
                 now,
                 dt,
                 len(sched.running),
                 len(sched.waiting) + len(sched.swapped),
-                out.num_prefill_tokens,
-                out.num_decode_tokens,
+                sum(map(_chunk_tokens, prefills)) if prefills else 0,  # out.num_prefill_tokens
+                len(out.decodes) * num_steps,  # out.num_decode_tokens
                 b.token_states_bytes,
                 b.reservation_bytes,
                 b.internal_fragmentation_bytes,
@@ -314,8 +318,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             )
         )
         row_preemptions, pending_preemptions = pending_preemptions, 0
-        step += out.num_steps
-        for seq, start, num in out.prefills:  # the prompt's last chunk yields the first token
+        step += num_steps
+        for seq, start, num in prefills:  # the prompt's last chunk yields the first token
             if start + num >= seq.num_prompt_tokens and first_token[seq.index] != first_token[seq.index]:
                 first_token[seq.index] = now + dt
         # synchronous: this row's samples; async: those of the row before, in flight while this one was scheduled
@@ -324,8 +328,9 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             # whose output this is (async: the row in flight before this one)
             connector.complete_until(in_flight_end if sc.async_scheduling else now + dt)
         if observer is not None:
-            observer(step - out.num_steps, now, dt, out, finished, sched, row_preemptions)
-        finish(finished, in_flight_end if sc.async_scheduling else now + dt)
+            observer(step - num_steps, now, dt, out, finished, sched, row_preemptions)
+        if finished:
+            finish(finished, in_flight_end if sc.async_scheduling else now + dt)
         in_flight_start, in_flight_end = now + last_step_start, now + dt
         now += dt
         num_rows += 1
@@ -365,13 +370,11 @@ def connector_settings(ctx: ReplayContext):
 
 def _step_time(roofline: Roofline, out: SchedulerOutput, swap_bytes: int) -> float:
     """Roofline seconds of one step: its tokens, the context they attend to, and the KV it reads."""
-    attended = 0
-    read = 0
+    tokens = attended = read = 0
     for _, start, num in out.prefills:  # a causal chunk: its token j attends to start + j + 1 positions
+        tokens += num
         attended += num * start + num * (num + 1) // 2
         read += start + num
-    ctx = sum(seq.num_computed_tokens for seq in out.decodes) + len(out.decodes)  # each decode token's context
-    attended += ctx
-    read += ctx
-    tokens = out.num_prefill_tokens + len(out.decodes)
-    return roofline.step_time(tokens, attended, read, swap_bytes)
+    decodes = out.decodes
+    ctx = sum(map(_computed_tokens, decodes)) + len(decodes)  # each decode token's context
+    return roofline.step_time(tokens + len(decodes), attended + ctx, read + ctx, swap_bytes)

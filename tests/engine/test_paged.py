@@ -304,3 +304,45 @@ def test_breakdown_matches_a_slot_by_slot_count(seed):
                 if n and alloc.append_slots(seq, n):
                     seq.num_computed_tokens += n
             assert parts(alloc)[:3] == slot_reference(alloc)
+
+
+def plain_breakdown(alloc: PagedAllocator) -> tuple[int, int, int, int, int, int]:
+    """`breakdown()` request by request, as written before it was tuned: computed tokens clamped to at least the
+    hit and at most the slots each request will use."""
+    computed = sum(min(max(r.seq.num_computed_tokens, r.hit), r.used) for r in alloc._reqs.values())
+    saved = alloc.pool.num_shared_refs * BLOCK
+    unusable = alloc.budget_bytes - alloc.pool.num_usable_blocks * BLOCK
+    used = sum(r.used for r in alloc._reqs.values())
+    cap = sum(r.cap for r in alloc._reqs.values())
+    return (computed * BPT - saved, (used - computed) * BPT, (cap - used) * BPT + unusable, 0,
+            alloc.num_free_blocks * BLOCK, saved)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_breakdown_equals_the_plain_sums_over_random_operations(seed):
+    """Admissions sharing prefixes (hits held by several requests), a request whose computed tokens are still 0
+    below its hit, decode tokens, chunks and frees."""
+    rng = np.random.default_rng(seed)
+    alloc = make_alloc(40, extra=7, enable_prefix_caching=True)
+    prefixes = [np.arange(4 * 8, dtype=np.int64) + 10_000 * p for p in range(3)]
+    live: list[Sequence] = []
+    for i in range(200):
+        op = rng.integers(4)
+        if op == 0:
+            prompt = int(rng.integers(1, 40))
+            s = make_seq(i, prompt, int(rng.integers(1, 20)), prefixes[rng.integers(3)][: int(rng.integers(0, prompt + 1))])
+            hit = alloc.allocate(s, prompt)
+            if hit is not None:
+                live.append(s)
+                if rng.integers(3):  # else computed stays 0, below the hit (the caller has not set it yet)
+                    s.num_computed_tokens = prompt
+        elif op in (1, 2) and live:
+            s = live[rng.integers(len(live))]
+            n = int(rng.integers(1, 6)) if op == 1 else 1
+            if s.num_computed_tokens + n <= s.num_final_tokens and alloc.append_slots(s, n):
+                s.num_computed_tokens += n
+        elif op == 3 and live:
+            alloc.free(live.pop(rng.integers(len(live))))
+        b = alloc.breakdown()
+        assert (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes,
+                b.external_fragmentation_bytes, b.free_bytes, b.shared_saved_bytes) == plain_breakdown(alloc)

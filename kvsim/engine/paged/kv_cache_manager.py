@@ -4,6 +4,7 @@ padded equal pages, one block table per group, blocks outside a window replaced 
 from __future__ import annotations
 
 from collections.abc import Container
+from itertools import chain
 
 import math
 
@@ -399,37 +400,64 @@ class HybridPagedAllocator(KVAllocator):
         budget's remainder smaller than a block are internal fragmentation too."""
         token = reservation = internal = padding = 0
         groups, token_bytes, pad_bytes = self.groups, self._token_bytes, self._pad_bytes
+        # the replay asks at every row: each group's figures looked up once, no min/max calls in the loop
+        kept = [(g, group.block_size, token_bytes[g], pad_bytes[g]) for g, group in enumerate(groups)
+                if group.kind != "state"]  # groups that keep tokens
+        states = [(g, self.bytes_per_block - pad_bytes[g], pad_bytes[g]) for g, group in enumerate(groups)
+                  if group.kind == "state"]  # a state group's block holds one state
         for req in self._reqs.values():
-            c, final = max(req.seq.num_computed_tokens, req.hit), req.seq.num_final_tokens
-            for g, table in enumerate(req.tables):
-                held = req.held[g]
+            seq = req.seq
+            c, final = seq.num_computed_tokens, seq.num_final_tokens
+            if c < req.hit:
+                c = req.hit
+            tables, held_by_group = req.tables, req.held
+            last = None  # (block size, table length, held) of the last group computed: windows alike repeat it
+            for g, bs, tb, pb in kept:
+                held = held_by_group[g]
                 if not held:
                     continue
-                padding += held * pad_bytes[g]
-                if groups[g].kind == "state":
-                    token += held * (self.bytes_per_block - pad_bytes[g])
-                    continue
-                bs = groups[g].block_size
-                cap, lo = len(table) * bs, (len(table) - held) * bs
-                cc = min(max(c, lo), cap)
-                used = max(min(cap, final), cc)
-                token += (cc - lo) * token_bytes[g]
-                reservation += (used - cc) * token_bytes[g]
-                internal += (cap - used) * token_bytes[g]
+                padding += held * pb
+                shape = (bs, len(tables[g]), held)
+                if shape != last:
+                    last = shape
+                    cap = shape[1] * bs
+                    lo = cap - held * bs
+                    cc = c if c > lo else lo  # computed tokens in the held blocks: min(max(c, lo), cap)
+                    if cc > cap:
+                        cc = cap
+                    used = cap if cap < final else final  # max(min(cap, final), cc)
+                    if used < cc:
+                        used = cc
+                    computed_slots, reserved_slots, unused_slots = cc - lo, used - cc, cap - used
+                token += computed_slots * tb
+                reservation += reserved_slots * tb
+                internal += unused_slots * tb
+            for g, state_bytes, pb in states:
+                held = held_by_group[g]
+                padding += held * pb
+                token += held * state_bytes
         saved = 0
         if self.pool.num_shared_refs:  # a prefix hit held by several requests was counted once per holder
-            seen: set[int] = set()
+            # every table's blocks in one array, request after request and group after group, and each block's group
+            tables = [table for req in self._reqs.values() for table in req.tables]
+            lengths = np.fromiter(map(len, tables), np.int64, len(tables))  # (requests x groups,)
+            blocks = np.fromiter(chain.from_iterable(tables), np.int64, int(lengths.sum()))  # (blocks held,)
+            block_groups = np.repeat(np.tile(np.arange(len(groups)), len(self._reqs)), lengths)  # (blocks held,)
             ref_count = self.pool.ref_count
-            for req in self._reqs.values():
-                for g, table in enumerate(req.tables):
-                    for b in table:
-                        if ref_count[b] > 1 and b not in seen:
-                            seen.add(b)
-                            extra = int(ref_count[b]) - 1  # a shared block is full and computed for every holder
-                            kept = self.bytes_per_block - pad_bytes[g] if groups[g].kind == "state" else groups[g].block_size * token_bytes[g]
-                            token -= extra * kept  # a shared state block holds one state
-                            padding -= extra * pad_bytes[g]
-                            saved += extra * self.bytes_per_block
+            shared = ref_count[blocks] > 1
+            # each shared block once, with the group of its first appearance
+            shared_blocks, first = np.unique(blocks[shared], return_index=True)
+            extra = ref_count[shared_blocks] - 1  # a shared block is full and computed for every holder
+            first_groups = block_groups[shared][first]
+            for g, group in enumerate(groups):
+                num_extra = int(extra[first_groups == g].sum())
+                if not num_extra:
+                    continue
+                # a shared state block holds one state
+                kept_bytes = self.bytes_per_block - pad_bytes[g] if group.kind == "state" else group.block_size * token_bytes[g]
+                token -= num_extra * kept_bytes
+                padding -= num_extra * pad_bytes[g]
+                saved += num_extra * self.bytes_per_block
         unusable = self.budget_bytes - self.pool.num_usable_blocks * self.bytes_per_block
         return MemoryBreakdown(
             budget_bytes=self.budget_bytes,

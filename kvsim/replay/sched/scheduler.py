@@ -152,27 +152,35 @@ class Scheduler:
         split = self.mamba_block_size > 0
 
         # 1. Running requests, in order (vLLM's running loop).
+        async_scheduling = self.async_scheduling
+        last = self.max_model_len - 2  # async: the most computed tokens that leave room for one more
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_computed_tokens >= seq.prefill_target and (not self.async_scheduling or self._one_token(seq)):
-                # decoding: a run of decodes grows in one call (async: those the branch below gives one token)
-                j = i + 1
-                end = min(len(running), i + budget)
-                if not self.async_scheduling:
-                    while j < end and running[j].num_computed_tokens >= running[j].prefill_target:
+            j = i  # the decodes from i on: running[i:j]
+            if seq.num_computed_tokens >= seq.prefill_target:
+                end = i + budget  # (a slice stops at the list's end)
+                if not async_scheduling:
+                    for s in running[i + 1:end]:
+                        if s.num_computed_tokens < s.prefill_target:
+                            break
                         j += 1
-                else:  # `_one_token` inlined: the async hot path
-                    last = self.max_model_len - 2  # the most computed tokens that leave room for one more
-                    for s in running[j:end]:
+                    j += 1
+                else:  # those the branch below would give exactly one token (the async hot path): the step in
+                    # flight does not sample its last token, it lacks one token (num_known_tokens: prompt + output
+                    # so far under async scheduling), and max_model_len leaves room for it
+                    for s in running[i:end]:
                         computed = s.num_computed_tokens
-                        if computed < s.prefill_target:
-                            break
                         placeholders = s.num_output_placeholders
-                        if (s.num_known_tokens + placeholders - computed != 1 or computed > last
-                                or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
+                        if placeholders == 1:  # the common case: its last step is in flight (the same tests)
+                            if (computed != s.num_known_tokens or computed < s.prefill_target or computed > last
+                                    or computed + 1 >= s.num_finish_tokens):
+                                break
+                        elif (computed < s.prefill_target or s.num_known_tokens + placeholders - computed != 1
+                              or computed > last or (placeholders and computed + 2 - placeholders >= s.num_finish_tokens)):
                             break
                         j += 1
+            if j > i:  # decoding: a run of decodes grows in one call
                 batch = running[i:j]
                 grown = alloc.append_decode_in_order(batch)
                 decodes += batch[:grown] if grown < len(batch) else batch
@@ -344,15 +352,6 @@ class Scheduler:
         end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
 
-    def _one_token(self, seq: SchedSeq) -> bool:
-        """Async scheduling: the general branch of the running loop would schedule exactly one token of decoding
-        `seq` (so it may join the batched decodes): its step in flight does not sample its last token, it lacks
-        one token, and max_model_len leaves room for it."""
-        computed, placeholders = seq.num_computed_tokens, seq.num_output_placeholders
-        # num_known_tokens: seq.num_tokens under async scheduling (kept with num_output_tokens)
-        return (seq.num_known_tokens + placeholders - computed == 1 and computed + 2 <= self.max_model_len
-                and not (placeholders and computed + 2 - placeholders >= seq.num_finish_tokens))
-
     @staticmethod
     def _book(out: SchedulerOutput, seq: SchedSeq, n: int) -> None:
         """Put `n` tokens of running `seq` in `out`: a decode (one token past its prefill) or a prefill chunk."""
@@ -465,11 +464,15 @@ class Scheduler:
         """
         decodes = out.decodes
         n = len(decodes)
-        k = min(MAX_DECODE_RUN, min([seq.max_tokens - seq.num_output_tokens for seq in decodes]))
+        k, ctx_sum = MAX_DECODE_RUN, 0  # one pass: the fewest tokens left to sample, the contexts' sum
+        for seq in decodes:
+            r = seq.max_tokens - seq.num_output_tokens
+            if r < k:
+                k = r
+            ctx_sum += seq.num_computed_tokens
         k = min(k, self.allocator.max_decode_run(n))
         if k < 2:
             return
-        ctx_sum = sum(seq.num_computed_tokens for seq in decodes)
         if waiting_head is None:
             k, run_time = self.roofline.decode_steps_before(n, ctx_sum, k, time_to_next_arrival)
             if k < 2:
@@ -563,13 +566,34 @@ class Scheduler:
         return k if not len(grown) else int(grown[0]) + 1  # steps 1 .. first such step - 1
 
     def _grow_decode_run(self, out: SchedulerOutput, k: int, run_time: float, waiting_head) -> None:
-        """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step."""
+        """Make `out` a run of `k` decode steps of `run_time`: room for all, the breakdown at its middle step.
+
+        Room for the middle step, the memory breakdown there, then room for the whole run: each request's
+        `append_slots(seq, mid + 1)`, then `append_slots(seq, k - mid)` from `mid` tokens further, in running order.
+        Where decoding frees no blocks, a request's growth depends on its own tokens alone, so each of the two
+        passes is one `append_decode_in_order` (one token past computed tokens moved forward first): the same
+        calls in the same order, without a call per request."""
         decodes = out.decodes
         out.num_steps = k
         out.run_time_s = run_time
-        # Room for the middle step, the memory breakdown there, then room for the whole run.
         mid = (k - 1) // 2
         alloc = self.allocator
+        if not alloc.decode_frees_blocks:
+            n = len(decodes)
+            if mid:
+                for seq in decodes:
+                    seq.num_computed_tokens += mid
+            grown = alloc.append_decode_in_order(decodes)  # room for mid + 1 steps
+            assert grown == n, decodes[grown]
+            out.breakdown = alloc.breakdown(waiting_head)
+            rest = k - 1 - mid
+            for seq in decodes:
+                seq.num_computed_tokens += rest
+            grown = alloc.append_decode_in_order(decodes)  # room for all k steps
+            assert grown == n, decodes[grown]
+            for seq in decodes:
+                seq.num_computed_tokens -= k - 1
+            return
         for seq in decodes:
             ok = alloc.append_slots(seq, mid + 1)
             assert ok, seq
