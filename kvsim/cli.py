@@ -459,13 +459,16 @@ def main() -> None:
     process leaves without the interpreter's teardown: unloading torch's C++ state took ~0.3 s of the main job's
     8 (scripts/bench_main_job.py), and freeing a replay's objects (its block pool's linked lists are cycles, left
     to a last collection) and unloading numpy and Arrow ~0.1 s of a replay of the Mooncake trace. Every report is
-    a closed file by then.
+    a closed file by then. Under a profiler or a tracer (`python -m cProfile -m kvsim ...`, coverage) the
+    interpreter ends as usual, so that they write what they saw.
     """
     try:
         app_for(sys.argv[1:])()  # typer ends in SystemExit
         code: object = 0
     except SystemExit as done:
         code = done.code
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        raise SystemExit(code)
     if isinstance(code, str):  # SystemExit("message"): printed, status 1, as the interpreter would
         print(code, file=sys.stderr)
     atexit._run_exitfuncs()

@@ -15,6 +15,7 @@ import math
 import platform
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -269,7 +270,9 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
     }
 
 
+@lru_cache(maxsize=None)
 def _version(package: str) -> str | None:
+    """An installed package's version (each lookup searches the path's distributions: meta.json and host.json share it)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
