@@ -112,3 +112,31 @@ def test_columns_arrow_does_not_take_are_refused():
     assert not tables.write_parquet({"a": np.arange(3, dtype=np.int32)}, io.BytesIO())
     table = tables.arrow_table({"a": [None, None], "b": np.array([1.0, math.nan])})
     assert table.column("a").type == pa.null() and table.column("b").null_count == 1
+
+
+def test_allocators_with_different_columns_are_written_by_pandas_as_before(tmp_path):
+    """A CPU tier's columns on one allocator only: pandas' concat fills the other's with NaN (floats), as the
+    frames of each allocator concatenated always did."""
+    from dataclasses import replace
+
+    from kvsim.replay.records import OFFLOAD_COLUMNS
+
+    result = hand_result()
+    plain = result.runs[0]
+    tiered = replace(plain, label="paged-16+prefix+cpu", offload={
+        "cpu_hit_tokens": 3, "cpu_loaded_bytes": 4, "cpu_stored_bytes": 5, "cpu_load_wait_s": 0.5,
+        "steps": {name: np.array([1, 2], dtype=np.int64) for name in OFFLOAD_COLUMNS}})
+    result.runs = [plain, tiered]
+    paths = write_reports(result, tmp_path / "out", csv=True)
+    frames = []
+    for run in result.runs:  # the frames as reports built them before the Arrow writer
+        frame = pd.DataFrame({name: run.steps[name] for name in run.steps if not name.endswith("_us")})
+        for name, column in (run.offload or {"steps": {}})["steps"].items():
+            frame[name] = column
+        frame.insert(0, "allocator", run.label)
+        frames.append(frame)
+    pd.concat(frames, ignore_index=True).to_parquet(tmp_path / "before.parquet", index=False)
+    assert paths.steps.read_bytes() == (tmp_path / "before.parquet").read_bytes()
+    steps = pd.read_parquet(paths.steps)
+    assert steps["cpu_hit_tokens"].isna().tolist() == [True, True, False, False]
+    assert pd.read_csv(paths.summary_csv)["cpu_hit_tokens"].isna().tolist() == [True, False]
