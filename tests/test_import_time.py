@@ -1,4 +1,5 @@
-"""`kvsim --help` and `kvsim size` must not import torch, pandas or huggingface_hub: they should start in well under a second."""
+"""`kvsim --help` and `kvsim size` must not import torch, pandas or huggingface_hub: they should start in well under a second;
+`kvsim replay --no-tensors` imports neither torch nor pandas."""
 
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def test_size_json_imports_no_table_and_no_hub_step(monkeypatch):
     assert "kvsim.size.report" in names and "yaml" in names  # the parse saw real imports
     assert not {n.split(".")[0] for n in names} & {"rich", "logging", *HEAVY}
     assert not {"kvsim.models.hub", "kvsim.size.cpu_offload", "kvsim.replay", "kvsim.engine", "kvsim.workload", "kvsim.clock"} & names
+
+
+def test_replay_accounting_only_imports_no_heavy_module_and_no_table(tmp_path):
+    """`kvsim replay --no-tensors --quiet --json` writes its reports through Arrow (no pandas), draws nothing (no
+    rich) and never touches the cache tensors (no torch)."""
+    from tests.replay.test_replay import write_tiny
+
+    path = write_tiny(tmp_path, count=4)
+    modules, proc = imported_modules(["-m", "kvsim", "replay", str(path), "--no-tensors", "--quiet", "--json",
+                                      "--out", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"allocator": "paged-16+prefix"' in proc.stdout and (tmp_path / "out" / "steps.parquet").is_file()
+    assert "pyarrow" in modules  # the parse saw the writer's import
+    assert not modules & {"rich", *HEAVY}, modules & {"rich", *HEAVY}

@@ -1,9 +1,11 @@
-"""A replay's reports (pandas): steps.parquet, requests.csv, summary.csv/.json and meta.json under one folder,
-and beside them what this host measured: kernels.parquet, kernels.json (with cache tensors) and host.json.
+"""A replay's reports: steps.parquet, requests.csv, summary.csv/.json and meta.json under one folder, and beside
+them what this host measured: kernels.parquet, kernels.json (with cache tensors) and host.json.
 
 The first five hold only what the workload, seed and command determine, so a rerun gives byte-identical files
 (the shipped reports/ stay unchanged by `kvsim replay workloads/poisson.yaml`); kernel times, versions and the
-platform go to the last three, which git ignores under reports/.
+platform go to the last three, which git ignores under reports/. The files are written through Arrow
+(kvsim.replay.tables), the same bytes pandas writes, without its import; the `*_frame` functions give the same
+tables as pandas DataFrames to scripts and tests.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import math
 import platform
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from kvsim.errors import KvsimError
 from kvsim.out_paths import output_dir
+from kvsim.replay import tables
 from kvsim.replay.records import KERNEL_COLUMNS, STEP_COLUMNS, AllocatorRun, ReplayResult
 from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
@@ -50,58 +53,80 @@ class ReportPaths:
     kernels_json: Path | None
 
 
-def steps_frame(result: ReplayResult, *, kernels: bool = True) -> pd.DataFrame:
-    """One row per scheduled row per allocator (a row covers `num_steps` identical decode steps); without
-    `kernels`, only the simulated columns (steps.parquet: kernel times are kernels.parquet's)."""
+def steps_columns(result: ReplayResult, *, kernels: bool = True) -> list[tables.Columns]:
+    """Per allocator, its rows' columns: one row per scheduled row (a row covers `num_steps` identical decode
+    steps); without `kernels`, only the simulated columns (steps.parquet: kernel times are kernels.parquet's)."""
     names = [name for name, _ in STEP_COLUMNS if kernels or name not in KERNEL_COLUMNS]
-    frames = []
+    runs = []
     for run in result.runs:
-        frame = pd.DataFrame({name: run.steps[name] for name in names})
+        columns: tables.Columns = {"allocator": [run.label] * len(run.steps["step"])}
+        columns.update((name, run.steps[name]) for name in names)
         if run.offload is not None:  # the CPU tier's per-row series
-            for name, column in run.offload["steps"].items():
-                frame[name] = column
-        frame.insert(0, "allocator", run.label)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)
+            columns.update(run.offload["steps"])
+        runs.append(columns)
+    return runs
 
 
-def kernels_frame(result: ReplayResult) -> pd.DataFrame:
+def kernels_columns(result: ReplayResult) -> list[tables.Columns]:
     """kernels.parquet: each row's measured kernel µs per step (write, read, attention), keyed by allocator and step."""
-    frames = []
-    for run in result.runs:
-        frame = pd.DataFrame({name: run.steps[name] for name in ("step", *KERNEL_COLUMNS)})
-        frame.insert(0, "allocator", run.label)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)
+    return [{"allocator": [run.label] * len(run.steps["step"]), **{name: run.steps[name] for name in ("step", *KERNEL_COLUMNS)}}
+            for run in result.runs]
 
 
-def requests_frame(result: ReplayResult) -> pd.DataFrame:
-    """One row per request per allocator: its timeline, preemptions, prefix hit and TTFT/TPOT."""
-    frames = []
+def requests_columns(result: ReplayResult) -> list[tables.Columns]:
+    """Per allocator, one row per request: its timeline, preemptions, prefix hit and TTFT/TPOT."""
+    runs = []
     n = len(result.arrival_s)
     for run in result.runs:
         ttft, tpot = _latencies(result, run)
-        frames.append(
-            pd.DataFrame(
-                {
-                    "allocator": [run.label] * n,
-                    "request_id": np.arange(n, dtype=np.int64),
-                    "arrival_s": result.arrival_s,
-                    "admitted_s": run.admitted_s,
-                    "first_token_s": run.first_token_s,
-                    "finished_s": run.finished_s,
-                    "num_prompt_tokens": result.num_prompt_tokens,
-                    "max_tokens": result.max_tokens,
-                    "num_output_tokens": output_tokens(result),
-                    "num_preemptions": run.num_preemptions,
-                    "num_cached_tokens": run.num_cached_tokens,
-                    "ttft_s": ttft,
-                    "tpot_s": tpot,
-                    "rejected_reason": run.rejected_reason,
-                }
-            )
-        )
-    return pd.concat(frames, ignore_index=True)
+        runs.append({
+            "allocator": [run.label] * n,
+            "request_id": np.arange(n, dtype=np.int64),
+            "arrival_s": result.arrival_s,
+            "admitted_s": run.admitted_s,
+            "first_token_s": run.first_token_s,
+            "finished_s": run.finished_s,
+            "num_prompt_tokens": result.num_prompt_tokens,
+            "max_tokens": result.max_tokens,
+            "num_output_tokens": output_tokens(result),
+            "num_preemptions": run.num_preemptions,
+            "num_cached_tokens": run.num_cached_tokens,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "rejected_reason": list(run.rejected_reason),
+        })
+    return runs
+
+
+def steps_frame(result: ReplayResult, *, kernels: bool = True):
+    """`steps_columns` as one pandas DataFrame, allocator after allocator."""
+    return _frame(steps_columns(result, kernels=kernels))
+
+
+def kernels_frame(result: ReplayResult):
+    """`kernels_columns` as one pandas DataFrame."""
+    return _frame(kernels_columns(result))
+
+
+def requests_frame(result: ReplayResult):
+    """`requests_columns` as one pandas DataFrame, allocator after allocator."""
+    return _frame(requests_columns(result))
+
+
+def _frame(runs: list[tables.Columns]):
+    """The allocators' columns as one DataFrame (pandas' concat: a column some allocators lack is NaN in theirs)."""
+    import pandas as pd
+
+    return pd.concat([pd.DataFrame(columns) for columns in runs], ignore_index=True)
+
+
+def _joined(runs: list[tables.Columns]) -> tables.Columns | None:
+    """The allocators' columns one after another, or None where their columns differ (pandas' concat fills
+    the gaps with NaN, which `_frame` leaves to it)."""
+    if any(list(columns) != list(runs[0]) for columns in runs):
+        return None
+    return {name: [v for columns in runs for v in columns[name]] if isinstance(runs[0][name], list)
+            else np.concatenate([columns[name] for columns in runs]) for name in runs[0]}
 
 
 def output_tokens(result: ReplayResult) -> np.ndarray:
@@ -190,8 +215,10 @@ def _percentiles(values: np.ndarray, qs: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(float(v) for v in np.percentile(values, qs))
 
 
-def summary_frame(result: ReplayResult) -> pd.DataFrame:
-    """summary.csv: simulated figures only (no wall-clock value), one row per allocator."""
+def summary_frame(result: ReplayResult):
+    """summary.csv as a pandas DataFrame: simulated figures only (no wall-clock value), one row per allocator."""
+    import pandas as pd
+
     return pd.DataFrame(summary_records(result, kernels=False))
 
 
@@ -243,7 +270,9 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
     }
 
 
+@lru_cache(maxsize=None)
 def _version(package: str) -> str | None:
+    """An installed package's version (each lookup searches the path's distributions: meta.json and host.json share it)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -266,20 +295,26 @@ def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = Fals
         kernels_json=out / "kernels.json" if result.options.tensors else None,
     )
     try:
-        steps = steps_frame(result, kernels=False)
-        steps.to_parquet(paths.steps, index=False)
+        _write_parquet(steps_columns(result, kernels=False), paths.steps)
         if paths.steps_csv is not None:
-            _write_csv(steps_frame(result), paths.steps_csv)  # the CSV, never shipped, keeps the kernel columns
-        _write_csv(requests_frame(result), paths.requests)
-        summary_frame(result).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
-        paths.summary_json.write_text(json.dumps(jsonable(summary_records(result, kernels=False)), indent=2) + "\n")
+            _write_csv(steps_columns(result), paths.steps_csv)  # the CSV, never shipped, keeps the kernel columns
+        _write_csv(requests_columns(result), paths.requests)
+        records = summary_records(result, kernels=False)
+        text = tables.summary_csv(records, SUMMARY_FLOAT_FORMAT)
+        if text is not None:
+            paths.summary_csv.write_text(text, encoding="utf-8")
+        else:  # a column pandas types by its own rules (a gap, mixed kinds): its writer
+            import pandas as pd
+
+            pd.DataFrame(records).to_csv(paths.summary_csv, index=False, float_format=SUMMARY_FLOAT_FORMAT)
+        paths.summary_json.write_text(json.dumps(jsonable(records), indent=2) + "\n")
         paths.meta.write_text(json.dumps(meta(result, command=command), indent=2) + "\n")
         paths.host.write_text(json.dumps(host(result), indent=2) + "\n")
         for stale in (out / "kernels.parquet", out / "kernels.json"):  # an earlier run's, with tensors
             if paths.kernels is None and stale.is_file():
                 stale.unlink()
         if paths.kernels is not None:
-            kernels_frame(result).to_parquet(paths.kernels, index=False)
+            _write_parquet(kernels_columns(result), paths.kernels)
             paths.kernels_json.write_text(json.dumps(jsonable(kernel_records(result)), indent=2) + "\n")
     except OSError as exc:  # e.g. a directory where a report file goes, a full disk
         name = exc.filename or out
@@ -287,13 +322,22 @@ def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = Fals
     return paths
 
 
-def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    """A large frame as CSV through Arrow's C++ writer (10x pandas' speed; floats in shortest round-trip form)."""
-    import pyarrow as pa
-    import pyarrow.csv as pa_csv
+def _write_parquet(runs: list[tables.Columns], path: Path) -> None:
+    """The allocators' rows as one Parquet file, the bytes pandas' `to_parquet(index=False)` writes."""
+    columns = _joined(runs)
+    if columns is None or not tables.write_parquet(columns, path):
+        _frame(runs).to_parquet(path, index=False)
 
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    pa_csv.write_csv(table, path, write_options=pa_csv.WriteOptions(quoting_style="needed"))
+
+def _write_csv(runs: list[tables.Columns], path: Path) -> None:
+    """The allocators' rows as one CSV through Arrow's writer (`tables.write_csv`)."""
+    columns = _joined(runs)
+    if columns is None or not tables.write_csv(columns, path):  # pandas' concat fills gaps, then Arrow's writer
+        import pyarrow as pa
+        import pyarrow.csv as pa_csv
+
+        table = pa.Table.from_pandas(_frame(runs), preserve_index=False)
+        pa_csv.write_csv(table, path, write_options=pa_csv.WriteOptions(quoting_style="needed"))
 
 
 def jsonable(value):

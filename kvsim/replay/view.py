@@ -1,4 +1,7 @@
-"""What `kvsim replay` shows: a rich progress bar while it runs and a summary table, one row per allocator."""
+"""What `kvsim replay` shows: a rich progress bar while it runs and a summary table, one row per allocator.
+
+rich is imported where something is drawn: `--quiet --json` prints JSON alone and never loads it.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +9,26 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Callable
-
-from rich import box
-from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Callable
 
 from kvsim.out_paths import output_dir
 from kvsim.units import format_bytes, parse_bytes
 from kvsim.vllm_version import SCHEDULER_FOLLOWS
 
+if TYPE_CHECKING:
+    from rich.console import Console, Group
+
 
 class ReplayProgress:
     """One progress bar per allocator, counting requests finished or rejected; a no-op when `enabled` is False."""
 
-    def __init__(self, console: Console, *, enabled: bool = True):
+    def __init__(self, console: Console | None, *, enabled: bool = True):
         self.enabled = enabled
+        self._tasks: dict[str, int] = {}
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self._progress = Progress(
             TextColumn("[bold]{task.description:<18}"),
             BarColumn(),
@@ -33,7 +38,6 @@ class ReplayProgress:
             console=console,
             transient=False,
         )
-        self._tasks: dict[str, int] = {}
 
     def __enter__(self) -> "ReplayProgress":
         if self.enabled:
@@ -98,6 +102,11 @@ def summary_table(records: list[dict], *, title: str | None = None, width: int =
     table (the allocator column repeated); optional columns are left out when empty for every allocator (no
     prefix caching, nothing rejected) or when they would not fit. A legend line explains the abbreviations.
     """
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     cells = [[cell(r) for _, cell, _ in _COLUMNS] for r in records]
 
     def col_width(j: int) -> int:
@@ -156,6 +165,13 @@ def clock_source(result) -> str:
     return f"on {result.hardware_name}"
 
 
+def _stderr() -> Console:
+    """A console on stderr (progress, notes): stdout keeps the table, or the JSON alone."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def run_replay_cli(
     workload_path: Path,
     *,
@@ -199,18 +215,17 @@ def run_replay_cli(
                             read_every=read_every, max_host_bytes=max_host_bytes, tp=tp, ep=ep)  # fmt: skip
     ignored = options.ignored_without_tensors()
     if ignored:
-        Console(stderr=True).print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
+        _stderr().print(f"note: --no-tensors: {', '.join(ignored)} ignored (they shape the cache tensors)", markup=False)
     out_dir = output_dir(out if out is not None else Path("reports") / workload.name, create=False)  # before the replay runs
-    console = Console(stderr=json_out)
-    with ReplayProgress(Console(stderr=True), enabled=not quiet) as progress, naming_flags(overrides or WorkloadOverrides()):
+    with ReplayProgress(None if quiet else _stderr(), enabled=not quiet) as progress, naming_flags(overrides or WorkloadOverrides()):
         result = run_replay(workload, options, progress=progress)  # progress on stderr, always
     if result.note and not quiet:
-        Console(stderr=True).print(f"note: {result.note}", style="dim", markup=False)
+        _stderr().print(f"note: {result.note}", style="dim", markup=False)
     paths = write_reports(result, out_dir, csv=csv, command=command)
     records = summary_records(result)
     if integrity:  # a failed check raised during the replay; reaching here is the verdict
         reads = sum(run.num_read_samples for run in result.runs)
-        Console(stderr=True).print(
+        _stderr().print(
             f"integrity: passed: {len(result.runs)} allocator(s), every token's K/V as written: {reads:,} sampled batch "
             "reads checked token by token, every finished, swapped-in or prefix-hit request checked in the pool"
             + (", and every load from the CPU tier, in each KV cache group" if workload.offload is not None else ""),
@@ -220,6 +235,9 @@ def run_replay_cli(
         sys.stdout.write(json.dumps(jsonable(records), indent=2) + "\n")
         return paths.out_dir
     if not quiet:
+        from rich.console import Console
+
+        console = Console()
         title = (
             f"{workload.name}: {len(result.arrival_s):,} requests, {result.model_name} {clock_source(result)}, "
             f"{f'tp {result.tp}' + (f', ep {result.ep}' if result.ep > 1 else '') + ', ' if result.tp > 1 else ''}"

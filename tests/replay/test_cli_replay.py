@@ -265,10 +265,10 @@ def test_prefill_saved_shows_at_80_columns_only_with_prefix_caching(cli, tmp_pat
     assert "prefill" not in plain.stdout.split("tokens: KV")[0]  # the table, not the legend
 
 
-def _main_in_a_child(tmp_path, argv: list[str], before: str = "") -> subprocess.CompletedProcess[str]:
-    """`kvsim.cli.main()` in a fresh interpreter that has torch loaded (the path that skips the teardown)."""
+def _main_in_a_child(tmp_path, argv: list[str], before: str = "", torch: bool = True) -> subprocess.CompletedProcess[str]:
+    """`kvsim.cli.main()` in a fresh interpreter, with torch loaded or not (either way it skips the teardown)."""
     program = (
-        "import atexit, sys, torch\n" + before + "from kvsim import cli\n"
+        f"import atexit, sys{', torch' if torch else ''}\n" + before + "from kvsim import cli\n"
         f"sys.argv = ['kvsim', *{argv!r}]\ncli.main()\nprint('main returned')\n"
     )
     root = str(Path(__file__).resolve().parents[2])
@@ -276,13 +276,16 @@ def _main_in_a_child(tmp_path, argv: list[str], before: str = "") -> subprocess.
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, cwd=tmp_path)
 
 
-def test_main_with_torch_loaded_exits_with_the_commands_status_after_flushing_and_running_exit_handlers(tmp_path):
+@pytest.mark.parametrize("torch", [True, False])
+def test_main_exits_with_the_commands_status_after_flushing_and_running_exit_handlers(tmp_path, torch):
     path = write_tiny(tmp_path, count=4)
-    done = _main_in_a_child(tmp_path, ["replay", str(path), "--quiet", "--json", "--out", str(tmp_path / "o")],
-                            before="atexit.register(lambda: print('exit handler ran'))\n")
+    argv = ["replay", str(path), "--quiet", "--json", "--out", str(tmp_path / "o")] + ([] if torch else ["--no-tensors"])
+    done = _main_in_a_child(tmp_path, argv, before="atexit.register(lambda: print('exit handler ran'))\n", torch=torch)
     assert done.returncode == 0, done.stderr
     assert "main returned" not in done.stdout  # main() leaves the process itself
     head, _, tail = done.stdout.rpartition("]")
     assert len(json.loads(head + "]")) == 3 and tail.strip() == "exit handler ran"  # every byte out, then handlers
-    bad = _main_in_a_child(tmp_path, ["replay", str(tmp_path / "missing.yaml")])
+    written = json.loads((tmp_path / "o" / "summary.json").read_text())  # the files whole
+    assert [r["allocator"] for r in written] == [r["allocator"] for r in json.loads(head + "]")]
+    bad = _main_in_a_child(tmp_path, ["replay", str(tmp_path / "missing.yaml")], torch=torch)
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "Traceback" not in bad.stderr

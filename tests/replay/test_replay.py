@@ -592,3 +592,20 @@ def test_async_decode_runs_give_the_step_by_step_replay(tmp_path, monkeypatch, r
         assert (a.prefix_hit_tokens, a.prefix_query_tokens) == (b.prefix_hit_tokens, b.prefix_query_tokens)
     if rate == "1.0e+7" and model == "tiny":
         assert sum(run.num_preemptions.sum() for run in stepped.runs) > 0
+
+
+def test_the_heap_before_a_replay_is_frozen_while_it_runs_and_handed_back_after(tmp_path):
+    """The collector's full passes skip what was alive before the replays (modules, the request stream); a freeze
+    the caller made is its own, left in force."""
+    import gc
+
+    workload = tiny_workload(tmp_path, count=4)
+    seen = []
+    run_replay(workload, ReplayOptions(tensors=False), workers=1, progress=lambda *_: seen.append(gc.get_freeze_count()))
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        run_replay(workload, ReplayOptions(tensors=False), workers=1)
+        assert gc.get_freeze_count() > 0  # not handed back by the replay (frozen objects freed since leave the count)
+    finally:
+        gc.unfreeze()
