@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
+
+from kvsim.replay.tables import writes_pandas_bytes
 
 HEAVY = ("torch", "pandas", "matplotlib", "huggingface_hub")
 
@@ -66,6 +69,8 @@ def test_size_json_imports_no_table_and_no_hub_step(monkeypatch):
     assert not {"kvsim.models.hub", "kvsim.size.cpu_offload", "kvsim.replay", "kvsim.engine", "kvsim.workload", "kvsim.clock"} & names
 
 
+@pytest.mark.skipif(not writes_pandas_bytes(),
+                    reason="without pandas 3 and pyarrow 22+, the reports are written through pandas")
 def test_replay_accounting_only_imports_no_heavy_module_and_no_table(tmp_path):
     """`kvsim replay --no-tensors --quiet --json` writes its reports through Arrow (no pandas), draws nothing (no
     rich) and never touches the cache tensors (no torch)."""

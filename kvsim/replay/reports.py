@@ -114,10 +114,13 @@ def requests_frame(result: ReplayResult):
 
 
 def _frame(runs: list[tables.Columns]):
-    """The allocators' columns as one DataFrame (pandas' concat: a column some allocators lack is NaN in theirs)."""
+    """The allocators' columns as one DataFrame (pandas' concat: a column some allocators lack is NaN in theirs);
+    a text column of no rows stays text (typed by its values, it would turn float in the concat)."""
     import pandas as pd
 
-    return pd.concat([pd.DataFrame(columns) for columns in runs], ignore_index=True)
+    return pd.concat([pd.DataFrame({name: pd.Series(values, dtype="str") if isinstance(values, list) and not values
+                                    else values for name, values in columns.items()}) for columns in runs],
+                     ignore_index=True)
 
 
 def _joined(runs: list[tables.Columns]) -> tables.Columns | None:

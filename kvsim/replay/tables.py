@@ -19,22 +19,34 @@ import numpy as np
 Columns = dict[str, "np.ndarray | list"]  # name -> (n,) int64/float64 array, or a list of str (or None) of n
 
 
-@lru_cache(maxsize=1)
-def _pandas_version() -> str | None:
-    """The installed pandas' version, read from its metadata (importing pandas costs what this module saves)."""
+@lru_cache(maxsize=None)
+def _version(package: str) -> str | None:
+    """The installed `package`'s version, read from its metadata (importing pandas costs what this module saves)."""
     from importlib import metadata
 
     try:
-        return metadata.version("pandas")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _pandas_version() -> str | None:
+    return _version("pandas")
+
+
+def writes_pandas_bytes() -> bool:
+    """Whether `write_parquet` can promise pandas' bytes: pandas 3 (its `str` dtype) with a pyarrow of 22 or newer,
+    whose pandas metadata carries the frame's `attributes` (apache/arrow#47147), as `pandas_metadata` writes it."""
+    pandas, arrow = _pandas_version(), _version("pyarrow")
+    return (pandas or "").split(".")[0] == "3" and arrow is not None and int(arrow.split(".")[0]) >= 22
 
 
 def arrow_table(columns: Columns):
     """`columns` as pandas 3 hands a DataFrame of them to Arrow (`pa.Table.from_pandas`, no index): int64 and float64
     arrays as they are (a float NaN becomes a null, pandas' missing value), text as large_string (pandas 3's `str`
     dtype; a column of None only is Arrow's null type, as an object column of them is); None for an array of any
-    other dtype. Built from buffers: `pa.array` imports pandas to look for its objects."""
+    other dtype; an empty list is text, as the replay's labels were when no row had one). Built from buffers:
+    `pa.array` imports pandas to look for its objects."""
     import pyarrow as pa
 
     arrays = []
@@ -46,7 +58,7 @@ def arrow_table(columns: Columns):
             missing = np.isnan(values) if values.dtype == np.float64 else None
             arrays.append(pa.Array.from_buffers(pa.int64() if values.dtype == np.int64 else pa.float64(), len(values),
                                                 [_validity(missing), pa.py_buffer(values)]))
-        elif all(v is None for v in values):
+        elif values and all(v is None for v in values):
             arrays.append(pa.nulls(len(values)))
         else:
             encoded = [b"" if v is None else v.encode("utf-8") for v in values]
@@ -91,8 +103,8 @@ def pandas_metadata(table) -> bytes | None:
 
 def write_parquet(columns: Columns, path: Path) -> bool:
     """Write `columns` as `pd.DataFrame(columns).to_parquet(path, index=False)` does, byte for byte, without pandas;
-    False (nothing written) where this cannot promise that: pandas other than 3, or a column type it does not know."""
-    if (_pandas_version() or "").split(".")[0] != "3":
+    False (nothing written) where this cannot promise that (`writes_pandas_bytes`), or for a column type it does not know."""
+    if not writes_pandas_bytes():
         return False
     import pyarrow.parquet as pq
 

@@ -140,3 +140,34 @@ def test_allocators_with_different_columns_are_written_by_pandas_as_before(tmp_p
     steps = pd.read_parquet(paths.steps)
     assert steps["cpu_hit_tokens"].isna().tolist() == [True, True, False, False]
     assert pd.read_csv(paths.summary_csv)["cpu_hit_tokens"].isna().tolist() == [True, False]
+
+
+@pytest.mark.skipif(not PANDAS_3, reason="the Arrow writer copies pandas 3's metadata; other pandas write through pandas")
+@pytest.mark.parametrize("tiered", [False, True], ids=["arrow", "pandas"])
+def test_a_replay_without_rows_keeps_its_allocator_column_text(tmp_path, tiered):
+    """Every request rejected: no allocator has a row. The label column stays text (large_string), as the frames
+    built before the Arrow writer had it (`insert` of the label), through Arrow and through pandas' fallback
+    (a CPU tier's columns on one allocator: different columns)."""
+    from dataclasses import replace
+
+    from kvsim.replay.records import OFFLOAD_COLUMNS
+
+    result = hand_result()
+    empty = {name: column[:0] for name, column in result.runs[0].steps.items()}
+    runs = [replace(run, steps=dict(empty)) for run in result.runs]
+    if tiered:
+        runs[-1] = replace(runs[-1], label="paged-16+prefix+cpu", offload={
+            "cpu_hit_tokens": 0, "cpu_loaded_bytes": 0, "cpu_stored_bytes": 0, "cpu_load_wait_s": 0.0,
+            "steps": {name: np.zeros(0, dtype=np.int64) for name in OFFLOAD_COLUMNS}})
+    result.runs = runs
+    paths = write_reports(result, tmp_path / "out")
+    frames = []
+    for run in result.runs:  # the frames as reports built them before the Arrow writer
+        frame = pd.DataFrame({name: run.steps[name] for name in run.steps if not name.endswith("_us")})
+        for name, column in (run.offload or {"steps": {}})["steps"].items():
+            frame[name] = column
+        frame.insert(0, "allocator", run.label)
+        frames.append(frame)
+    pd.concat(frames, ignore_index=True).to_parquet(tmp_path / "before.parquet", index=False)
+    assert paths.steps.read_bytes() == (tmp_path / "before.parquet").read_bytes()
+    assert pa.parquet.read_schema(paths.steps).field("allocator").type == pa.large_string()
