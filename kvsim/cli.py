@@ -460,14 +460,14 @@ def main() -> None:
     8 (scripts/bench_main_job.py), and freeing a replay's objects (its block pool's linked lists are cycles, left
     to a last collection) and unloading numpy and Arrow ~0.1 s of a replay of the Mooncake trace. Every report is
     a closed file by then. Under a profiler or a tracer (`python -m cProfile -m kvsim ...`, coverage) the
-    interpreter ends as usual, so that they write what they saw.
+    interpreter ends as usual, so that they write what they saw; so it does while a thread it would join still runs.
     """
     try:
         app_for(sys.argv[1:])()  # typer ends in SystemExit
         code: object = 0
     except SystemExit as done:
         code = done.code
-    if sys.getprofile() is not None or sys.gettrace() is not None:
+    if sys.getprofile() is not None or sys.gettrace() is not None or _threads_left():
         raise SystemExit(code)
     if isinstance(code, str):  # SystemExit("message"): printed, status 1, as the interpreter would
         print(code, file=sys.stderr)
@@ -478,6 +478,15 @@ def main() -> None:
         except (BrokenPipeError, ValueError):  # a reader gone (`| head`), a stream closed: nothing more to say
             pass
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _threads_left() -> bool:
+    """Whether a thread the interpreter would join at its end is still running (an executor's manager, say): then
+    the process ends as usual, since `os._exit` skips those joins and the exit callbacks threads registered."""
+    import threading
+
+    main_thread = threading.main_thread()
+    return any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate())
 
 
 if __name__ == "__main__":

@@ -289,3 +289,15 @@ def test_main_exits_with_the_commands_status_after_flushing_and_running_exit_han
     assert [r["allocator"] for r in written] == [r["allocator"] for r in json.loads(head + "]")]
     bad = _main_in_a_child(tmp_path, ["replay", str(tmp_path / "missing.yaml")], torch=torch)
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_main_ends_as_usual_while_a_thread_it_would_join_runs(tmp_path):
+    """A non-daemon thread still running when the command is done: the interpreter's own end (which joins it and
+    runs what threads registered), not `os._exit`, which would cut it off."""
+    path = write_tiny(tmp_path, count=4)
+    argv = ["replay", str(path), "--quiet", "--no-tensors", "--out", str(tmp_path / "o")]
+    before = ("import threading, time\n"
+              "threading.Thread(target=lambda: (time.sleep(1.0), print('thread finished', flush=True))).start()\n")
+    done = _main_in_a_child(tmp_path, argv, before=before, torch=False)
+    assert done.returncode == 0, done.stderr
+    assert "thread finished" in done.stdout
