@@ -83,6 +83,16 @@ class KVAllocator(ABC):
     # checkpoint alignment (0: they export none)
     mamba_block_size: int = 0
     mamba_checkpoint_alignment: int = 0
+    # prefix caching of a request's private blocks (those past its prompt, which no other request asks for):
+    # True where they may be cached only when the request's blocks are freed, up to where vLLM's caching as
+    # tokens settle would have taken them (the paged allocator of a uniform model)
+    caches_private_blocks_at_free: bool = False
+
+    @property
+    def needs_settled_caching(self) -> bool:
+        """Whether async scheduling must call `cache_blocks` as each request's tokens settle (False: every
+        admitted request's blocks past its prompt are cached when its blocks are freed)."""
+        return self.enable_prefix_caching
 
     @abstractmethod
     def allocate(

@@ -137,6 +137,8 @@ class PagedAllocator(KVAllocator):
     def kv_cache_usage(self) -> float:
         return self.pool.get_usage()
 
+    caches_private_blocks_at_free = True
+
     @property
     def needs_settled_caching(self) -> bool:
         """Whether some admitted request caches its blocks as its tokens settle (async scheduling's
@@ -145,9 +147,10 @@ class PagedAllocator(KVAllocator):
         return self._num_eager > 0
 
     def cached_block_hashes(self) -> Container[int]:
-        """The keys cached now (a router's view). The router reads caching as it happens: requests admitted from
-        now on cache every block as it fills. (It asks about prompt blocks, which no lazy block is: the lazy
-        blocks of requests already running answer the same whether cached yet or not.)"""
+        """The keys cached now (a router's view). Not a pure query: the router reads caching as it happens, so
+        requests admitted from now on cache every block as it fills. Membership of a prompt block's key, which is
+        what a router asks, is exact either way (no lazy block is a prompt block); the container's size is not
+        while requests admitted before still hold lazy blocks (a router asks before the first admission)."""
         self.lazy_private_blocks = False
         return self.pool.cached_hashes()
 
@@ -232,8 +235,9 @@ class PagedAllocator(KVAllocator):
         return max(0, need - len(self._reqs[seq].table))
 
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
-        """The prefix-cache hit `allocate` would find for `seq` now, in tokens, changing nothing (what vLLM's
-        scheduler hands a KV connector before it allocates)."""
+        """The prefix-cache hit `allocate` would find for `seq` now, in tokens, leaving the table and `seq` as they
+        are (what vLLM's scheduler hands a KV connector before it allocates); requests admitted from now on cache
+        every block as it fills."""
         # a KV connector asks this before each admission: it sees caching as it happens, so requests admitted from
         # now on cache every block as it fills (see the class docstring)
         self.lazy_private_blocks = False

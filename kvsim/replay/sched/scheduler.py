@@ -70,6 +70,7 @@ class Scheduler:
         # step n's sampled tokens are processed (`postprocess` keeps one step in flight).
         self.async_scheduling = async_scheduling
         self._in_flight: SchedulerOutput | None = None
+        self._settled_row: SchedulerOutput | None = None  # the row whose outputs the last `postprocess` processed
         self.swap_used_bytes = 0
         self.cache = cache
         self.roofline = roofline
@@ -624,7 +625,7 @@ class Scheduler:
             seq.num_output_placeholders = 0
         out.preempted.append(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk[0] is not seq]
-        if seq.num_in_flight_tokens and self._hash_block_size and hasattr(self.allocator, "lazy_private_blocks"):
+        if seq.num_in_flight_tokens and self._hash_block_size and self.allocator.caches_private_blocks_at_free:
             # async, a step in flight computing its tokens, an allocator that may cache them lazily (which caches
             # up to the settled tokens at the free): if no output of it was processed since that step was
             # scheduled, vLLM's allocate_slots cached that step's blocks then, as far as its tokens were known
@@ -676,9 +677,6 @@ class Scheduler:
         return True
 
     # --- after a step has run: vLLM's `_update_after_schedule` and `update_from_output` --------------
-
-    # async scheduling: the row whose outputs the last `postprocess` processed (None: none, or a flush since)
-    _settled_row: SchedulerOutput | None = None
 
     def postprocess(self, out: SchedulerOutput) -> list[SchedSeq]:
         """After `out` has run: advance computed tokens by what it computed, then process sampled tokens (vLLM's
@@ -741,7 +739,7 @@ class Scheduler:
         where nothing needs it: no prefix caching, or every admitted request's blocks past its prompt are cached
         when its blocks are freed (the allocator's `needs_settled_caching`; its prompt's blocks are all cached
         when scheduled, their tokens known)."""
-        if not self._hash_block_size or not getattr(self.allocator, "needs_settled_caching", True):
+        if not self._hash_block_size or not self.allocator.needs_settled_caching:
             return 0
         return self._hash_block_size
 
