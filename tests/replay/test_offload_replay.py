@@ -476,3 +476,25 @@ def test_the_sync_load_budget_is_read_in_bytes_and_checked(tmp_path):
     with pytest.raises(KvsimError) as exc:
         load_workload(path)
     assert "sync_load_budget_bytes" in str(exc.value) and str(path) in str(exc.value)
+
+
+@pytest.mark.parametrize("async_scheduling", ["true", "false"])
+def test_a_lone_request_that_cannot_grow_beside_a_load_is_recomputed_not_swapped(tmp_path, async_scheduling):
+    # 256 MiB: 146 blocks of 16 tokens, 145 usable. A (2048 tokens) puts its 128 chunks in the tier. R (16 + 1000)
+    # runs alone; B (2048 tokens from the tier + 120 new: 136 blocks) arrives when R holds 9 blocks: its prompt
+    # fits, its load holds 128 blocks and leaves 8 free. R takes its 10th block during the load, so B's 8 more no
+    # longer fit and B waits, holding its blocks; R grows into the 8 and at 272 tokens preempts itself with
+    # nothing else running. Swapping it out brought it back to the same 17 blocks, ahead of B: no step ever ran
+    # again. It is recomputed instead: B is admitted, then R recomputes its 273 tokens past its first block (16
+    # tokens from the tier).
+    rows = [{"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 500, "input_length": 16, "output_length": 1000, "hash_ids": [9]},
+            {"timestamp": 545, "input_length": 2048 + 120, "output_length": 2, "hash_ids": [1, 2, 3, 4, 5]}]
+    path = write(tmp_path, rows)
+    path.write_text(path.read_text() + f"scheduler: {{preemption: swap, swap_space: 1GiB, async_scheduling: {async_scheduling}}}\n")
+    (run,) = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert not np.isnan(run.finished_s).any()
+    assert run.num_preemptions.tolist() == [0, 1, 0]
+    assert run.offload["cpu_hit_tokens"] == 2048 + 16
+    assert run.steps["num_prefill_tokens"].sum() == 2048 + 16 + 120 + (273 - 16)
+    assert run.finished_s[2] < run.finished_s[1]  # B, admitted once R made room, finishes first

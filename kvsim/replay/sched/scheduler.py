@@ -634,7 +634,12 @@ class Scheduler:
                 self.allocator.cache_blocks(seq, seq.num_computed_tokens)
         computed = seq.num_computed_tokens
         swap_bytes = computed * self.bytes_per_token
-        if self.preemption == "swap" and computed and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes:
+        # Swap only while another request still runs: a request that preempts itself with nothing else running
+        # would come back to the same free blocks (those it gave up) and could not grow there either, while the
+        # blocks it lacks are held by requests that do not run (the connector's loads, which wait behind swapped
+        # requests); it is recomputed, as vLLM does, and the loaded requests are admitted first.
+        if (self.preemption == "swap" and computed and self.running
+                and self.swap_used_bytes + swap_bytes <= self.swap_space_bytes):
             if self.cache is not None:
                 slots = self.allocator.slot_mapping(seq, 0, computed)  # (computed,)
                 seq.swap_handle = self.cache.swap_out(slots)
