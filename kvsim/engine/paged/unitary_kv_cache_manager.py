@@ -14,7 +14,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
-from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK
+from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK, run_chunks
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -27,8 +27,8 @@ _EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is c
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until", "hit", "cap",
-                 "used")
+    __slots__ = ("seq", "final", "table", "hashes", "runs", "chunks", "num_hashed", "lazy_from", "quiet_until", "hit",
+                 "cap", "used")
 
     def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
@@ -37,6 +37,7 @@ class PagedRequest:
         # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
         # (`key_runs`); None: no prefix caching
         self.hashes, self.runs = hashes if hashes is not None else (None, None)
+        self.chunks: list[int] | None = None  # each run's chunk (`run_chunks`), made at its first long insert
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         # blocks from this index on (its private blocks) are cached when its blocks are freed, not as they fill
         self.lazy_from = lazy_from
@@ -124,6 +125,9 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
+        # the last refused admission: (seq, its token ids, its keys, query, hit blocks, revived, the pool's
+        # `num_evicted`, `num_revived` then); see `_still_refused`
+        self._refused: tuple | None = None
         # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
         self.lazy_private_blocks = enable_prefix_caching
         self._num_eager = 0  # admitted requests that cache every block as it fills
@@ -176,6 +180,11 @@ class PagedAllocator(KVAllocator):
         exceed the free blocks.
         """
         assert seq not in self._reqs, f"{seq} is already admitted"
+        refused = self._refused
+        if refused is not None and refused[0] is seq and self._still_refused(
+                refused, num_new_tokens, num_tokens, full_sequence_must_fit, apply_watermark,
+                num_external_computed_tokens, reserved_blocks):
+            return None
         bs = self.block_size
         hit_blocks: list[int] = []
         hashes: tuple[np.ndarray, list[int]] | None = None
@@ -197,9 +206,10 @@ class PagedAllocator(KVAllocator):
         if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
             full = -(-min(num_tokens, self.max_model_len) // bs)
             if max(full, num_blocks) - len(hit_blocks) + revived + watermark > free:
-                return None
+                return self._refuse(seq, hashes, query, len(hit_blocks), revived)
         if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
-            return None  # leaving `reserved_blocks` free
+            return self._refuse(seq, hashes, query, len(hit_blocks), revived)  # leaving `reserved_blocks` free
+        self._refused = None
 
         lazy_from = _EAGER
         if hashes is not None:
@@ -212,13 +222,14 @@ class PagedAllocator(KVAllocator):
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
-        req.table = hit_blocks + self.pool.get_new_blocks(num_blocks - len(hit_blocks))
+        new, arr = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
+        req.table = hit_blocks + new
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._cache_full_blocks(req, hit if delay_cache_blocks else total)
+        self._cache_full_blocks(req, hit if delay_cache_blocks else total, arr)
         self._refresh(req)
         return hit
 
@@ -435,6 +446,7 @@ class PagedAllocator(KVAllocator):
                     if pool._younger[block] or not pool._primary[block]:
                         pool._evict_one(block)
                     else:
+                        pool.num_evicted += 1
                         pool._cached[block] = False
                         pool._primary[block] = False
                 pool.num_blocks_allocated += 1
@@ -548,6 +560,57 @@ class PagedAllocator(KVAllocator):
                     break
         return hits, pool.num_evictable(hits) if count_free else 0
 
+    def _refuse(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, query: int, num_hit: int,
+                revived: int) -> None:
+        """`allocate` refuses `seq`: what its retry needs to know whether the refusal stands (`_still_refused`)."""
+        if hashes is not None:
+            pool = self.pool
+            self._refused = (seq, seq.token_ids, hashes[0], query, num_hit, revived, pool.num_evicted,
+                             pool.num_revived)
+        return None
+
+    def _still_refused(self, refused: tuple, num_new_tokens: int, num_tokens: int | None,
+                       full_sequence_must_fit: bool, apply_watermark: bool, ext: int, reserved_blocks: int) -> bool:
+        """Whether `allocate` would refuse the last refused request again now, answered without its lookup (a
+        refused queue head is asked again at every step); False: not known, `allocate` decides.
+
+        At the refusal its hit was `h` blocks, `r` of them free. Its hit now is the longest run of live leading
+        keys (capped as then), so at most `h` while key `h` has no live entry; fewer hit blocks never need fewer
+        new blocks (the blocks for this chunk past the hit, less the hit, only grow as the hit shrinks). While
+        no cached block was evicted and no free one revived by another hit (the pool's counters), its `h` hit
+        blocks all still answer and its `r` free ones are still free: at least `r` revived; else at least 0.
+        If even those lower bounds exceed the free blocks now, the refusal stands, whatever else changed (frees,
+        inserts, this step's token budget): the exact answer, as the full path would give it."""
+        seq, token_ids, key_array, query, num_hit, revived, evicted, num_revived = refused
+        if seq.token_ids is not token_ids:
+            return False
+        bs = self.block_size
+        if num_tokens is None:
+            num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
+        if min(num_tokens, seq.num_final_tokens) != query:
+            return False
+        pool = self.pool
+        if num_hit < (query - 1) // bs and num_hit < len(key_array):  # its next key: a live entry would extend it
+            key = key_array.item(num_hit)
+            table = pool.cached_block_hash_to_block
+            base = table.rows.get(key >> SLOT_BITS)
+            if base is not None:
+                block = table.slots[base + (key & SLOT_MASK)]
+                if block != EMPTY and pool._primary[block] and pool._hashes[block] == key:
+                    return False
+        if pool.num_evicted != evicted or pool.num_revived != num_revived:
+            revived = 0
+        hit = num_hit * bs
+        total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
+        num_blocks = -(-total // bs)
+        watermark = self.watermark_blocks if apply_watermark else 0
+        free = pool.free_queue.num_free_blocks
+        if full_sequence_must_fit:
+            full = -(-min(num_tokens, self.max_model_len) // bs)
+            if max(full, num_blocks) - num_hit + revived + watermark > free:
+                return True
+        return num_blocks - num_hit + revived + watermark + reserved_blocks > free
+
     def _is_live(self, keys: tuple[np.ndarray, list[int]], i: int) -> bool:
         """Whether key `i` of `keys` has a live entry (a block caching it that answers for it)."""
         pool = self.pool
@@ -576,12 +639,15 @@ class PagedAllocator(KVAllocator):
             if end == j + 1:
                 self.pool.cache_full_block(req.table[j], req.hashes.item(j))
             else:
-                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+                if req.chunks is None:
+                    req.chunks = run_chunks(req.hashes, req.runs)
+                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j, req.chunks)
             req.num_hashed = end
 
-    def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
+    def _cache_full_blocks(self, req: PagedRequest, total: int, new: np.ndarray | None = None) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
-        its hash (`BlockPool.cache_full_blocks`)."""
+        its hash (`BlockPool.cache_full_blocks`). `new`: at admission, the blocks past the hit as an array (the
+        pool's, if it made one)."""
         hashes = req.hashes
         if hashes is None:
             return
@@ -594,5 +660,9 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
             self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j)
+            if req.chunks is None:
+                req.chunks = run_chunks(hashes, req.runs)
+            # (at admission, `table[j:]` are the new blocks: j is the hit)
+            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j, req.chunks,
+                                        None if new is None else new[: end - j])
         req.num_hashed = end
