@@ -1,0 +1,152 @@
+"""The cached admission path's shortcuts give the answers of the plain path: a refused admission's retry answered
+from its last lookup (`PagedAllocator._still_refused`) against `allocate` with the shortcut off, and the pool's
+insert of whole new chunks at once (`BlockPool.cache_full_blocks` with `chunks`) against one run at a time."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+from kvsim.engine.paged.block_pool import BlockPool
+from kvsim.engine.paged.prefix_table import key_runs, run_chunks
+from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
+from kvsim.engine.sequence import Sequence
+from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.workload.requests import RequestSpec, make_block_key_runs
+
+BS = 4
+SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=BS)
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return (pool.free_queue.queued_ids().tolist(), pool.ref_count.tolist(), pool.cached_keys(),
+            {k: list(v) for k, v in pool.cached_duplicates.items()}, pool.is_cached.tolist())
+
+
+def _seq(r: RequestSpec) -> Sequence:
+    seq = Sequence(r.request_id, r.num_prompt_tokens, r.max_tokens)
+    seq.block_keys = partial(make_block_key_runs, r)
+    return seq
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("full", [False, True])
+def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
+    """Two allocators in lockstep, one with the retry shortcut and one without: requests sharing prefixes (so
+    hits, free hit blocks revived by others, evictions and inserts of the next key happen between retries) are
+    admitted in chunks of a varying budget, grow and finish; the queue head is retried at every step with
+    another budget, watermark flag and reservation. Every answer and the pools stay the same, and the shortcut
+    answers some of the retries."""
+    rng = np.random.default_rng(seed)
+    allocs = []
+    for shortcut in (True, False):
+        alloc = PagedAllocator(SPEC, 70 * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True,
+                               watermark=0.04)
+        if not shortcut:
+            alloc._still_refused = lambda *args: False
+        allocs.append(alloc)
+    answered = []
+    still = allocs[0]._still_refused
+
+    def counted(*args):
+        out = still(*args)
+        answered.append(out)
+        return out
+
+    allocs[0]._still_refused = counted
+    specs = []
+    for i in range(120):
+        group = int(rng.integers(0, 3))
+        prefix = int(rng.integers(0, 3)) * 64
+        specs.append(RequestSpec(i, 0.0, prefix + int(rng.integers(1, 120)), int(rng.integers(1, 30)),
+                                 prefix_group=group if prefix else None, num_prefix_tokens=prefix))
+    waiting = [[_seq(r) for r in specs] for _ in allocs]
+    running: list[list[Sequence]] = [[], []]
+    for _ in range(900):
+        op = rng.random()
+        if waiting[0]:
+            budget = int(rng.integers(1, 200))
+            watermark = bool(rng.random() < 0.7)
+            reserved = int(rng.integers(0, 3)) * int(rng.random() < 0.2)
+            hits = [a.allocate(w[0], budget, num_tokens=w[0].num_prompt_tokens, full_sequence_must_fit=full,
+                               apply_watermark=watermark, reserved_blocks=reserved) for a, w in zip(allocs, waiting)]
+            assert hits[0] == hits[1]
+            if hits[0] is not None:
+                for w, run in zip(waiting, running):
+                    seq = w.pop(0)
+                    seq.num_computed_tokens = hits[0]
+                    run.append(seq)
+        if running[0] and op < 0.5:  # a running request computes a few more tokens
+            i = int(rng.integers(len(running[0])))
+            n = int(rng.integers(1, 40))
+            grown = []
+            for a, run in zip(allocs, running):
+                seq = run[i]
+                n_ok = min(n, seq.num_final_tokens - seq.num_computed_tokens)
+                ok = n_ok <= 0 or a.append_slots(seq, n_ok)
+                if ok and n_ok > 0:
+                    seq.num_computed_tokens += n_ok
+                grown.append(ok)
+            assert grown[0] == grown[1]
+        elif running[0] and op < 0.8:  # one finishes
+            i = int(rng.integers(len(running[0])))
+            for a, run in zip(allocs, running):
+                a.free(run.pop(i))
+        assert _pool_state(allocs[0].pool) == _pool_state(allocs[1].pool)
+    assert sum(answered) > 20 and not all(answered)
+
+
+def _random_keys(rng: np.random.Generator) -> np.ndarray:
+    """A request's keys: pieces of a few streams (whole chunks of 32, partial ones, a stream repeated, so one
+    chunk twice in a request), as a replay's keys come."""
+    parts = []
+    for _ in range(int(rng.integers(1, 5))):
+        stream = int(rng.integers(0, 4))
+        first = int(rng.integers(0, 3)) * 32 + int(rng.integers(0, 2)) * int(rng.integers(0, 32))
+        parts.append((np.int64(stream) << 21) | np.arange(first, first + int(rng.integers(1, 110)), dtype=np.int64))
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_whole_new_chunks_at_once_leave_the_pool_as_one_run_at_a_time(seed):
+    """Two pools in lockstep: inserts with each run's chunk (`run_chunks`, whole new chunks at once, the ids
+    sometimes as an array too) and without; taken, cached in pieces, freed, evicted and purged alike. The
+    tables (chunk offsets and slots), younger copies and block states stay equal."""
+    rng = np.random.default_rng(seed)
+    pools = [BlockPool(400, enable_caching=True) for _ in range(2)]
+    for pool in pools:
+        pool._table_limit = 40  # purge now and then
+    held: list[list[int]] = []
+    batched = 0
+    for _ in range(250):
+        if rng.random() < 0.6:
+            keys = _random_keys(rng)
+            n = len(keys)
+            if n > pools[0].num_free_blocks:
+                continue
+            runs, chunks = key_runs(keys), run_chunks(keys, key_runs(keys))
+            taken = [pool.get_new_blocks_and_array(n) for pool in pools]
+            assert taken[0][0] == taken[1][0]
+            ids, arr = taken[0]
+            j = 0
+            while j < n:  # in pieces, as prefill chunks cache them
+                end = min(n, j + int(rng.integers(1, 150)))
+                before = len(pools[0].cached_block_hash_to_block.rows)
+                pools[0].cache_full_blocks(ids[j:end], keys, runs, j, chunks,
+                                           arr[j:end] if arr is not None and rng.random() < 0.5 else None)
+                pools[1].cache_full_blocks(ids[j:end], keys, runs, j)
+                batched += len(pools[0].cached_block_hash_to_block.rows) - before > 1
+                j = end
+            held.append(ids)
+        elif held:
+            ids = held.pop(int(rng.integers(len(held))))[::-1]
+            for pool in pools:
+                pool.free_blocks(ids)
+        a, b = pools
+        assert a.cached_block_hash_to_block.rows == b.cached_block_hash_to_block.rows
+        assert a.cached_block_hash_to_block.slots == b.cached_block_hash_to_block.slots
+        assert _pool_state(a) == _pool_state(b)
+        assert a.is_primary.tolist() == b.is_primary.tolist() and a.has_younger.tolist() == b.has_younger.tolist()
+    assert batched
