@@ -31,18 +31,19 @@ def _seq(r: RequestSpec) -> Sequence:
     return seq
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("full", [False, True])
 def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
     """Two allocators in lockstep, one with the retry shortcut and one without: requests sharing prefixes (so
     hits, free hit blocks revived by others, evictions and inserts of the next key happen between retries) are
     admitted in chunks of a varying budget, grow and finish; the queue head is retried at every step with
-    another budget, watermark flag and reservation. Every answer and the pools stay the same, and the shortcut
+    another budget, watermark flag and reservation, and now and then a request behind it is admitted first.
+    Every answer and the pools stay the same, and the shortcut
     answers some of the retries."""
     rng = np.random.default_rng(seed)
     allocs = []
     for shortcut in (True, False):
-        alloc = PagedAllocator(SPEC, 70 * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True,
+        alloc = PagedAllocator(SPEC, 48 * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True,
                                watermark=0.04)
         if not shortcut:
             alloc._still_refused = lambda *args: False
@@ -57,17 +58,27 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
 
     allocs[0]._still_refused = counted
     specs = []
-    for i in range(120):
-        group = int(rng.integers(0, 3))
-        prefix = int(rng.integers(0, 3)) * 64
-        specs.append(RequestSpec(i, 0.0, prefix + int(rng.integers(1, 120)), int(rng.integers(1, 30)),
+    for i in range(200):
+        group = int(rng.integers(0, 2))
+        prefix = int(rng.integers(0, 6)) * 24
+        specs.append(RequestSpec(i, 0.0, prefix + int(rng.integers(1, 60)), int(rng.integers(1, 30)),
                                  prefix_group=group if prefix else None, num_prefix_tokens=prefix))
     waiting = [[_seq(r) for r in specs] for _ in allocs]
     running: list[list[Sequence]] = [[], []]
-    for _ in range(900):
+    for _ in range(1500):
         op = rng.random()
+        if len(waiting[0]) > 1 and rng.random() < 0.2:  # another request admitted ahead of the refused head
+            # (as a connector's skips allow): it may revive the head's free hit blocks
+            hits = [a.allocate(w[1], w[1].num_prompt_tokens, num_tokens=w[1].num_prompt_tokens) for a, w in
+                    zip(allocs, waiting)]
+            assert hits[0] == hits[1]
+            if hits[0] is not None:
+                for w, run in zip(waiting, running):
+                    seq = w.pop(1)
+                    seq.num_computed_tokens = hits[0]
+                    run.append(seq)
         if waiting[0]:
-            budget = int(rng.integers(1, 200))
+            budget = int(rng.integers(1, 100))
             watermark = bool(rng.random() < 0.7)
             reserved = int(rng.integers(0, 3)) * int(rng.random() < 0.2)
             hits = [a.allocate(w[0], budget, num_tokens=w[0].num_prompt_tokens, full_sequence_must_fit=full,
@@ -150,3 +161,62 @@ def test_whole_new_chunks_at_once_leave_the_pool_as_one_run_at_a_time(seed):
         assert _pool_state(a) == _pool_state(b)
         assert a.is_primary.tolist() == b.is_primary.tolist() and a.has_younger.tolist() == b.has_younger.tolist()
     assert batched
+
+
+def test_a_chunk_twice_in_one_insert_queues_its_second_copy():
+    """A request whose keys repeat a stream's two whole chunks: the at-once insert takes only distinct chunks,
+    so the table is as one run at a time leaves it (two chunks, not four)."""
+    keys = np.concatenate([(np.int64(1) << 21) | np.arange(0, 64, dtype=np.int64)] * 2)  # (128,)
+    runs = key_runs(keys)
+    pools = [BlockPool(200, enable_caching=True) for _ in range(2)]
+    ids = [pool.get_new_blocks(128) for pool in pools]
+    pools[0].cache_full_blocks(ids[0], keys, runs, 0, run_chunks(keys, runs))
+    pools[1].cache_full_blocks(ids[1], keys, runs, 0)
+    assert _pool_state(pools[0]) == _pool_state(pools[1])
+    assert pools[0].cached_block_hash_to_block.rows == pools[1].cached_block_hash_to_block.rows
+    assert pools[0].cached_block_hash_to_block.slots == pools[1].cached_block_hash_to_block.slots
+    assert len(pools[0].cached_block_hash_to_block) == 2
+
+
+def _twins() -> list[PagedAllocator]:
+    """An allocator with the retry shortcut and one without (39 usable blocks of 4 tokens)."""
+    allocs = [PagedAllocator(SPEC, 40 * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True)
+              for _ in range(2)]
+    allocs[1]._still_refused = lambda *args: False
+    return allocs
+
+
+def _admit(allocs: list[PagedAllocator], spec: RequestSpec, num_new: int | None = None) -> list[Sequence]:
+    """`spec` admitted with `num_new` tokens (its whole prompt if None) and computed, in both; returns its seqs."""
+    seqs = [_seq(spec) for _ in allocs]
+    n = spec.num_prompt_tokens if num_new is None else num_new
+    hits = [a.allocate(s, n, num_tokens=spec.num_prompt_tokens) for a, s in zip(allocs, seqs)]
+    assert hits[0] == hits[1] is not None
+    for s in seqs:
+        s.num_computed_tokens = hits[0] + min(n, spec.num_prompt_tokens - hits[0])
+    return seqs
+
+
+def _both(allocs: list[PagedAllocator], seqs: list[Sequence]) -> int | None:
+    hits = [a.allocate(s, s.num_prompt_tokens, num_tokens=s.num_prompt_tokens) for a, s in zip(allocs, seqs)]
+    assert hits[0] == hits[1]
+    assert _pool_state(allocs[0].pool) == _pool_state(allocs[1].pool)
+    return hits[0]
+
+
+def test_a_retry_after_a_running_request_cached_its_next_key():
+    """Head C (a 64-token shared prefix) is refused with a hit of 9 blocks; D, running, computes the prefix's
+    next 7 blocks and caches them. C's hit is then 16 blocks and it fits: the retry must look again."""
+    allocs = _twins()
+    _admit(allocs, RequestSpec(0, 0.0, 36, 1, prefix_group=0, num_prefix_tokens=32))  # 9 blocks, held
+    b1 = _admit(allocs, RequestSpec(1, 0.0, 40, 1))  # 10 blocks
+    _admit(allocs, RequestSpec(2, 0.0, 40, 1))  # 10 blocks: 10 free
+    d = _admit(allocs, RequestSpec(4, 0.0, 64, 1, prefix_group=0, num_prefix_tokens=64), 4)  # hit 8, 1 new: 9 free
+    c = [_seq(RequestSpec(3, 0.0, 100, 1, prefix_group=0, num_prefix_tokens=64)) for _ in allocs]  # 25 blocks
+    assert _both(allocs, c) is None  # hit 9 (D's first block too): 16 new > 9
+    for alloc, s in zip(allocs, d):
+        assert alloc.append_slots(s, 28)  # D's next chunk: 7 more blocks, its keys 9 .. 15 cached; 2 free
+    for alloc, s in zip(allocs, b1):
+        alloc.free(s)  # 12 free
+    assert allocs[0].pool.num_evicted == 0  # (only the next key changed)
+    assert _both(allocs, c) == 64  # hit 16 blocks, all held: 9 new blocks

@@ -269,11 +269,10 @@ class BlockPool:
         self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
-        # cached blocks uncached by eviction, and free blocks taken out of the free queue by a hit, since
-        # creation: while neither moves, every live entry stays live and every free cached block stays free
-        # (what a refused admission's retry is answered by, `PagedAllocator._still_refused`)
+        # cached blocks uncached by eviction since creation: while it stands, every live entry stays live and
+        # every free cached block stays free but for hits (what a refused admission's retry is answered by,
+        # `PagedAllocator._still_refused`)
         self.num_evicted = 0
-        self.num_revived = 0
         self._table_limit = num_blocks + 1024  # a table's chunks, stale included, before a purge
         self._views: list[BlockView] | None = None
 
@@ -541,7 +540,6 @@ class BlockPool:
                     self.num_shared_refs += 1
                 else:
                     self.free_queue.remove_one(block)
-                    self.num_revived += 1
                 refs[block] = ref + 1
             return
         arr = np.array(ids, dtype=np.int64)  # (n,)
@@ -550,7 +548,6 @@ class BlockPool:
         num_free = int(np.count_nonzero(free))
         if num_free:
             self.free_queue.remove(arr[free])
-            self.num_revived += num_free
         self.num_shared_refs += len(ids) - num_free
         self.ref_count[arr] = refs + 1
 

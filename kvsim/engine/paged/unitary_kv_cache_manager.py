@@ -125,8 +125,8 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
-        # the last refused admission: (seq, its token ids, its keys, query, hit blocks, revived, the pool's
-        # `num_evicted`, `num_revived` then); see `_still_refused`
+        # the last refused admission, until the next admission: (seq, its token ids, its keys, query, hit blocks,
+        # revived, the pool's `num_evicted` then); see `_still_refused`
         self._refused: tuple | None = None
         # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
         self.lazy_private_blocks = enable_prefix_caching
@@ -564,9 +564,7 @@ class PagedAllocator(KVAllocator):
                 revived: int) -> None:
         """`allocate` refuses `seq`: what its retry needs to know whether the refusal stands (`_still_refused`)."""
         if hashes is not None:
-            pool = self.pool
-            self._refused = (seq, seq.token_ids, hashes[0], query, num_hit, revived, pool.num_evicted,
-                             pool.num_revived)
+            self._refused = (seq, seq.token_ids, hashes[0], query, num_hit, revived, self.pool.num_evicted)
         return None
 
     def _still_refused(self, refused: tuple, num_new_tokens: int, num_tokens: int | None,
@@ -577,11 +575,12 @@ class PagedAllocator(KVAllocator):
         At the refusal its hit was `h` blocks, `r` of them free. Its hit now is the longest run of live leading
         keys (capped as then), so at most `h` while key `h` has no live entry; fewer hit blocks never need fewer
         new blocks (the blocks for this chunk past the hit, less the hit, only grow as the hit shrinks). While
-        no cached block was evicted and no free one revived by another hit (the pool's counters), its `h` hit
-        blocks all still answer and its `r` free ones are still free: at least `r` revived; else at least 0.
+        no cached block was evicted (the pool's `num_evicted`), its `h` hit blocks all still answer and its `r`
+        free ones are still free (only a hit takes a free block out of the queue but for an eviction, and any
+        admission ends the record): at least `r` revived; else at least 0.
         If even those lower bounds exceed the free blocks now, the refusal stands, whatever else changed (frees,
         inserts, this step's token budget): the exact answer, as the full path would give it."""
-        seq, token_ids, key_array, query, num_hit, revived, evicted, num_revived = refused
+        seq, token_ids, key_array, query, num_hit, revived, evicted = refused
         if seq.token_ids is not token_ids:
             return False
         bs = self.block_size
@@ -598,7 +597,7 @@ class PagedAllocator(KVAllocator):
                 block = table.slots[base + (key & SLOT_MASK)]
                 if block != EMPTY and pool._primary[block] and pool._hashes[block] == key:
                     return False
-        if pool.num_evicted != evicted or pool.num_revived != num_revived:
+        if pool.num_evicted != evicted:
             revived = 0
         hit = num_hit * bs
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
