@@ -1,6 +1,5 @@
-"""The cached admission path's shortcuts give the answers of the plain path: a refused admission's retry answered
-from its last lookup (`PagedAllocator._still_refused`) against `allocate` with the shortcut off, and the pool's
-insert of whole new chunks at once (`BlockPool.cache_full_blocks` with `chunks`) against one run at a time."""
+"""The cached admission path's shortcut gives the answers of the plain path: a refused admission's retry answered
+from its last lookup (`PagedAllocator._still_refused`) against `allocate` with the shortcut off."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 
 from kvsim.engine.paged.block_pool import BlockPool
-from kvsim.engine.paged.prefix_table import key_runs, run_chunks
 from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -107,75 +105,6 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
                 a.free(run.pop(i))
         assert _pool_state(allocs[0].pool) == _pool_state(allocs[1].pool)
     assert sum(answered) > 20 and not all(answered)
-
-
-def _random_keys(rng: np.random.Generator) -> np.ndarray:
-    """A request's keys: pieces of a few streams (whole chunks of 32, partial ones, a stream repeated, so one
-    chunk twice in a request), as a replay's keys come."""
-    parts = []
-    for _ in range(int(rng.integers(1, 5))):
-        stream = int(rng.integers(0, 4))
-        first = int(rng.integers(0, 3)) * 32 + int(rng.integers(0, 2)) * int(rng.integers(0, 32))
-        parts.append((np.int64(stream) << 21) | np.arange(first, first + int(rng.integers(1, 110)), dtype=np.int64))
-    return np.concatenate(parts)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_whole_new_chunks_at_once_leave_the_pool_as_one_run_at_a_time(seed):
-    """Two pools in lockstep: inserts with each run's chunk (`run_chunks`, whole new chunks at once, the ids
-    sometimes as an array too) and without; taken, cached in pieces, freed, evicted and purged alike. The
-    tables (chunk offsets and slots), younger copies and block states stay equal."""
-    rng = np.random.default_rng(seed)
-    pools = [BlockPool(400, enable_caching=True) for _ in range(2)]
-    for pool in pools:
-        pool._table_limit = 40  # purge now and then
-    held: list[list[int]] = []
-    batched = 0
-    for _ in range(250):
-        if rng.random() < 0.6:
-            keys = _random_keys(rng)
-            n = len(keys)
-            if n > pools[0].num_free_blocks:
-                continue
-            runs, chunks = key_runs(keys), run_chunks(keys, key_runs(keys))
-            taken = [pool.get_new_blocks_and_array(n) for pool in pools]
-            assert taken[0][0] == taken[1][0]
-            ids, arr = taken[0]
-            j = 0
-            while j < n:  # in pieces, as prefill chunks cache them
-                end = min(n, j + int(rng.integers(1, 150)))
-                before = len(pools[0].cached_block_hash_to_block.rows)
-                pools[0].cache_full_blocks(ids[j:end], keys, runs, j, chunks,
-                                           arr[j:end] if arr is not None and rng.random() < 0.5 else None)
-                pools[1].cache_full_blocks(ids[j:end], keys, runs, j)
-                batched += len(pools[0].cached_block_hash_to_block.rows) - before > 1
-                j = end
-            held.append(ids)
-        elif held:
-            ids = held.pop(int(rng.integers(len(held))))[::-1]
-            for pool in pools:
-                pool.free_blocks(ids)
-        a, b = pools
-        assert a.cached_block_hash_to_block.rows == b.cached_block_hash_to_block.rows
-        assert a.cached_block_hash_to_block.slots == b.cached_block_hash_to_block.slots
-        assert _pool_state(a) == _pool_state(b)
-        assert a.is_primary.tolist() == b.is_primary.tolist() and a.has_younger.tolist() == b.has_younger.tolist()
-    assert batched
-
-
-def test_a_chunk_twice_in_one_insert_queues_its_second_copy():
-    """A request whose keys repeat a stream's two whole chunks: the at-once insert takes only distinct chunks,
-    so the table is as one run at a time leaves it (two chunks, not four)."""
-    keys = np.concatenate([(np.int64(1) << 21) | np.arange(0, 64, dtype=np.int64)] * 2)  # (128,)
-    runs = key_runs(keys)
-    pools = [BlockPool(200, enable_caching=True) for _ in range(2)]
-    ids = [pool.get_new_blocks(128) for pool in pools]
-    pools[0].cache_full_blocks(ids[0], keys, runs, 0, run_chunks(keys, runs))
-    pools[1].cache_full_blocks(ids[1], keys, runs, 0)
-    assert _pool_state(pools[0]) == _pool_state(pools[1])
-    assert pools[0].cached_block_hash_to_block.rows == pools[1].cached_block_hash_to_block.rows
-    assert pools[0].cached_block_hash_to_block.slots == pools[1].cached_block_hash_to_block.slots
-    assert len(pools[0].cached_block_hash_to_block) == 2
 
 
 def _twins() -> list[PagedAllocator]:

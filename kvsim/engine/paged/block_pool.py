@@ -292,11 +292,6 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
-        return self.get_new_blocks_and_array(num_blocks)[0]
-
-    def get_new_blocks_and_array(self, num_blocks: int) -> tuple[list[int], np.ndarray | None]:
-        """`get_new_blocks`, and the same ids as an int64 array where it made one (more than a few blocks), else
-        None (for `cache_full_blocks`' `arr`)."""
         if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost (same blocks, same order)
             out = self.free_queue.pop_list(num_blocks)
             refs, cached = self._refs, self._cached
@@ -305,7 +300,7 @@ class BlockPool:
                 if cached[block]:
                     self._evict_one(block)
             self.num_blocks_allocated += num_blocks
-            return out, None
+            return out
         ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
         self.ref_count[ids] = 1
         cached = self.is_cached[ids]
@@ -313,7 +308,7 @@ class BlockPool:
         if num_cached:
             self._evict(ids[cached] if num_cached != num_blocks else ids)
         self.num_blocks_allocated += num_blocks
-        return ids.tolist(), ids
+        return ids.tolist()
 
     def get_new_block(self) -> int:
         """`get_new_blocks(1)[0]`: a decode step opening one block."""
@@ -407,24 +402,18 @@ class BlockPool:
         table.slots[at] = block  # an empty slot or a stale entry
         self._primary[block] = True
 
-    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int,
-                          chunks: list[int] | None = None, arr: np.ndarray | None = None) -> None:
+    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
         `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of the
         table's slots; runs whose slots held entries (stale ones, or a live older copy: the block queues behind
-        it) are checked after, together.
-
-        `chunks` (optional, `run_chunks(keys, runs)`): each run's chunk; with it, consecutive runs of 32 keys
-        (whole chunks) whose chunks the table has none of yet are added at once (one dict update and one list
-        extend for all of them: a long prompt's blocks). `arr`: `ids` as an int64 array, if the caller has it."""
+        it) are checked after, together."""
         n = len(ids)
         end = start + n
         if n <= _FEW:  # a few (a decode run's blocks): one at a time
             for block, key in zip(ids, keys[start:end].tolist()):
                 self.cache_full_block(block, key)
             return
-        if arr is None:
-            arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
+        arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
         self.block_hash[arr] = keys[start:end]
         self.is_cached[arr] = True
         if self.num_groups > 1:
@@ -433,29 +422,8 @@ class BlockPool:
         rows, slots = table.rows, table.slots
         r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
         i, held = start, None
-        q = 0  # runs r - 1 .. q - 2 are whole chunks (while r < q)
         while i < end:
             stop = runs[r] if runs[r] < end else end
-            if stop - i == NUM_SLOTS and chunks is not None:  # whole chunks from here: the leading new ones at once
-                if r >= q:
-                    q = r + 1
-                    while q < len(runs) and runs[q] <= end and runs[q] - runs[q - 1] == NUM_SLOTS:
-                        q += 1
-                new = chunks[r - 1 : q - 1]
-                k = len(new)
-                if k > 1 and (not rows.keys().isdisjoint(new) or len(set(new)) < k):
-                    seen: set[int] = set()  # the new ones before the first the table has (or a repeat)
-                    for k, c in enumerate(new):
-                        if c in rows or c in seen:
-                            break
-                        seen.add(c)
-                if k > 1:  # (one is as cheap the usual way)
-                    base = len(slots)
-                    rows.update(zip(new[:k], range(base, base + NUM_SLOTS * k, NUM_SLOTS)))
-                    slots += ids[i - start : runs[r - 1 + k] - start]
-                    i = runs[r - 1 + k]
-                    r += k
-                    continue
             r += 1
             key = keys.item(i)
             base = rows.get(key >> SLOT_BITS)

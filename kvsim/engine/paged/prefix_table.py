@@ -35,11 +35,6 @@ def key_runs(keys: np.ndarray) -> list[int]:
     return [0, *(np.flatnonzero(cut) + 1).tolist(), n]
 
 
-def run_chunks(keys: np.ndarray, runs: list[int]) -> list[int]:
-    """The chunk (`key >> 5`) of each run of `keys` (`runs`: `key_runs(keys)`), for `BlockPool.cache_full_blocks`."""
-    return (keys[runs[:-1]] >> SLOT_BITS).tolist() if len(runs) > 1 else []
-
-
 class PrefixTable:
     """Key -> block, as vLLM's `BlockHashToBlockMap` holds it, in chunks of 32 slots: `rows[key >> 5]` is where
     the chunk of `key` starts in `slots`, one flat list, and `slots[rows[key >> 5] + (key & 31)]` is the block

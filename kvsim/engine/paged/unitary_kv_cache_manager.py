@@ -14,7 +14,7 @@ import numpy as np
 from kvsim.engine.allocator import KVAllocator, MemoryBreakdown
 from kvsim.engine.paged.block_pool import BlockPool
 from kvsim.engine.paged.kv_cache_utils import RequestBlockKeys
-from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK, run_chunks
+from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK
 from kvsim.engine.sequence import Sequence
 from kvsim.errors import KvsimError
 from kvsim.size.kv_cache_spec import KVCacheSpec
@@ -27,8 +27,8 @@ _EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is c
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "runs", "chunks", "num_hashed", "lazy_from", "quiet_until", "hit",
-                 "cap", "used")
+    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until", "hit", "cap",
+                 "used")
 
     def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
@@ -37,7 +37,6 @@ class PagedRequest:
         # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
         # (`key_runs`); None: no prefix caching
         self.hashes, self.runs = hashes if hashes is not None else (None, None)
-        self.chunks: list[int] | None = None  # each run's chunk (`run_chunks`), made at its first long insert
         self.num_hashed = 0  # leading blocks registered in the prefix cache
         # blocks from this index on (its private blocks) are cached when its blocks are freed, not as they fill
         self.lazy_from = lazy_from
@@ -222,14 +221,13 @@ class PagedAllocator(KVAllocator):
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
-        new, arr = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
-        req.table = hit_blocks + new
+        req.table = hit_blocks + self.pool.get_new_blocks(num_blocks - len(hit_blocks))
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._cache_full_blocks(req, hit if delay_cache_blocks else total, arr)
+        self._cache_full_blocks(req, hit if delay_cache_blocks else total)
         self._refresh(req)
         return hit
 
@@ -638,15 +636,12 @@ class PagedAllocator(KVAllocator):
             if end == j + 1:
                 self.pool.cache_full_block(req.table[j], req.hashes.item(j))
             else:
-                if req.chunks is None:
-                    req.chunks = run_chunks(req.hashes, req.runs)
-                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j, req.chunks)
+                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
             req.num_hashed = end
 
-    def _cache_full_blocks(self, req: PagedRequest, total: int, new: np.ndarray | None = None) -> None:
+    def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
-        its hash (`BlockPool.cache_full_blocks`). `new`: at admission, the blocks past the hit as an array (the
-        pool's, if it made one)."""
+        its hash (`BlockPool.cache_full_blocks`)."""
         hashes = req.hashes
         if hashes is None:
             return
@@ -659,9 +654,5 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
             self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            if req.chunks is None:
-                req.chunks = run_chunks(hashes, req.runs)
-            # (at admission, `table[j:]` are the new blocks: j is the hit)
-            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j, req.chunks,
-                                        None if new is None else new[: end - j])
+            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j)
         req.num_hashed = end
