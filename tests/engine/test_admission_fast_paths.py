@@ -107,9 +107,9 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
     assert sum(answered) > 20 and not all(answered)
 
 
-def _twins() -> list[PagedAllocator]:
-    """An allocator with the retry shortcut and one without (39 usable blocks of 4 tokens)."""
-    allocs = [PagedAllocator(SPEC, 40 * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True)
+def _twins(num_blocks: int = 40) -> list[PagedAllocator]:
+    """An allocator with the retry shortcut and one without (`num_blocks - 1` usable blocks of 4 tokens)."""
+    allocs = [PagedAllocator(SPEC, num_blocks * SPEC.block_bytes, max_model_len=4096, enable_prefix_caching=True)
               for _ in range(2)]
     allocs[1]._still_refused = lambda *args: False
     return allocs
@@ -126,8 +126,9 @@ def _admit(allocs: list[PagedAllocator], spec: RequestSpec, num_new: int | None 
     return seqs
 
 
-def _both(allocs: list[PagedAllocator], seqs: list[Sequence]) -> int | None:
-    hits = [a.allocate(s, s.num_prompt_tokens, num_tokens=s.num_prompt_tokens) for a, s in zip(allocs, seqs)]
+def _both(allocs: list[PagedAllocator], seqs: list[Sequence], num_new: int | None = None) -> int | None:
+    n = seqs[0].num_prompt_tokens if num_new is None else num_new
+    hits = [a.allocate(s, n, num_tokens=s.num_prompt_tokens) for a, s in zip(allocs, seqs)]
     assert hits[0] == hits[1]
     assert _pool_state(allocs[0].pool) == _pool_state(allocs[1].pool)
     return hits[0]
@@ -149,3 +150,24 @@ def test_a_retry_after_a_running_request_cached_its_next_key():
         alloc.free(s)  # 12 free
     assert allocs[0].pool.num_evicted == 0  # (only the next key changed)
     assert _both(allocs, c) == 64  # hit 16 blocks, all held: 9 new blocks
+
+
+def test_a_retry_after_its_free_hit_blocks_were_evicted_many_at_once():
+    """Head C hits A's 8 free cached blocks and is refused (a chunk of 100 tokens: 25 + 8 revived > 32 free); B
+    then grows by 32 blocks at once, evicting them all (`_evict`); E finishes (32 free). C now hits nothing and
+    needs 25 blocks: it fits, which the 8 revived blocks of its refusal would deny."""
+    allocs = _twins(80)
+    a = _admit(allocs, RequestSpec(0, 0.0, 36, 1, prefix_group=0, num_prefix_tokens=32))
+    for alloc, seq in zip(allocs, a):
+        alloc.free(seq)  # 9 cached blocks, free, at the tail
+    e = _admit(allocs, RequestSpec(1, 0.0, 128, 1))  # 32 blocks
+    b = _admit(allocs, RequestSpec(2, 0.0, 60, 200))  # 15 blocks: 32 free
+    c = [_seq(RequestSpec(3, 0.0, 232, 1, prefix_group=0, num_prefix_tokens=32)) for _ in allocs]
+    assert _both(allocs, c, 100) is None
+    evicted = allocs[0].pool.num_evicted
+    for alloc, seq in zip(allocs, b):
+        assert alloc.append_slots(seq, 128)  # 32 blocks at once, A's 9 among them
+    assert allocs[0].pool.num_evicted == evicted + 9
+    for alloc, seq in zip(allocs, e):
+        alloc.free(seq)
+    assert _both(allocs, c, 100) == 0
