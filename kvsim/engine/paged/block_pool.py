@@ -269,6 +269,10 @@ class BlockPool:
         self.cached_duplicates = self.duplicates[0]
         self.num_shared_refs = 0
         self.num_blocks_allocated = 0  # blocks handed out since creation (for benchmarks)
+        # cached blocks uncached by eviction since creation: while it stands, every live entry stays live and
+        # every free cached block stays free but for hits (what a refused admission's retry is answered by,
+        # `PagedAllocator._still_refused`)
+        self.num_evicted = 0
         self._table_limit = num_blocks + 1024  # a table's chunks, stale included, before a purge
         self._views: list[BlockView] | None = None
 
@@ -317,6 +321,7 @@ class BlockPool:
 
     def _evict_one(self, block: int) -> None:
         """Uncache `block`, taken from the free queue (`_evict` of one block)."""
+        self.num_evicted += 1
         self._cached[block] = False
         if self._younger[block] or not self._primary[block]:
             self._uncache(block, int(self.block_hash[block]))
@@ -327,6 +332,7 @@ class BlockPool:
         """Uncache `ids` (`_maybe_evict_cached_block`): their table entries go stale, but for blocks with younger
         copies (the next one takes over) and younger copies themselves (they leave their key's list), which
         are uncached one at a time in `ids`' order, as vLLM evicts."""
+        self.num_evicted += len(ids)
         self.is_cached[ids] = False
         if not any(self.duplicates):  # no younger copies anywhere: every cached block is its key's answer
             self.is_primary[ids] = False

@@ -124,6 +124,9 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
+        # the last refused admission, until the next admission: (seq, its token ids, its keys, query, hit blocks,
+        # revived, the pool's `num_evicted` then); see `_still_refused`
+        self._refused: tuple | None = None
         # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
         self.lazy_private_blocks = enable_prefix_caching
         self._num_eager = 0  # admitted requests that cache every block as it fills
@@ -179,6 +182,11 @@ class PagedAllocator(KVAllocator):
         exceed the free blocks.
         """
         assert seq not in self._reqs, f"{seq} is already admitted"
+        refused = self._refused
+        if refused is not None and refused[0] is seq and self._still_refused(
+                refused, num_new_tokens, num_tokens, full_sequence_must_fit, apply_watermark,
+                num_external_computed_tokens, reserved_blocks):
+            return None
         bs = self.block_size
         hit_blocks: list[int] = []
         hashes: tuple[np.ndarray, list[int]] | None = None
@@ -200,9 +208,10 @@ class PagedAllocator(KVAllocator):
         if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
             full = -(-min(num_tokens, self.max_model_len) // bs)
             if max(full, num_blocks) - len(hit_blocks) + revived + watermark > free:
-                return None
+                return self._refuse(seq, hashes, query, len(hit_blocks), revived)
         if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
-            return None  # leaving `reserved_blocks` free
+            return self._refuse(seq, hashes, query, len(hit_blocks), revived)  # leaving `reserved_blocks` free
+        self._refused = None
 
         lazy_from = _EAGER
         if hashes is not None:
@@ -441,6 +450,7 @@ class PagedAllocator(KVAllocator):
                     if pool._younger[block] or not pool._primary[block]:
                         pool._evict_one(block)
                     else:
+                        pool.num_evicted += 1
                         pool._cached[block] = False
                         pool._primary[block] = False
                 pool.num_blocks_allocated += 1
@@ -553,6 +563,56 @@ class PagedAllocator(KVAllocator):
                     del hits[i:]
                     break
         return hits, pool.num_evictable(hits) if count_free else 0
+
+    def _refuse(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, query: int, num_hit: int,
+                revived: int) -> None:
+        """`allocate` refuses `seq`: what its retry needs to know whether the refusal stands (`_still_refused`)."""
+        if hashes is not None:
+            self._refused = (seq, seq.token_ids, hashes[0], query, num_hit, revived, self.pool.num_evicted)
+        return None
+
+    def _still_refused(self, refused: tuple, num_new_tokens: int, num_tokens: int | None,
+                       full_sequence_must_fit: bool, apply_watermark: bool, ext: int, reserved_blocks: int) -> bool:
+        """Whether `allocate` would refuse the last refused request again now, answered without its lookup (a
+        refused queue head is asked again at every step); False: not known, `allocate` decides.
+
+        At the refusal its hit was `h` blocks, `r` of them free. Its hit now is the longest run of live leading
+        keys (capped as then), so at most `h` while key `h` has no live entry; fewer hit blocks never need fewer
+        new blocks (the blocks for this chunk past the hit, less the hit, only grow as the hit shrinks). While
+        no cached block was evicted (the pool's `num_evicted`), its `h` hit blocks all still answer and its `r`
+        free ones are still free (only a hit takes a free block out of the queue but for an eviction, and any
+        admission ends the record): at least `r` revived; else at least 0.
+        If even those lower bounds exceed the free blocks now, the refusal stands, whatever else changed (frees,
+        inserts, this step's token budget): the exact answer, as the full path would give it."""
+        seq, token_ids, key_array, query, num_hit, revived, evicted = refused
+        if seq.token_ids is not token_ids:
+            return False
+        bs = self.block_size
+        if num_tokens is None:
+            num_tokens = max(seq.num_prompt_tokens, num_new_tokens)
+        if min(num_tokens, seq.num_final_tokens) != query:
+            return False
+        pool = self.pool
+        if num_hit < (query - 1) // bs and num_hit < len(key_array):  # its next key: a live entry would extend it
+            key = key_array.item(num_hit)
+            table = pool.cached_block_hash_to_block
+            base = table.rows.get(key >> SLOT_BITS)
+            if base is not None:
+                block = table.slots[base + (key & SLOT_MASK)]
+                if block != EMPTY and pool._primary[block] and pool._hashes[block] == key:
+                    return False
+        if pool.num_evicted != evicted:
+            revived = 0
+        hit = num_hit * bs
+        total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
+        num_blocks = -(-total // bs)
+        watermark = self.watermark_blocks if apply_watermark else 0
+        free = pool.free_queue.num_free_blocks
+        if full_sequence_must_fit:
+            full = -(-min(num_tokens, self.max_model_len) // bs)
+            if max(full, num_blocks) - num_hit + revived + watermark > free:
+                return True
+        return num_blocks - num_hit + revived + watermark + reserved_blocks > free
 
     def _is_live(self, keys: tuple[np.ndarray, list[int]], i: int) -> bool:
         """Whether key `i` of `keys` has a live entry (a block caching it that answers for it)."""
