@@ -15,8 +15,6 @@ import math
 import platform
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -235,8 +233,8 @@ def kernel_records(result: ReplayResult) -> list[dict]:
 def host(result: ReplayResult) -> dict:
     """host.json: what ran the replay (versions, platform), which a rerun elsewhere does not reproduce."""
     return {
-        "kvsim_version": _version("kvsim"),
-        "torch_version": _version("torch"),
+        "kvsim_version": tables.installed_version("kvsim"),
+        "torch_version": tables.installed_version("torch"),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "device": result.device,
@@ -249,7 +247,7 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
     workload = result.workload
     opts = result.options
     return {
-        "kvsim_version": _version("kvsim"),
+        "kvsim_version": tables.installed_version("kvsim"),
         "scheduler": SCHEDULER_FOLLOWS,
         "device": result.device,
         "tensors": opts.tensors,
@@ -271,15 +269,6 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
         "allocators": [run.label for run in result.runs],
         "command": command if command is not None else " ".join(sys.argv),
     }
-
-
-@lru_cache(maxsize=None)
-def _version(package: str) -> str | None:
-    """An installed package's version (each lookup searches the path's distributions: meta.json and host.json share it)."""
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def write_reports(result: ReplayResult, out_dir: str | Path, *, csv: bool = False, command: str | None = None) -> ReportPaths:

@@ -20,8 +20,9 @@ Columns = dict[str, "np.ndarray | list"]  # name -> (n,) int64/float64 array, or
 
 
 @lru_cache(maxsize=None)
-def _version(package: str) -> str | None:
-    """The installed `package`'s version, read from its metadata (importing pandas costs what this module saves)."""
+def installed_version(package: str) -> str | None:
+    """The installed `package`'s version, read from its metadata (importing pandas costs what this module saves;
+    each lookup searches the path's distributions, so one per package and process)."""
     from importlib import metadata
 
     try:
@@ -31,13 +32,13 @@ def _version(package: str) -> str | None:
 
 
 def _pandas_version() -> str | None:
-    return _version("pandas")
+    return installed_version("pandas")
 
 
 def writes_pandas_bytes() -> bool:
     """Whether `write_parquet` can promise pandas' bytes: pandas 3 (its `str` dtype) with a pyarrow of 22 or newer,
     whose pandas metadata carries the frame's `attributes` (apache/arrow#47147), as `pandas_metadata` writes it."""
-    pandas, arrow = _pandas_version(), _version("pyarrow")
+    pandas, arrow = _pandas_version(), installed_version("pyarrow")
     return (pandas or "").split(".")[0] == "3" and arrow is not None and int(arrow.split(".")[0]) >= 22
 
 

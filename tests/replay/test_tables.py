@@ -128,14 +128,7 @@ def test_allocators_with_different_columns_are_written_by_pandas_as_before(tmp_p
         "steps": {name: np.array([1, 2], dtype=np.int64) for name in OFFLOAD_COLUMNS}})
     result.runs = [plain, tiered]
     paths = write_reports(result, tmp_path / "out", csv=True)
-    frames = []
-    for run in result.runs:  # the frames as reports built them before the Arrow writer
-        frame = pd.DataFrame({name: run.steps[name] for name in run.steps if not name.endswith("_us")})
-        for name, column in (run.offload or {"steps": {}})["steps"].items():
-            frame[name] = column
-        frame.insert(0, "allocator", run.label)
-        frames.append(frame)
-    pd.concat(frames, ignore_index=True).to_parquet(tmp_path / "before.parquet", index=False)
+    steps_parquet_before(result, tmp_path / "before.parquet")
     assert paths.steps.read_bytes() == (tmp_path / "before.parquet").read_bytes()
     steps = pd.read_parquet(paths.steps)
     assert steps["cpu_hit_tokens"].isna().tolist() == [True, True, False, False]
@@ -161,13 +154,19 @@ def test_a_replay_without_rows_keeps_its_allocator_column_text(tmp_path, tiered)
             "steps": {name: np.zeros(0, dtype=np.int64) for name in OFFLOAD_COLUMNS}})
     result.runs = runs
     paths = write_reports(result, tmp_path / "out")
+    steps_parquet_before(result, tmp_path / "before.parquet")
+    assert paths.steps.read_bytes() == (tmp_path / "before.parquet").read_bytes()
+    assert pa.parquet.read_schema(paths.steps).field("allocator").type == pa.large_string()
+
+
+def steps_parquet_before(result, path) -> None:
+    """steps.parquet as reports wrote it before the Arrow writer: a frame per allocator (the label inserted as a
+    scalar, a CPU tier's columns added), pandas' concat, `to_parquet`."""
     frames = []
-    for run in result.runs:  # the frames as reports built them before the Arrow writer
+    for run in result.runs:
         frame = pd.DataFrame({name: run.steps[name] for name in run.steps if not name.endswith("_us")})
         for name, column in (run.offload or {"steps": {}})["steps"].items():
             frame[name] = column
         frame.insert(0, "allocator", run.label)
         frames.append(frame)
-    pd.concat(frames, ignore_index=True).to_parquet(tmp_path / "before.parquet", index=False)
-    assert paths.steps.read_bytes() == (tmp_path / "before.parquet").read_bytes()
-    assert pa.parquet.read_schema(paths.steps).field("allocator").type == pa.large_string()
+    pd.concat(frames, ignore_index=True).to_parquet(path, index=False)
