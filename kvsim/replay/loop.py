@@ -8,7 +8,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Callable, Generator
 
 import numpy as np
@@ -24,7 +24,6 @@ from kvsim.replay.sched.output import SchedSeq, SchedulerOutput
 
 PROGRESS_EVERY = 512  # rows between progress callbacks
 _computed_tokens = attrgetter("num_computed_tokens")
-_chunk_tokens = itemgetter(2)  # a prefill chunk's (seq, start, num_tokens): its tokens
 # (step, now, dt, scheduler output, requests it finished, scheduler, preemptions) after each row's postprocess
 StepObserver = Callable[[int, float, float, SchedulerOutput, list, Scheduler, int], None]
 
@@ -304,8 +303,8 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
                 dt,
                 len(sched.running),
                 len(sched.waiting) + len(sched.swapped),
-                sum(map(_chunk_tokens, prefills)) if prefills else 0,  # out.num_prefill_tokens
-                len(out.decodes) * num_steps,  # out.num_decode_tokens
+                out.num_prefill_tokens,
+                out.num_decode_tokens,
                 b.token_states_bytes,
                 b.reservation_bytes,
                 b.internal_fragmentation_bytes,

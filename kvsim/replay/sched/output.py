@@ -4,9 +4,12 @@ row of them (`SchedulerOutput`), which the model runner executes and the replay 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from kvsim.engine.allocator import MemoryBreakdown
 from kvsim.engine.sequence import Sequence
+
+_chunk_tokens = itemgetter(2)  # a prefill chunk's (seq, start, num_tokens): its tokens
 
 
 @dataclass(eq=False, repr=False)
@@ -82,7 +85,7 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(chunk[2] for chunk in self.prefills)
+        return sum(map(_chunk_tokens, self.prefills)) if self.prefills else 0
 
     @property
     def num_decode_tokens(self) -> int:
