@@ -35,7 +35,8 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
     """Two allocators in lockstep, one with the retry shortcut and one without: requests sharing prefixes (so
     hits, free hit blocks revived by others, evictions and inserts of the next key happen between retries) are
     admitted in chunks of a varying budget, grow and finish; the queue head is retried at every step with
-    another budget, watermark flag and reservation, and now and then a request behind it is admitted first.
+    another budget, watermark flag, reservation, query length and CPU-tier hit, and now and then a request
+    behind it is admitted first.
     Every answer and the pools stay the same, and the shortcut
     answers some of the retries."""
     rng = np.random.default_rng(seed)
@@ -79,8 +80,13 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
             budget = int(rng.integers(1, 100))
             watermark = bool(rng.random() < 0.7)
             reserved = int(rng.integers(0, 3)) * int(rng.random() < 0.2)
-            hits = [a.allocate(w[0], budget, num_tokens=w[0].num_prompt_tokens, full_sequence_must_fit=full,
-                               apply_watermark=watermark, reserved_blocks=reserved) for a, w in zip(allocs, waiting)]
+            prompt = waiting[0][0].num_prompt_tokens  # a query now and then shorter than the last (its hit capped)
+            num_tokens = max(1, prompt - int(rng.integers(0, 3 * BS)) * int(rng.random() < 0.3))
+            ext = BS * int(rng.integers(0, 3)) * int(rng.random() < 0.2)  # a CPU tier's hit past the prefix hit
+            ext = min(ext, (num_tokens - 1) // BS * BS // 2)
+            hits = [a.allocate(w[0], budget, num_tokens=num_tokens, full_sequence_must_fit=full,
+                               apply_watermark=watermark, reserved_blocks=reserved, num_external_computed_tokens=ext)
+                    for a, w in zip(allocs, waiting)]
             assert hits[0] == hits[1]
             if hits[0] is not None:
                 for w, run in zip(waiting, running):

@@ -88,6 +88,8 @@ class PagedAllocator(KVAllocator):
     hashes of their token ids cache every block as it fills (two requests' outputs may repeat each other).
     """
 
+    caches_private_blocks_at_free = True  # a request's blocks past its prompt (see above)
+
     paged = True
 
     def __init__(
@@ -139,8 +141,6 @@ class PagedAllocator(KVAllocator):
 
     def kv_cache_usage(self) -> float:
         return self.pool.get_usage()
-
-    caches_private_blocks_at_free = True
 
     @property
     def needs_settled_caching(self) -> bool:
@@ -200,18 +200,13 @@ class PagedAllocator(KVAllocator):
         else:
             revived = 0
         hit = len(hit_blocks) * bs
-        ext = num_external_computed_tokens
-        total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
-        num_blocks = -(-total // bs)
-        watermark = self.watermark_blocks if apply_watermark else 0
-        free = self.pool.num_free_blocks
-        if full_sequence_must_fit:  # the whole sequence against the free blocks (the reservation not counted)
-            full = -(-min(num_tokens, self.max_model_len) // bs)
-            if max(full, num_blocks) - len(hit_blocks) + revived + watermark > free:
-                return self._refuse(seq, hashes, query, len(hit_blocks), revived)
-        if num_blocks - len(hit_blocks) + revived + watermark + reserved_blocks > free:  # then this allocation,
-            return self._refuse(seq, hashes, query, len(hit_blocks), revived)  # leaving `reserved_blocks` free
+        total = self._tokens_if_they_fit(len(hit_blocks), revived, num_new_tokens, num_tokens,
+                                         full_sequence_must_fit, apply_watermark, num_external_computed_tokens,
+                                         reserved_blocks)
+        if total is None:
+            return self._refuse(seq, hashes, query, len(hit_blocks), revived)
         self._refused = None
+        num_blocks = -(-total // bs)
 
         lazy_from = _EAGER
         if hashes is not None:
@@ -603,16 +598,29 @@ class PagedAllocator(KVAllocator):
                     return False
         if pool.num_evicted != evicted:
             revived = 0
+        return self._tokens_if_they_fit(num_hit, revived, num_new_tokens, num_tokens, full_sequence_must_fit,
+                                        apply_watermark, ext, reserved_blocks) is None
+
+    def _tokens_if_they_fit(self, num_hit: int, revived: int, num_new_tokens: int, num_tokens: int,
+                            full_sequence_must_fit: bool, apply_watermark: bool, ext: int,
+                            reserved_blocks: int) -> int | None:
+        """The tokens an admission with a hit of `num_hit` blocks (`revived` of them free) holds room for (the hit,
+        a CPU tier's `ext` tokens and this chunk), or None where `allocate`'s rule refuses it: the whole sequence
+        first with `full_sequence_must_fit` (the reservation not counted), then this allocation leaving
+        `reserved_blocks` free; the watermark kept free when `apply_watermark`."""
+        bs = self.block_size
         hit = num_hit * bs
         total = hit + ext + min(num_new_tokens, num_tokens - hit - ext)
         num_blocks = -(-total // bs)
         watermark = self.watermark_blocks if apply_watermark else 0
-        free = pool.free_queue.num_free_blocks
+        free = self.pool.free_queue.num_free_blocks
         if full_sequence_must_fit:
             full = -(-min(num_tokens, self.max_model_len) // bs)
             if max(full, num_blocks) - num_hit + revived + watermark > free:
-                return True
-        return num_blocks - num_hit + revived + watermark + reserved_blocks > free
+                return None
+        if num_blocks - num_hit + revived + watermark + reserved_blocks > free:
+            return None
+        return total
 
     def _is_live(self, keys: tuple[np.ndarray, list[int]], i: int) -> bool:
         """Whether key `i` of `keys` has a live entry (a block caching it that answers for it)."""
