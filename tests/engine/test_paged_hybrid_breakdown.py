@@ -11,7 +11,7 @@ from kvsim.engine.allocator import MemoryBreakdown
 from kvsim.engine.paged.kv_cache_manager import HybridPagedAllocator
 from kvsim.engine.sequence import Sequence
 from tests.engine.test_paged_hybrid import SPEC
-from tests.engine.test_paged_mamba_align import SPEC3
+from tests.engine.test_paged_mamba_align import SPEC3, run_random_ops
 
 
 def plain_breakdown(alloc: HybridPagedAllocator) -> MemoryBreakdown:
@@ -56,39 +56,16 @@ def plain_breakdown(alloc: HybridPagedAllocator) -> MemoryBreakdown:
 
 
 def run_ops(alloc: HybridPagedAllocator, ops) -> int:
-    """Admissions sharing one of 3 prefixes, chunks (one step in flight half the time), frees; the breakdown
-    compared after each. Returns how many comparisons found blocks held by several requests."""
-    live: dict[int, Sequence] = {}
+    """`run_random_ops` (admissions sharing one of 3 prefixes, some computed below their hit, chunks, frees), the
+    breakdown compared after each. Returns how many comparisons found blocks held by several requests."""
     shared = 0
-    for i, (op, a, c) in enumerate(ops):
-        for s in [s for s in live.values() if s.num_computed_tokens >= s.num_final_tokens]:
-            alloc.free(live.pop(s.seq_id))
-        if op == 0:
-            output = c % 16
-            ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
-            prefix = min(a, 4 * (c % 7))
-            ids[:prefix] = 1_000 * (c % 3 + 1) + np.arange(prefix)
-            s = Sequence(i, a, output, token_ids=ids)
-            if c % 2:  # a step begins: states cached in the last one may be hit (align mode)
-                alloc.new_step_starts()
-            hit = alloc.allocate(s, 1 + c % a)
-            if hit is not None:
-                live[i] = s
-                if c % 5:  # else its computed tokens stay 0 below its hit (a caller that has not set them yet)
-                    s.num_computed_tokens = hit + min(1 + c % a, a - hit)
-        elif op in (1, 2) and live:
-            s = live[sorted(live)[c % len(live)]]
-            n = max(1, min(a, s.num_final_tokens - s.num_computed_tokens))
-            s.num_in_flight_tokens = c % 2
-            if alloc.append_slots(s, n):
-                s.num_computed_tokens += n
-                alloc.cache_blocks(s, s.num_computed_tokens - s.num_in_flight_tokens)
-            else:
-                alloc.free(live.pop(s.seq_id))
-        elif op == 3 and live:
-            alloc.free(live.pop(sorted(live)[c % len(live)]))
+
+    def check(live) -> None:
+        nonlocal shared
         shared += alloc.pool.num_shared_refs > 0
         assert alloc.breakdown() == plain_breakdown(alloc)
+
+    run_random_ops(alloc, ops, check, computed_below_hit=True)
     return shared
 
 

@@ -170,6 +170,46 @@ SPEC3 = KVCacheSpec(
 )
 
 
+def run_random_ops(alloc: HybridPagedAllocator, ops, check, *, hit_multiple: int = 1,
+                   computed_below_hit: bool = False) -> dict[int, Sequence]:
+    """`ops` as (op, a, c) on `alloc`, `check(live)` after each: op 0 admits a prompt of `a` tokens sharing up to
+    4 * (c % 7) of one of 3 prefixes (a step begins first half the time; its hit a multiple of `hit_multiple`, short
+    of the prompt), 1 and 2 compute a chunk of up to `a` tokens with one step in flight half the time (freed if it
+    cannot grow), 3 frees one; finished requests are freed first. `computed_below_hit`: every fifth admission keeps
+    its computed tokens at 0, below its hit (a caller that has not set them yet). Returns the requests still live."""
+    live: dict[int, Sequence] = {}
+    for i, (op, a, c) in enumerate(ops):
+        for s in [s for s in live.values() if s.num_computed_tokens >= s.num_final_tokens]:
+            alloc.free(live.pop(s.seq_id))
+        if op == 0:
+            output = c % 16
+            ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
+            shared = min(a, 4 * (c % 7))
+            ids[:shared] = 1_000 * (c % 3 + 1) + np.arange(shared)
+            s = Sequence(i, a, output, token_ids=ids)
+            if c % 2:  # a step begins: states cached in the last one may be hit (align mode)
+                alloc.new_step_starts()
+            hit = alloc.allocate(s, 1 + c % a)
+            if hit is not None:
+                assert hit % hit_multiple == 0 and hit < a, hit
+                live[i] = s
+                if not computed_below_hit or c % 5:
+                    s.num_computed_tokens = hit + min(1 + c % a, a - hit)
+        elif op in (1, 2) and live:
+            s = live[sorted(live)[c % len(live)]]
+            n = max(1, min(a, s.num_final_tokens - s.num_computed_tokens))
+            s.num_in_flight_tokens = c % 2
+            if alloc.append_slots(s, n):
+                s.num_computed_tokens += n
+                alloc.cache_blocks(s, s.num_computed_tokens - s.num_in_flight_tokens)
+            else:
+                alloc.free(live.pop(s.seq_id))
+        elif op == 3 and live:
+            alloc.free(live.pop(sorted(live)[c % len(live)]))
+        check(live)
+    return live
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(6, 60),
@@ -184,9 +224,8 @@ def test_random_operations_keep_ref_counts_free_counts_cache_keys_and_bytes(num_
     alloc = HybridPagedAllocator(SPEC3, num_blocks * 64, max_model_len=48, enable_prefix_caching=True,
                                  prefix_cache_retention_interval=retention, mamba_checkpoint_alignment=alignment)
     null = alloc.pool.null_block
-    live: dict[int, Sequence] = {}
 
-    def check():
+    def check(live: dict[int, Sequence]) -> None:
         held = {}
         for s in live.values():
             req = alloc._reqs[s]
@@ -201,34 +240,7 @@ def test_random_operations_keep_ref_counts_free_counts_cache_keys_and_bytes(num_
         b = alloc.breakdown()
         assert b.free_bytes >= 0 and min(b.token_states_bytes, b.reservation_bytes) >= 0
 
-    for i, (op, a, c) in enumerate(ops):
-        for s in [s for s in live.values() if s.num_computed_tokens >= s.num_final_tokens]:
-            alloc.free(live.pop(s.seq_id))
-        if op == 0:  # admit a prompt of `a` tokens, sharing up to 4 * (c % 7) of one of 3 prefixes
-            output = c % 16
-            ids = 10_000 * (i + 1) + np.arange(a + output, dtype=np.int64)
-            shared = min(a, 4 * (c % 7))
-            ids[:shared] = 1_000 * (c % 3 + 1) + np.arange(shared)
-            s = Sequence(i, a, output, token_ids=ids)
-            if c % 2:
-                alloc.new_step_starts()
-            hit = alloc.allocate(s, 1 + c % a)
-            if hit is not None:
-                assert hit % 4 == 0 and hit < a
-                live[i] = s
-                s.num_computed_tokens = hit + min(1 + c % a, a - hit)
-        elif op in (1, 2) and live:  # a chunk of up to `a` tokens, one step in flight half the time
-            s = live[sorted(live)[c % len(live)]]
-            n = max(1, min(a, s.num_final_tokens - s.num_computed_tokens))
-            s.num_in_flight_tokens = c % 2
-            if alloc.append_slots(s, n):
-                s.num_computed_tokens += n
-                alloc.cache_blocks(s, s.num_computed_tokens - s.num_in_flight_tokens)
-            else:
-                alloc.free(live.pop(s.seq_id))
-        elif op == 3 and live:
-            alloc.free(live.pop(sorted(live)[c % len(live)]))
-        check()
+    live = run_random_ops(alloc, ops, check, hit_multiple=4)
     for s in list(live.values()):
         alloc.free(s)
     assert alloc.num_free_blocks == alloc.pool.num_usable_blocks
