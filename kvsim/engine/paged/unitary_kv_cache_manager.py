@@ -397,7 +397,6 @@ class PagedAllocator(KVAllocator):
         internal = (self._sum_cap - self._sum_used) * bpt + unusable
         if self._num_popped:  # blocks only a deferred free still holds (async scheduling with a KV connector)
             internal += budget - self._sum_cap * bpt - unusable - free
-        # budget, token states, reservation, internal and external fragmentation, free, shared saved
         return MemoryBreakdown(budget_bytes=budget, token_states_bytes=computed * bpt - saved,
                                reservation_bytes=(self._sum_used - computed) * bpt, internal_fragmentation_bytes=internal,
                                external_fragmentation_bytes=0, free_bytes=free, shared_saved_bytes=saved)
