@@ -29,8 +29,10 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable)
 
 # typer's --help labels a flag `<bool>`, as if it took a value; a flag (--json, --no-tensors) shows no type.
-_option_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _option_type(self, ctx)
+# Older typer (before display_type_rich) has no such label to take off.
+_option_type = getattr(typer.core.TyperOption, "display_type_rich", None)
+if _option_type is not None:
+    typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _option_type(self, ctx)
 
 
 def _help_table():

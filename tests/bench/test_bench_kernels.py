@@ -371,8 +371,11 @@ def test_tiny_cuda_run_times_every_kernel(tmp_path):
     frame, _ = bench_kernels(
         "llama-3.1-8b", block_sizes=(16, 64), batch_sizes=(4,), context_lens=(1024,), device="cuda", out_dir=tmp_path
     )
-    assert (frame["status"] == "ok").all(), frame[frame["status"] != "ok"][["kernel", "block_size", "status"]]
-    assert (frame[frame["op"] == "write"]["max_abs_err"] == 0).all()
+    on_cpu_only = frame["kernel"] == "rows"  # numpy's row copies: skipped on CUDA, with the reason
+    assert (frame[on_cpu_only]["status"] == "skipped: numpy's row copies run on the CPU").all()
+    timed = frame[~on_cpu_only]
+    assert len(timed) and (timed["status"] == "ok").all(), timed[timed["status"] != "ok"][["kernel", "block_size", "status"]]
+    assert (timed[timed["op"] == "write"]["max_abs_err"] == 0).all()
     assert frame["flex_compiled"].all() and frame["l2_flushed"].all()
 
 
