@@ -132,32 +132,49 @@ def _chart(timeline, path: Path) -> None:
     plt.close(fig)
 
 
-def show_profile(workload: str, **options) -> Path:
-    """The `kvsim profile` command: run, print a rich summary table, say where the files are."""
-    from rich.console import Console
+def profile_table(summary):
+    """The summary as a rich table with one column per run (setting, mode) and one row per figure, so that four
+    runs fit 80 columns (a piped log) without cutting a header or a number."""
     from rich.table import Table
 
     from kvsim.units import format_bytes
 
+    records = summary.to_dict("records")
+    table = Table(title="PyTorch's CUDA caching allocator:\nper-request tensors vs one paged pool")
+    table.add_column("", no_wrap=True)
+    for r in records:
+        table.add_column(f"{r['setting']}\n{r['mode']}", justify="right")
+
+    def first_oom(r):
+        first = r["admitted_before_first_oom"]
+        return "no OOM" if first is None or first != first else str(int(first))
+
+    figures = (  # (row label, cell of an ok run)
+        ("admitted before OOM", first_oom),
+        ("OOMs", lambda r: str(r["ooms"])),
+        ("alloc retries", lambda r: str(r["num_alloc_retries"])),
+        ("preemptions", lambda r: str(r["preemptions"])),
+        ("peak running", lambda r: str(r["peak_running"])),
+        ("mean running", lambda r: f"{r['mean_running']:.1f}"),
+        ("peak reserved", lambda r: format_bytes(r["peak_reserved_bytes"])),
+        ("peak inactive split", lambda r: format_bytes(r["peak_inactive_split_bytes"])),
+        ("sim time (s)", lambda r: f"{r['sim_time_s']:.0f}"),
+    )
+    if any(r["status"] != "ok" for r in records):
+        table.add_row("status", *(r["status"] for r in records))
+    for label, cell in figures:
+        table.add_row(label, *(cell(r) if r["status"] == "ok" else "-" for r in records))
+    return table
+
+
+def show_profile(workload: str, **options) -> Path:
+    """The `kvsim profile` command: run, print a rich summary table, say where the files are."""
+    from rich.console import Console
+
     console = Console()
     with console.status("profiling") as status:
         _, summary, out = run_profile(workload, progress=lambda text: status.update(f"profiling: {text}"), **options)
-    table = Table(title="PyTorch's CUDA caching allocator: per-request tensors vs one paged pool")
-    for col in ("setting", "mode", "admitted before 1st OOM", "OOMs", "alloc retries", "preemptions", "peak running",
-                "mean running", "peak reserved", "peak inactive split", "sim time (s)"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for r in summary.to_dict("records"):
-        if r["status"] != "ok":
-            table.add_row(r["setting"], r["mode"], r["status"])
-            continue
-        first = r["admitted_before_first_oom"]
-        table.add_row(
-            r["setting"], r["mode"], "no OOM" if first is None or first != first else str(int(first)), str(r["ooms"]),
-            str(r["num_alloc_retries"]), str(r["preemptions"]), str(r["peak_running"]),
-            f"{r['mean_running']:.1f}", format_bytes(r["peak_reserved_bytes"]),
-            format_bytes(r["peak_inactive_split_bytes"]), f"{r['sim_time_s']:.0f}",
-        )  # fmt: skip
-    console.print(table)
+    console.print(profile_table(summary))
     console.print(f"wrote {out}/")
     return out
 

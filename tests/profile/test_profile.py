@@ -310,3 +310,31 @@ def test_profile_on_cuda_runs_both_modes_under_both_settings(tmp_path):
     # map the large pool in 20 MiB pages (the memory fraction is checked before the rounding)
     slack = summary["setting"].map({"default": 2 * 2**20, "expandable": 20 * 2**20})
     assert (summary["peak_reserved_bytes"] <= 512 * 2**20 + slack).all(), summary[["setting", "mode", "peak_reserved_bytes"]]
+
+
+def test_the_summary_table_fits_80_columns_with_every_figure():
+    # A piped log is 80 columns wide: the four runs' figures must all show whole, never cut to "…".
+    import pandas as pd
+    from rich.console import Console
+
+    from kvsim.profile.run import profile_table
+
+    run = dict(admitted_before_first_oom=9.0, ooms=1974, num_alloc_retries=1974, preemptions=0, peak_running=9,
+               mean_running=8.953, peak_reserved_bytes=4227858432, peak_inactive_split_bytes=0, sim_time_s=2298.94)
+    pool = dict(run, admitted_before_first_oom=float("nan"), ooms=0, num_alloc_retries=0, preemptions=1903,
+                peak_running=68, mean_running=42.62, peak_reserved_bytes=4294967296, sim_time_s=483.82)
+    summary = pd.DataFrame([dict(setting=s, mode=m, status="ok", **r) for s in ("default", "expandable")
+                            for m, r in (("per-request", run), ("paged-pool", pool))])
+    summary.loc[3, "status"] = "error: CUDA out of memory"
+    console = Console(width=80, record=True)
+    console.print(profile_table(summary))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    lines = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in text.splitlines()
+             if line.startswith("│")}
+    assert lines["admitted before OOM"] == ["9", "no OOM", "9", "-"]
+    assert lines["OOMs"] == ["1974", "0", "1974", "-"] and lines["preemptions"] == ["0", "1903", "0", "-"]
+    assert lines["peak reserved"] == ["3.9 GiB", "4.0 GiB", "3.9 GiB", "-"]
+    assert lines["sim time (s)"] == ["2299", "484", "2299", "-"] and lines["mean running"][:2] == ["9.0", "42.6"]
+    assert lines["status"][:3] == ["ok", "ok", "ok"] and "error: CUDA" in lines["status"][3]  # a failed run says why
+    assert text.count("expandable") == 2 and text.count("paged-pool") == 2
