@@ -87,8 +87,9 @@ for step in "${steps[@]}"; do
         ${SNAPSHOT:+--snapshot} ${PROFILE_ARGS:-}
       ;;
     replay)
-      # The roofline clock (as the CPU reports use): every step writes and reads on the GPU, timed by CUDA events
-      # resolved once after the loop, so no host sync inside it (--timing measured waits on each step's events).
+      # The roofline clock (as the CPU reports use): every step writes on the GPU and every 100th decode step
+      # reads (REPLAY_ARGS="--read-every 1" for all of them), timed by CUDA events resolved once after the loop,
+      # so no host sync inside it (--timing measured waits on each step's events).
       # Its summary.csv byte figures then match reports/poisson/ exactly. REPLAY_ARGS="--timing measured" switches
       # to the measured clock.
       run_step replay $PY -m kvsim replay workloads/poisson.yaml --device cuda \

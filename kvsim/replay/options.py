@@ -12,12 +12,15 @@ from kvsim.errors import KvsimError
 from kvsim.clock.roofline import Roofline
 
 TIMINGS = ("roofline", "measured", "kernels-db", "auto")  # auto: kernels-db where it applies, else roofline
-# Default --read-every per device. On CUDA a read is cheap: every step. On a CPU a read of every decoding
-# request's whole context moves up to 1 GiB through host memory and attends over it (~150 ms on the main
-# job's paged batches) while a step's write takes tens of µs: sampling one decode step in CPU_READ_EVERY
-# (the first decode step and every 20,000th after it: 2-6 reads per allocator of workloads/poisson.yaml)
-# keeps that job with tensors under 8 s (scripts/bench_main_job.py).
-CUDA_READ_EVERY = 1
+# Default --read-every per device. On CUDA a read is a padded gather and an attention over every decoding
+# request's whole context: 0.2-3.6 ms at batch 8-64 and 2k-16k tokens on an H200 (`kvsim bench kernels`,
+# docs/gpu.md), so reading on every one of the main job's 276,908 decode steps did not finish in 223 s there.
+# One decode step in CUDA_READ_EVERY reads: 2,769 reads for that job, each a real kernel time.
+# On a CPU a read of every decoding request's whole context moves up to 1 GiB through host memory and attends
+# over it (~150 ms on the main job's paged batches) while a step's write takes tens of µs: sampling one decode
+# step in CPU_READ_EVERY (the first decode step and every 20,000th after it: 2-6 reads per allocator of
+# workloads/poisson.yaml) keeps that job with tensors under 8 s (scripts/bench_main_job.py).
+CUDA_READ_EVERY = 100
 CPU_READ_EVERY = 20_000
 # Measured timing on a CPU reads every CPU_MEASURED_READ_EVERY-th decode step; the steps between are timed
 # with the last read's µs per context token (a read every step made 20 requests take minutes).

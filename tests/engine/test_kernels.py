@@ -85,6 +85,57 @@ def reference_attention(q, k, v, n_valid):
     return torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v)  # (Hq, D)
 
 
+def _sdpa_backends_enabled() -> dict[str, bool]:
+    b = torch.backends.cuda
+    return {"cudnn": b.cudnn_sdp_enabled(), "flash": b.flash_sdp_enabled(),
+            "efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled()}
+
+
+def test_decode_reads_on_cuda_keep_cudnn_attention_out_and_leave_the_cpu_alone():
+    # cuDNN builds a host-side plan for every new (batch, keys) shape, and a replay's reads change shape almost
+    # every step: on CUDA the reads run memory-efficient attention or math, and torch's flags come back after.
+    before = _sdpa_backends_enabled()
+    assert before["cudnn"] and before["efficient"] and before["math"]  # torch's defaults, as a user has them
+    with kernels.decode_backends(torch.device("cuda", 0)):
+        assert _sdpa_backends_enabled() == {"cudnn": False, "flash": False, "efficient": True, "math": True}
+    assert _sdpa_backends_enabled() == before
+    with kernels.decode_backends(torch.device("cpu")):
+        assert _sdpa_backends_enabled() == before
+
+
+def test_decode_attention_runs_sdpa_inside_the_device_backends(monkeypatch):
+    seen = []
+    real = kernels.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(_sdpa_backends_enabled()["cudnn"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(kernels, "decode_backends", lambda device: kernels._sdpa_kernel([kernels._SDPBackend.MATH]))
+    q, k, v = torch.randn(2, 4, D), torch.randn(2, 5, H, D), torch.randn(2, 5, H, D)
+    for fold_gqa in (True, False):
+        kernels.decode_attention(q, k, v, torch.tensor([5, 2]), fold_gqa=fold_gqa)
+    assert seen == [False, False]  # both SDPA calls ran under the backends decode_backends gave
+
+
+@pytest.mark.gpu
+def test_cuda_decode_attention_matches_reference_on_changing_shapes():
+    # The replay's read shapes: bf16, 8 kv heads x 128, two query heads each, keys padded to odd lengths.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    for n, t in ((3, 7), (9, 2001), (17, 4096), (2, 33)):
+        lens = torch.randint(1, t + 1, (n,), generator=gen)
+        lens[0] = t
+        q = torch.randn(n, 16, 128, generator=gen)
+        k, v = torch.randn(n, t, 8, 128, generator=gen), torch.randn(n, t, 8, 128, generator=gen)
+        out = kernels.decode_attention(*(x.cuda().bfloat16() for x in (q, k, v)), lens.cuda()).cpu()
+        for i in range(n):
+            ref = reference_attention(q[i].bfloat16().float(), k[i].bfloat16().float(), v[i].bfloat16().float(), int(lens[i]))
+            torch.testing.assert_close(out[i].double(), ref, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("fold_gqa", [True, False])
 @pytest.mark.parametrize("hq", [2, 4, 6])  # equal heads, then grouped-query
 def test_decode_attention_masks_padding_and_matches_reference(hq, fold_gqa):

@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+try:  # torch >= 2.3; older torch has no cuDNN attention to keep out of the reads
+    from torch.nn.attention import SDPBackend as _SDPBackend, sdpa_kernel as _sdpa_kernel
+except ImportError:  # pragma: no cover
+    _SDPBackend = _sdpa_kernel = None
 
 # Triton is optional: present with CUDA builds of torch, absent on CPU-only machines. It is imported when its
 # kernel is first used (a CPU replay never does), not with this module: the import costs ~0.1 s per process.
@@ -157,6 +163,20 @@ def slice_run(kv_flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return kv_flat[:, :, start : start + length]
 
 
+def decode_backends(device: torch.device):
+    """The SDPA backends a decode read may use on `device`, as a context manager.
+
+    On CUDA: memory-efficient attention, else math; never cuDNN. torch prefers cuDNN attention on Hopper
+    where it accepts the padding mask, and cuDNN builds a plan on the host for every new (batch, keys)
+    shape (with a mask it reuses none across shapes). A replay's reads take a new shape almost every time
+    (over 60,000 distinct shapes across the main job's 276,908 decode steps), so the host would spend its time building
+    plans and the "attention" events would time the builds (the H200 run in docs/gpu.md). Elsewhere: torch's
+    own choice."""
+    if device.type != "cuda" or _SDPBackend is None:
+        return nullcontext()
+    return _sdpa_kernel([_SDPBackend.EFFICIENT_ATTENTION, _SDPBackend.MATH])
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, *, fold_gqa: bool = True
 ) -> torch.Tensor:
@@ -177,10 +197,11 @@ def decode_attention(
     if k.dtype != q.dtype:  # fp8 / int8 pools: dequantise (unit scale) to the compute dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, H, T, D)
-    if hq == h or fold_gqa:
-        out = F.scaled_dot_product_attention(q.reshape(n, h, hq // h, d), k, v, attn_mask=mask)  # (N, H, G, D)
-    else:
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)  # (N, Hq, 1, D)
+    with decode_backends(q.device):
+        if hq == h or fold_gqa:
+            out = F.scaled_dot_product_attention(q.reshape(n, h, hq // h, d), k, v, attn_mask=mask)  # (N, H, G, D)
+        else:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)  # (N, Hq, 1, D)
     return out.reshape(n, hq, d)
 
 
