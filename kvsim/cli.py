@@ -125,7 +125,7 @@ from typing import Annotated, Optional  # noqa: E402  (kept next to the commands
 def size(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Catalogue name (qwen3-0.6b) or HF id (Qwen/Qwen3-0.6B).")] = None,
     config: Annotated[Optional[str], typer.Option("--config", help="Path to a Hugging Face config.json (read offline).")] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", "--kv-cache-dtype", help="KV cache dtype: auto (the model's), bf16, fp16, fp32, fp8 (fp8_e4m3, fp8_e5m2), int8.")] = "auto",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", "--kv-cache-dtype", help="KV cache dtype: auto (what the checkpoint's quantization_config asks for, else the model's), bf16, fp16, fp32, fp8 (fp8_e4m3, fp8_e5m2), int8.")] = "auto",
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
     context: Annotated[Optional[int], typer.Option("--context", "--max-model-len", help="Tokens per sequence (default: the model's max length).")] = None,
     tp: Annotated[int, typer.Option("--tp", "--tensor-parallel-size", "-tp", help="Tensor-parallel ranks; figures are per rank.")] = 1,

@@ -194,6 +194,32 @@ def settings_cases() -> list[Case]:
     ]
 
 
+# vLLM's cache dtype strings in kvsim's names (None: auto stays the model's dtype)
+_VLLM_KV_DTYPES = {"fp8_e4m3": "fp8", "fp8": "fp8", "nvfp4": "nvfp4"}
+
+
+def checkpoint_kv_dtypes() -> list[tuple[str, str | None, str | None]]:
+    """(model, kvsim's, vLLM's) KV cache dtype that --kv-cache-dtype auto takes from the checkpoint, for every
+    catalogue model: kvsim's `ModelSpec.checkpoint_kv_dtype` against vLLM's own
+    `get_kv_cache_quant_algo_string` on the config's quantization_config (ModelOpt checkpoints). For
+    compressed-tensors checkpoints vLLM decides in its Attention layer (any kv_cache_scheme is fp8), a module
+    the loader does not import: there the same rule is read, not run."""
+    from kvsim.conformance.vllm_import import import_vllm
+    from kvsim.models.catalogue import catalogue_entry, catalogue_models
+
+    torch_utils = import_vllm("vllm.utils.torch_utils")
+    rows = []
+    for model in catalogue_models():
+        quant = (catalogue_entry(model.name).get("config") or {}).get("quantization_config")
+        vllm = None
+        if isinstance(quant, dict):
+            vllm = torch_utils.get_kv_cache_quant_algo_string(quant)
+            if vllm is None and quant.get("quant_method") == "compressed-tensors" and quant.get("kv_cache_scheme") is not None:
+                vllm = "fp8"
+        rows.append((model.name, model.checkpoint_kv_dtype, _VLLM_KV_DTYPES.get(vllm)))
+    return rows
+
+
 def run(cases: list[Case]) -> list[Result]:
     return [check(case) for case in cases]
 
@@ -212,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok    {r.case.label}: {len(r.compared)} fields equal")
     compared = sum(1 for r in results if not r.skipped)
     print(f"{compared} cases compared ({len(results) - compared} skipped), {bad} with differences")
+    dtypes = checkpoint_kv_dtypes()
+    for name, ours, theirs in dtypes:
+        if ours != theirs:
+            bad += 1
+            print(f"DIFF  {name}: --kv-cache-dtype auto: kvsim {ours or 'the model dtype'} vs vLLM {theirs or 'the model dtype'}")
+    asking = sum(1 for _, ours, _ in dtypes if ours)
+    print(f"--kv-cache-dtype auto: {len(dtypes)} catalogue models compared, {asking} whose checkpoint asks for a KV dtype, "
+          f"{sum(1 for _, a, b in dtypes if a != b)} with differences")
     return 1 if bad else 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.errors import KvsimError
-from kvsim.models.hf.context import max_model_len, weight_dtype
+from kvsim.models.hf.context import checkpoint_kv_dtype, max_model_len, weight_dtype
 from kvsim.models.hf.families import ATTENTION_FREE, VLLM_UNSERVED, family_of, read_layers
 from kvsim.models.hf.fields import Config, flatten
 from kvsim.models.hf.layout_keys import check_layout_keys, check_layout_keys_read
@@ -94,6 +94,7 @@ def model_spec_from_config(
         hidden_size=hidden_size,
         num_attention_heads=num_heads,
         weight_dtype=weight_dtype(cfg),
+        checkpoint_kv_dtype=checkpoint_kv_dtype(cfg),
         vocab_size=cfg.get("vocab_size", default=None),
         source=source,
         params_source=params_source,

@@ -137,7 +137,9 @@ class ModelSpec:
     """A model's layers and the facts sizing needs (names follow Hugging Face config.json).
 
     `num_params` is the total parameter count (all experts of a MoE), for weight memory; None when
-    unknown (a config.json alone does not say it reliably). `weight_dtype` is the checkpoint dtype.
+    unknown (a config.json alone does not say it reliably). `weight_dtype` is the checkpoint dtype;
+    `checkpoint_kv_dtype` the KV cache dtype its quantization_config asks for ("fp8", "nvfp4"; None: the model's
+    dtype), which vLLM's --kv-cache-dtype auto takes (kvsim.models.hf.context.checkpoint_kv_dtype).
     """
 
     name: str
@@ -148,6 +150,7 @@ class ModelSpec:
     hidden_size: int
     num_attention_heads: int
     weight_dtype: str = "bf16"
+    checkpoint_kv_dtype: str | None = None
     vocab_size: int | None = None
     source: str | None = None  # where the config came from (catalogue entry or file path)
     params_source: str | None = None  # where num_params came from

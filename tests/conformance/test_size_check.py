@@ -110,3 +110,22 @@ def test_every_family_test_config_equals_vllm(vllm_loaded, tmp_path, name):
             result = check(Case(str(path), tp, "h100-80gb", context=context, num_params=10**9))
             assert result.skipped is None and result.compared, result.skipped
             assert result.differing == {}, f"{name} --tp {tp} --context {context}: {result.differing}"
+
+
+def test_kv_cache_dtype_auto_equals_vllms_for_every_catalogue_checkpoint(vllm_loaded, monkeypatch):
+    from kvsim.conformance import size_check
+
+    rows = size_check.checkpoint_kv_dtypes()
+    assert len(rows) == len(model_names())
+    assert [(name, ours) for name, ours, theirs in rows if ours != theirs] == []
+    asking = {name for name, ours, _ in rows if ours}
+    assert {"qwen3.5-122b-nvfp4", "kimi-k2.5-nvfp4", "laguna-xs.2-fp8", "gemma-4-31b-nvfp4"} <= asking and len(asking) >= 13
+    # the check sees a reading that ignores the checkpoint (a bf16 guess for every model)
+    from dataclasses import replace
+
+    from kvsim.models import catalogue
+
+    models = catalogue.catalogue_models()
+    monkeypatch.setattr(catalogue, "catalogue_models", lambda: [replace(m, checkpoint_kv_dtype=None) for m in models])
+    wrong = size_check.checkpoint_kv_dtypes()
+    assert {name for name, ours, theirs in wrong if ours != theirs} == asking

@@ -563,3 +563,27 @@ def test_impossible_heads_and_rope_factors_are_one_error_naming_the_field(write_
 def test_a_linear_rope_factor_scales_the_length(write_config):
     config = {**LLAMA_8B, "max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}
     assert load_hf_config(write_config(config)).max_model_len == 8192
+
+
+@pytest.mark.parametrize(("quantization_config", "expected"), [
+    # ModelOpt: a scheme dict (NVFP4 checkpoints ship this one), in the config or its `quantization` section
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, "fp8"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, "fp8"),
+    ({"quant_method": "modelopt_fp4", "kv_cache_quant_algo": "nvfp4"}, "nvfp4"),
+    ({"quant_method": "modelopt", "kv_cache_scheme": {"num_bits": 4, "type": "float"}}, "nvfp4"),
+    # what vLLM does not recognise falls back to the model's dtype: a dynamic fp8 scheme, an unknown name
+    ({"quant_method": "modelopt", "kv_cache_scheme": {"dynamic": True, "num_bits": 8, "type": "float"}}, None),
+    ({"quant_method": "modelopt", "kv_cache_quant_algo": "int8"}, None),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, None),
+    # llm-compressor: any kv_cache_scheme is fp8; a scheme under another method is not read by vLLM
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "fp8"),
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": None}, None),
+    ({"quant_method": "fp8", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, None),
+    (None, None),
+])
+def test_the_kv_dtype_a_checkpoint_asks_for_is_what_vllm_auto_takes(write_config, quantization_config, expected):
+    # vLLM 0.33's --kv-cache-dtype auto: get_kv_cache_quant_algo_string (ModelOpt), the Attention layer
+    # (compressed-tensors); the conformance size check runs vLLM's function on every catalogue config
+    config = dict(LLAMA_8B, **({"quantization_config": quantization_config} if quantization_config is not None else {}))
+    model = load_hf_config(write_config(config))
+    assert model.checkpoint_kv_dtype == expected

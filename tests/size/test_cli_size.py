@@ -397,3 +397,25 @@ def test_hybrid_models_default_to_vllm_serves_prefix_caching_per_gpu(cli):
     assert settings("-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h100-80gb", "--mamba-checkpoint-alignment", "0") == ("align", 0, "")
     out = cli(["size", "-m", "qwen3-next-80b-a3b", "--tp", "4", "--gpu", "h200"]).stdout
     assert "assumed: vllm serve's defaults for a hybrid model on h200" in out
+
+
+def test_kv_dtype_auto_takes_the_fp8_kv_cache_a_checkpoint_asks_for(cli, tmp_path):
+    # vLLM sizes a ModelOpt checkpoint with an fp8 kv_cache_scheme in fp8 unless --kv-cache-dtype says otherwise:
+    # half the bytes a token, twice the tokens; a bf16 guess would halve what fits
+    auto = run_json(cli, ["--model", "laguna-xs.2-fp8"])
+    bf16 = run_json(cli, ["--model", "laguna-xs.2-fp8", "--kv-dtype", "bf16"])
+    assert (auto["kv_dtype"], bf16["kv_dtype"]) == ("fp8", "bf16")
+    assert auto["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"] == 163840
+    assert run_json(cli, ["--model", "qwen3-0.6b"])["kv_dtype"] == "bf16"  # no quantization_config: the model's
+    result = cli(["size", "--model", "qwen3.5-122b-nvfp4", "--gpu", "b200"])
+    assert result.exit_code == 0 and "KV cache, fp8" in result.stdout
+    # an nvfp4 KV cache (packed, not modelled) is refused by name, unless another dtype is given
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+                                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                                "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "NVFP4"}}))
+    result = cli(["size", "--config", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and "--kv-dtype" in line and "nvfp4 KV cache" in line and "quantization_config" in line
+    assert run_json(cli, ["--config", str(path), "--kv-dtype", "fp8"])["kv_bytes_per_token"] == 32 * 8 * 128 * 2

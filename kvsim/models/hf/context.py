@@ -57,6 +57,35 @@ def max_model_len(cfg: Config, *, assume_default: bool = False) -> int:
     return int(derived)
 
 
+def checkpoint_kv_dtype(cfg: Config) -> str | None:
+    """The KV cache dtype the checkpoint asks for, which vLLM 0.33 takes for --kv-cache-dtype auto: "fp8",
+    "nvfp4", or None (the model's dtype).
+
+    ModelOpt checkpoints (quant_method modelopt*): `kv_cache_scheme`, else `kv_cache_quant_algo`, in the
+    quantization_config's `quantization` section or the config itself; a scheme {dynamic: false, num_bits: 8,
+    type: float} is fp8, {num_bits: 4, type: float} nvfp4, the strings "fp8" and "nvfp4" the same; anything else
+    falls back to the model's dtype, with a warning in vLLM (`get_kv_cache_quant_algo_string`). compressed-tensors
+    checkpoints (llm-compressor): any `kv_cache_scheme` is fp8 (vLLM's Attention layer).
+    """
+    quant = cfg.get("quantization_config", default=None)
+    if not isinstance(quant, dict):
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method.startswith("modelopt"):
+        inner = quant.get("quantization", quant)
+        inner = inner if isinstance(inner, dict) else quant
+        algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+                or quant.get("kv_cache_quant_algo"))
+        if isinstance(algo, dict):
+            if algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float":
+                return "fp8"
+            return "nvfp4" if algo.get("num_bits") == 4 and algo.get("type") == "float" else None
+        return {"fp8": "fp8", "nvfp4": "nvfp4"}.get(algo.lower()) if isinstance(algo, str) else None
+    if method == "compressed-tensors" and quant.get("kv_cache_scheme") is not None:
+        return "fp8"
+    return None
+
+
 def weight_dtype(cfg: Config) -> str:
     """The checkpoint's weight dtype: its quantization_config when quantized, else torch_dtype.
 
