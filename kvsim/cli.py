@@ -250,7 +250,7 @@ def replay(
     gpu: Annotated[Optional[str], typer.Option("--gpu", "--hardware", help="Override the workload's hardware (GPU from the catalogue).", show_default=False)] = None,
     utilization: Annotated[Optional[float], typer.Option("--utilization", "--gpu-memory-utilization", help="KV budget from this fraction of GPU memory, weights subtracted, instead of the workload's kv_budget.", show_default=False)] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Override the workload's max_model_len.", show_default=False)] = None,
-    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", "--kv-cache-dtype", help="Override the workload's kv_dtype: bf16, fp16, fp32, fp8, int8.", show_default=False)] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", "--kv-cache-dtype", help="Override the workload's kv_dtype: auto, bf16, fp16, fp32, fp8, int8.", show_default=False)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", help="Tokens per block of every paged allocator.", show_default=False)] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", help="Override the scheduler's max_num_seqs.", show_default=False)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", help="Override the scheduler's max_num_batched_tokens.", show_default=False)] = None,

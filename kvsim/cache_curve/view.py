@@ -45,7 +45,7 @@ def cache_curve_of(requests: list[RequestSpec], *, block_size: int) -> CacheCurv
                             prompt_tokens=int(prompt.sum()))
 
 
-def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype: str = "bf16") -> tuple[list[RequestSpec], CurveContext]:
+def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype: str = "auto") -> tuple[list[RequestSpec], CurveContext]:
     """A workload YAML's requests (its model and KV budget by default) or a trace file's."""
     from kvsim.workload.requests import generate_requests, trace_requests
     from kvsim.workload.traces import read_trace
@@ -71,7 +71,11 @@ def load_requests(target: Path, *, model: str | None, gpu: str | None, kv_dtype:
         from kvsim.models.catalogue import resolve_model
         from kvsim.size.sizing import kv_cache_spec
 
+        from kvsim.size.kv_dtype import kv_cache_dtype
+
         spec = resolve_model(model)
+        in_file = target.suffix in (".yaml", ".yml")  # else a trace with --model: vllm serve's auto
+        kv_dtype = kv_cache_dtype(kv_dtype, spec, field="kv_dtype" if in_file else "--model", source=str(target) if in_file else None)
         bytes_per_token = kv_cache_spec(spec, kv_dtype=kv_dtype).bytes_per_token
         if gpu is not None and budget is None:
             from kvsim.models.hardware import get_gpu

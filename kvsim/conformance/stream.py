@@ -66,7 +66,9 @@ def resolve(stream: Stream) -> ResolvedStream:
     model = resolve_model(workload.model)
     gpu = get_gpu(workload.hardware)
     from kvsim.replay.run import serve_defaults
+    from kvsim.size.kv_dtype import kv_cache_dtype
 
+    workload = replace(workload, kv_dtype=kv_cache_dtype(workload.kv_dtype, model, field="kv_dtype", source=source))
     workload = replace(workload, allocators=serve_defaults(workload.allocators, model, gpu.key, source))
     config = workload.allocators[0]
     weights = weight_bytes(model)

@@ -203,7 +203,10 @@ def _run_job(job: dict) -> None:
         model, total_memory, utilization=workload.gpu_memory_utilization, device_name=torch.cuda.get_device_name(0)
     )
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + GRANULE) / total_memory))
-    spec = kv_cache_spec(model, kv_dtype=workload.kv_dtype, block_size=job["block_size"])
+    from kvsim.size.kv_dtype import kv_cache_dtype
+
+    kv_dtype = kv_cache_dtype(workload.kv_dtype, model, field="kv_dtype", source=str(job["workload"]))
+    spec = kv_cache_spec(model, kv_dtype=kv_dtype, block_size=job["block_size"])
 
     def empty(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device="cuda")

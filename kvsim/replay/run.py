@@ -77,6 +77,10 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
             raise KvsimError(f"{model.source}: the parameter count of {model.name} is unknown, and the replay's clock "
                              "needs its weight bytes (a workload has no --params): use a catalogue model, or for a "
                              "plain decoder give the config.json vocab_size and intermediate_size to count them from")
+    from kvsim.size.kv_dtype import kv_cache_dtype
+
+    # auto (vllm serve's default): what the checkpoint's quantization_config asks for, else the model's dtype
+    workload = replace(workload, kv_dtype=kv_cache_dtype(workload.kv_dtype, model, field="kv_dtype", source=source))
     tp, ep, tp_field, ep_field = _deployment(workload, options)
     try:  # vLLM's rules for tp against the model's heads (split or replicated KV heads, MLA replicated)
         bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype, tp=tp).bytes_per_token  # one rank's

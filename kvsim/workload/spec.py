@@ -193,8 +193,9 @@ def workload_from_mapping(raw, path: str | Path, *, sha256: str, trace: str | No
     model = f.str("model")
     if model.endswith(".json") or (base_dir / model).exists():  # a path (config, checkpoint), relative to the YAML
         model = str((base_dir / model).resolve())
-    kv_dtype = f.str("kv_dtype", "bf16").lower()
-    dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
+    kv_dtype = f.str("kv_dtype", "auto").lower()  # vllm serve's default: resolved with the model (kv_cache_dtype)
+    if kv_dtype != "auto":
+        dtype_bytes(kv_dtype, field="kv_dtype", source=source, kv=True)
     hardware = f.str("hardware")
     if f.has("kv_budget") == f.has("gpu_memory_utilization"):
         raise f.error("kv_budget", "give exactly one of kv_budget (e.g. 4GiB) and gpu_memory_utilization (e.g. 0.9)")

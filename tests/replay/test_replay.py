@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -609,3 +610,29 @@ def test_the_heap_before_a_replay_is_frozen_while_it_runs_and_handed_back_after(
         assert gc.get_freeze_count() > 0  # not handed back by the replay (frozen objects freed since leave the count)
     finally:
         gc.unfreeze()
+
+
+def test_a_workload_without_kv_dtype_takes_vllm_serves_auto(tmp_path, cli):
+    # auto: the model's dtype, or the fp8 KV cache a checkpoint's quantization_config asks for (vLLM 0.33)
+    path = write_tiny(tmp_path)
+    path.write_text(path.read_text().replace("kv_dtype: bf16\n", ""))
+    plain = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert plain.workload.kv_dtype == "bf16"  # torch_dtype bfloat16
+    config = json.loads(TINY_MODEL)
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    (tmp_path / "tiny-model.json").write_text(json.dumps(config))
+    fp8 = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert fp8.workload.kv_dtype == "fp8"
+    # the same budget holds twice the tokens: more requests run at once in the paged pool
+    assert max(fp8.runs[1].steps["num_running"]) > max(plain.runs[1].steps["num_running"])
+    assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).workload.kv_dtype == "fp8"
+    # an nvfp4 KV cache is refused by name, with the file and its field
+    config["quantization_config"]["kv_cache_quant_algo"] = "NVFP4"
+    (tmp_path / "tiny-model.json").write_text(json.dumps(config))
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith(f"kvsim: error: {path}: kv_dtype: ") and "nvfp4 KV cache" in line
+    # an explicit kv_dtype wins, as vLLM's --kv-cache-dtype does
+    path.write_text(path.read_text().replace("hardware:", "kv_dtype: bf16\nhardware:"))
+    assert run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).workload.kv_dtype == "bf16"
