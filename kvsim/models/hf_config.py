@@ -24,6 +24,15 @@ from kvsim.models.weight_config import weight_config
 __all__ = ["estimate_num_params", "load_hf_config", "model_spec_from_config"]
 
 # Files a checkpoint ships beside its config.json: named as a model, they are a mistake worth naming.
+MAX_LAYERS = 10_000  # the deepest served models have a few hundred
+# Widths and counts the weight count reads (kvsim.models.weight_config, kvsim.models.hf.params): where a config
+# gives one it must be a whole number, positive for the first two (a -1 vocabulary would shrink the weights and
+# grow the KV budget silently), zero allowed for the rest (no shared experts, q_lora_rank 0).
+_POSITIVE_WEIGHT_FIELDS = ("vocab_size", "intermediate_size")
+_COUNT_WEIGHT_FIELDS = ("ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                        "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                        "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                        "v_head_dim")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
@@ -66,6 +75,18 @@ def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
     return replace(spec, num_params=estimate, params_source="estimated from config.json tensor shapes")
 
 
+def _check_weight_fields(cfg: Config) -> None:
+    """The weight count's widths and counts, where given: whole numbers, positive where zero means nothing."""
+    for name in _POSITIVE_WEIGHT_FIELDS + _COUNT_WEIGHT_FIELDS:
+        value = cfg.data.get(name)
+        if value is None:
+            continue
+        least = 1 if name in _POSITIVE_WEIGHT_FIELDS else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            what = "a positive integer" if least else "a whole number >= 0"
+            raise KvsimError(f"expected {what}, got {value!r}", source=cfg.source, field=name)
+
+
 def model_spec_from_config(
     data: dict[str, Any],
     *,
@@ -80,7 +101,11 @@ def model_spec_from_config(
     cfg = Config(data, source)
     family = family_of(cfg)
     check_layout_keys(cfg, family)  # before any figure: a layout key this family's reader ignores is an error
+    _check_weight_fields(cfg)
     num_layers = cfg.get_int("num_hidden_layers", "n_layer", "num_layers")
+    if num_layers > MAX_LAYERS:  # kvsim keeps one entry per layer: a typo of 10^8 would hang, 10^30 overflow
+        raise KvsimError(f"expected at most {MAX_LAYERS:,} layers, got {num_layers:,}", source=source,
+                         field=next(n for n in ("num_hidden_layers", "n_layer", "num_layers") if cfg.data.get(n) is not None))
     hidden_size = cfg.get_int("hidden_size", "d_model", "n_embd")
     num_heads = 0 if family in ATTENTION_FREE else cfg.get_int("num_attention_heads", "n_head", "num_heads")
     layers = read_layers(cfg, family, hidden_size, num_heads, num_layers)

@@ -587,3 +587,26 @@ def test_the_kv_dtype_a_checkpoint_asks_for_is_what_vllm_auto_takes(write_config
     config = dict(LLAMA_8B, **({"quantization_config": quantization_config} if quantization_config is not None else {}))
     model = load_hf_config(write_config(config))
     assert model.checkpoint_kv_dtype == expected
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("num_hidden_layers", 10**30, "at most 10,000 layers"),  # a typo of this size hung or overflowed
+    ("vocab_size", -1, "positive integer"),  # a negative vocabulary shrank the weights and grew the KV budget
+    ("intermediate_size", -1, "positive integer"),
+    ("intermediate_size", 14336.5, "positive integer"),
+    ("n_routed_experts", -1, "whole number >= 0"),
+    ("moe_intermediate_size", "wide", "whole number >= 0"),
+    ("torch_dtype", "float99", "unknown dtype 'float99'"),  # was read as bf16
+    ("torch_dtype", 5, "unknown dtype 5"),
+])
+def test_a_config_field_out_of_range_names_the_field_instead_of_a_wrong_figure(write_config, field, value, says):
+    config = {**LLAMA_8B, "intermediate_size": 14336, "vocab_size": 128256, field: value}
+    with pytest.raises(KvsimError) as info:
+        load_hf_config(write_config(config))
+    assert info.value.field == field and says in str(info.value) and str(info.value.source).endswith("config.json")
+
+
+def test_torch_dtype_spellings_a_config_uses(write_config):
+    for spelling, dtype in (("float16", "fp16"), ("torch.bfloat16", "bf16"), ("float32", "fp32"), ("half", "fp16")):
+        assert load_hf_config(write_config(dict(LLAMA_8B, torch_dtype=spelling))).weight_dtype == dtype
+    assert load_hf_config(write_config({k: v for k, v in LLAMA_8B.items() if k != "torch_dtype"})).weight_dtype == "bf16"

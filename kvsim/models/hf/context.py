@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvsim.errors import KvsimError
 from kvsim.models.hf.fields import Config
 
-_TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "half": "fp16",
+                 "float": "fp32", "fp32": "fp32"}
 
 
 # vLLM's keys for a model's length (ModelArchConfigConvertor.derive_max_model_len_and_key): the smallest
@@ -107,5 +108,9 @@ def weight_dtype(cfg: Config) -> str:
             return "int4"
         if bits == 8:
             return "fp8" if floats else "int8"
-    dtype = str(cfg.get("torch_dtype", "dtype", default="bfloat16")).lower()
-    return _TORCH_DTYPES.get(dtype, "bf16")
+    raw = cfg.get("torch_dtype", "dtype", default="bfloat16")
+    dtype = str(raw).lower().removeprefix("torch.")
+    if not isinstance(raw, str) or dtype not in _TORCH_DTYPES:
+        field = "torch_dtype" if cfg.data.get("torch_dtype") is not None else "dtype"
+        raise KvsimError(f"unknown dtype {raw!r} (a config gives bfloat16, float16 or float32)", source=cfg.source, field=field)
+    return _TORCH_DTYPES[dtype]
