@@ -161,6 +161,9 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
     if workload.offload is not None:
         _check_offload(workload, ctx, options)
     for i, config in enumerate(workload.allocators):  # the engine's check, before anything runs, naming file and allocator
+        if config.kind == "flat" and bytes_per_token == 0:  # a flat reservation is per token: nothing to reserve
+            raise KvsimError(f"{model.name} has no attention layer: a flat allocator reserves KV per token, and it keeps "
+                             "none (its state is per sequence); use a paged allocator", source=source, field=f"allocators[{i}].kind")
         pool = ctx.spec(config.block_size, config).pool if config.kind == "paged" and config.prefix_caching else None
         if pool is not None:
             from kvsim.engine.paged.kv_cache_manager import check_prefix_caching

@@ -301,3 +301,13 @@ def test_main_ends_as_usual_while_a_thread_it_would_join_runs(tmp_path):
     done = _main_in_a_child(tmp_path, argv, before=before, torch=False)
     assert done.returncode == 0, done.stderr
     assert "thread finished" in done.stdout
+
+
+def test_a_flat_allocator_on_an_attention_free_model_is_refused_by_name(cli, tmp_path):
+    # mamba keeps no KV per token: a flat reservation has nothing to reserve (it was an AssertionError)
+    path = tmp_path / "mamba.yaml"
+    path.write_text(write_tiny(tmp_path).read_text().replace("model: tiny-model.json", "model: mamba-2.8b"))
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith(f"kvsim: error: {path}: allocators[0].kind: mamba-2.8b has no attention layer")
