@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvsim.errors import KvsimError
 from kvsim.replay.options import TIMINGS
 from kvsim.workload.yaml_fields import Fields
+from kvsim.workload.yaml_file import parse_yaml
 
 COMBINES = ("grid", "zip")
 DEFAULT_METRICS = ("throughput_tokens_per_s", "ttft_p99_s", "preemptions_per_request")
@@ -149,14 +148,10 @@ def _check_metrics(f: Fields, metrics: list[str], has_search: bool) -> None:
 
 def _read_yaml(path: Path, *, source: str) -> Any:
     try:
-        return yaml.safe_load(path.read_bytes())
+        data = path.read_bytes()
     except OSError as exc:
         raise KvsimError(f"cannot read {path}: {exc.strerror or exc}", source=source) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    return parse_yaml(data, source=source)
 
 
 def _dotted_mapping(f: Fields, key: str) -> list[tuple[str, Any]]:

@@ -11,14 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
 
-import yaml
-
 from kvsim.workload.distributions import arrival_from_fields, length_from_fields
 from kvsim.engine.factory import AllocatorConfig
 from kvsim.errors import KvsimError
 from kvsim.workload.requests import SharedPrefix, SyntheticRequests, TraceRequests
 from kvsim.units import dtype_bytes
 from kvsim.workload.yaml_fields import Fields
+from kvsim.workload.yaml_file import parse_yaml
 
 # The most requests one workload may generate: a stream is held in memory (a few hundred bytes per request),
 # so this caps it near a few GiB; the Azure conversation trace has 19,366.
@@ -157,13 +156,7 @@ def load_workload(path: str | Path, *, trace: str | None = None, seed: int | Non
         data = path.read_bytes()
     except OSError as exc:
         raise KvsimError(f"cannot read workload: {exc.strerror or exc}", source=source) from None
-    try:
-        raw = yaml.safe_load(data)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise KvsimError(f"not valid YAML: {problem}{where}", source=source) from None
+    raw = parse_yaml(data, source=source)
     if edit is not None:
         raw = edit(raw)
     return workload_from_mapping(raw, path, sha256=hashlib.sha256(data).hexdigest(), trace=trace, seed=seed, limit=limit)
