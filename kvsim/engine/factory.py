@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvsim.engine.allocator import KVAllocator
@@ -35,6 +35,8 @@ class AllocatorConfig:
     # align mode (a hybrid model with prefix caching): the token alignment at which the state layers export a
     # prefill checkpoint from inside a chunk (0: none; None: vllm serve's for the model and GPU)
     mamba_checkpoint_alignment: int | None = None
+    # the workload's own `mamba_cache_mode` (already read into prefix_caching), kept to check it applies to the model
+    given_mamba_cache_mode: str | None = field(default=None, compare=False)
 
     def with_serve_defaults(self, model, gpu_key: str | None) -> AllocatorConfig:
         """This configuration with what the workload leaves out set as `vllm serve` 0.33 sets it for `model` on
@@ -46,6 +48,13 @@ class AllocatorConfig:
         from kvsim.size.vllm_settings import serve_mamba_defaults
 
         mode, alignment, _ = serve_mamba_defaults(model, gpu_key)
+        from kvsim.models.spec import LayerKind
+
+        if self.given_mamba_cache_mode is not None and not any(l.kind == LayerKind.LINEAR_STATE for l in model.layers):
+            from kvsim.errors import KvsimError
+
+            raise KvsimError(f"{model.name} has no state layers (mamba, gated delta net), and vLLM ignores the mode "
+                             "there: set prefix_caching instead", field="mamba_cache_mode")
         caching = (mode == "align") if self.prefix_caching is None else self.prefix_caching
         align = caching and mode == "align"
         given = self.mamba_checkpoint_alignment

@@ -440,6 +440,7 @@ def _allocators(f: Fields, scheduler: SchedulerConfig) -> tuple[AllocatorConfig,
                 watermark=watermark,
                 prefix_cache_retention_interval=_retention_interval(a, block_size),
                 mamba_checkpoint_alignment=a.int("mamba_checkpoint_alignment", None, min=0),
+                given_mamba_cache_mode=a.choice("mamba_cache_mode", ("none", "align")) if a.has("mamba_cache_mode") else None,
             )
         a.done()
         # one left to vllm serve's default (prefix_caching None) and one set may differ for the model: the replay

@@ -547,6 +547,23 @@ def test_a_hybrid_model_replays_with_vllm_serves_prefix_caching_unless_the_file_
     assert [run.label for run in runs] == ["flat-oracle", "paged-16+prefix"] and runs[1].prefix_query_tokens > 0
 
 
+def test_mamba_cache_mode_on_a_model_without_state_layers_is_refused_not_read_as_prefix_caching(tmp_path):
+    """vLLM ignores mamba_cache_mode where no layer keeps a state; kvsim read align as prefix caching on there."""
+    from kvsim.errors import KvsimError
+
+    path = write_tiny(tmp_path)
+    text = path.read_text().replace("  - {kind: paged, block_size: 16, prefix_caching: true}\n", "")
+    path.write_text(text.replace("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, mamba_cache_mode: align}"))
+    with pytest.raises(KvsimError) as err:
+        run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1)
+    assert str(err.value) == (f"{path}: allocators[1].mamba_cache_mode: tiny-model has no state layers (mamba, gated "
+                              "delta net), and vLLM ignores the mode there: set prefix_caching instead")
+    hybrid = text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB").replace("model: tiny-model.json", "model: qwen3-next-80b-a3b")
+    path.write_text(hybrid.replace("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, mamba_cache_mode: none}"))
+    runs = run_replay(load_workload(path), ReplayOptions(tensors=False), workers=1).runs
+    assert [run.label for run in runs] == ["flat-oracle", "paged-16"]  # where it applies, it is read as before
+
+
 def test_a_config_without_a_parameter_count_is_refused_without_pointing_at_a_flag_replay_lacks(tmp_path):
     """The size command's advice ("give --params") was passed on to a workload, which has no such option."""
     from kvsim.errors import KvsimError
