@@ -71,6 +71,8 @@ def parse_slo(text: str) -> Slo:
         seconds = float(m.group(1)) * scale
         if seconds <= 0:
             raise KvsimError(f"{key} must be > 0", field="--slo")
+        if any(name == f"{key}_s" for name, _ in targets):
+            raise KvsimError(f"{key} given twice", field="--slo")
         targets.append((f"{key}_s", seconds))
     if not targets:
         raise KvsimError("give at least one target, e.g. ttft_p99=2s,tpot_p99=50ms", field="--slo")
@@ -273,6 +275,16 @@ def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int
     return tasks, skipped, workload_path
 
 
+def check_requests(tasks: list[PlanTask]) -> None:
+    """The request stream read once before any deployment runs: a bad trace row or workload field is the
+    command's error, naming the file and line, not every deployment's row error under --slo."""
+    from kvsim.workload.requests import generate_requests
+    from kvsim.workload.spec import workload_from_mapping
+
+    if tasks:
+        generate_requests(workload_from_mapping(tasks[0].workload_mapping(), tasks[0].workload_path, sha256="plan"))
+
+
 def check_clock(tasks: list[PlanTask], timing: str) -> None:
     """The kernels-db clock must cover every searched (model, GPU, tp): a plan on the roofline is refused
     unless asked for (--timing roofline), since the roofline bounds a step's time rather than predicting it."""
@@ -281,6 +293,7 @@ def check_clock(tasks: list[PlanTask], timing: str) -> None:
     from kvsim.clock.kernels_db import kernel_clock
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
+    from kvsim.size.kv_dtype import kv_cache_dtype
 
     seen = set()
     for task in tasks:
@@ -289,7 +302,8 @@ def check_clock(tasks: list[PlanTask], timing: str) -> None:
         seen.add((task.gpu, task.tp))
         model = resolve_model(task.workload["model"])
         try:
-            kernel_clock(model, get_gpu(task.gpu), kv_dtype=task.workload.get("kv_dtype", "bf16"), tp=task.tp)
+            kernel_clock(model, get_gpu(task.gpu), kv_dtype=kv_cache_dtype(task.workload.get("kv_dtype", "auto"), model),
+                         tp=task.tp)
         except KvsimError as exc:
             raise KvsimError(f"the kernels-db clock does not cover {model.name} on {task.gpu} at tp {task.tp} ({exc}); "
                              "plan on the roofline only if you mean it (--timing roofline: a bound, not a latency)",

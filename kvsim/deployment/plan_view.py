@@ -20,7 +20,7 @@ def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: 
               timing: str, workers: int | None, ray: str | None, out: Path | None, json_out: bool, quiet: bool,
               async_scheduling: bool | None = None, exhaustive: bool = False) -> Plan:
     """Run the plan and report it; exit 2 (a KvsimError) when no searched deployment meets the SLO."""
-    from kvsim.deployment.plan import check_clock, parse_ints, parse_slo, plan_tasks, run_plan
+    from kvsim.deployment.plan import check_clock, check_requests, parse_ints, parse_slo, plan_tasks, run_plan
 
     targets = parse_slo(slo)
     gpu_names = [g.strip() for g in gpus.split(",") if g.strip()]
@@ -33,6 +33,7 @@ def show_plan(target: str, *, model: str | None, gpus: str, tps: str, replicas: 
     tasks, skipped, _ = plan_tasks(target, model=model, gpus=gpu_names, tps=parse_ints(tps, "--tp"),
                                    replicas=parse_ints(replicas, "--replicas"), timing=timing, router=router,
                                    async_scheduling=async_scheduling)
+    check_requests(tasks)
     check_clock(tasks, timing)
     out_dir = output_dir(out if out is not None else Path("reports") / "plan" / Path(target).stem, create=False)
     console = Console(stderr=True)

@@ -35,6 +35,20 @@ def test_slo_parsing():
         parse_slo("ttft_p95=1s")
     with pytest.raises(KvsimError, match=r"--slo: ttft_p99: 'fast' is not a duration"):
         parse_slo("ttft_p99=fast")
+    with pytest.raises(KvsimError, match=r"--slo: ttft_p99 given twice"):  # plan.json kept only the second
+        parse_slo("ttft_p99=2s,ttft_p99=300s")
+
+
+def test_a_bad_trace_row_is_the_commands_error_before_any_deployment_runs(tmp_path):
+    # it was each deployment's row error, then "--slo: no searched deployment meets ...", with plan.json written
+    trace = tmp_path / "bad.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,10\n3.5,abc,10\n")
+    result = CliRunner().invoke(app, ["plan", str(trace), "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--slo",
+                                      "ttft_p99=2s", "--timing", "roofline", "--workers", "1", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line == f"kvsim: error: {trace}: line 3, column num_prefill_tokens: expected a whole number from 1 to 16,777,216, got 'abc'"
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_cheapest_plan_and_the_next_smaller():
