@@ -67,7 +67,7 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
     from kvsim.workload.requests import generate_requests
-    from kvsim.size.sizing import kv_cache_spec, weight_bytes
+    from kvsim.size.sizing import weight_bytes
     from kvsim.size.startup import vllm_kv_cache_memory
 
     source = str(workload.path)
@@ -77,18 +77,9 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
             raise KvsimError(f"{model.source}: the parameter count of {model.name} is unknown, and the replay's clock "
                              "needs its weight bytes (a workload has no --params): use a catalogue model, or for a "
                              "plain decoder give the config.json vocab_size and intermediate_size to count them from")
-    from kvsim.size.kv_dtype import kv_cache_dtype
-
-    # auto (vllm serve's default): what the checkpoint's quantization_config asks for, else the model's dtype
-    workload = replace(workload, kv_dtype=kv_cache_dtype(workload.kv_dtype, model, field="kv_dtype", source=source))
+    workload = with_model_kv_dtype(workload, model)
     tp, ep, tp_field, ep_field = _deployment(workload, options)
-    try:  # vLLM's rules for tp against the model's heads (split or replicated KV heads, MLA replicated)
-        bytes_per_token = kv_cache_spec(model, kv_dtype=workload.kv_dtype, tp=tp).bytes_per_token  # one rank's
-    except KvsimError as exc:
-        if exc.field != "--tp":
-            raise
-        message = str(exc).removeprefix("--tp: ").replace(f"--tp {tp} ", f"tp {tp} ")
-        raise KvsimError(message, source=None if tp_field == "--tp" else source, field=tp_field) from None
+    bytes_per_token = rank_bytes_per_token(workload, model, tp, tp_field)
     weights = weight_bytes(model, tp=tp)  # one rank's, as `kvsim size --tp` counts them
     if workload.max_model_len > model.max_model_len and model.attention_layers:
         # vLLM refuses it too (ModelConfig: "User-specified max_model_len ... is greater than the derived
@@ -192,6 +183,28 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         ep=ep,
     )
     return result, ctx, requests, options
+
+
+def with_model_kv_dtype(workload, model):
+    """`workload` with its kv_dtype resolved for `model`: auto (vllm serve's default) is what the checkpoint's
+    quantization_config asks for, else the model's dtype (`kvsim.size.kv_dtype.kv_cache_dtype`)."""
+    from kvsim.size.kv_dtype import kv_cache_dtype
+
+    return replace(workload, kv_dtype=kv_cache_dtype(workload.kv_dtype, model, field="kv_dtype", source=str(workload.path)))
+
+
+def rank_bytes_per_token(workload, model, tp: int, tp_field: str = "deployment.tp") -> int:
+    """One rank's KV bytes a token at `tp`, under vLLM's rules for tp against the model's heads (split or
+    replicated KV heads, MLA replicated); a tp they refuse names `tp_field` (and the file, unless it is --tp)."""
+    from kvsim.size.sizing import kv_cache_spec
+
+    try:
+        return kv_cache_spec(model, kv_dtype=workload.kv_dtype, tp=tp).bytes_per_token
+    except KvsimError as exc:
+        if exc.field != "--tp":
+            raise
+        message = str(exc).removeprefix("--tp: ").replace(f"--tp {tp} ", f"tp {tp} ")
+        raise KvsimError(message, source=None if tp_field == "--tp" else str(workload.path), field=tp_field) from None
 
 
 def serve_defaults(configs, model, gpu_key: str, source: str) -> tuple:

@@ -98,6 +98,7 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
     split each into one task per allocator."""
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
+    from kvsim.replay.run import rank_bytes_per_token, with_model_kv_dtype
     from kvsim.workload.spec import workload_from_mapping
 
     tasks = []
@@ -106,8 +107,9 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
             _set_or_fail(spec, mapping, spec.search.axis, spec.search.value(0), "search.axis")
         try:
             workload = workload_from_mapping(mapping, spec.base_path, sha256="")
-            resolve_model(workload.model)
+            model = resolve_model(workload.model)
             get_gpu(workload.hardware)
+            rank_bytes_per_token(with_model_kv_dtype(workload, model), model, workload.deployment.tp)  # the tp rules
         except KvsimError as exc:
             raise _point_error(spec, values, exc) from None
         raw_allocators = mapping["allocators"]
@@ -142,11 +144,19 @@ def _set_or_fail(spec: SweepSpec, mapping: dict, path: str, value: Any, field: s
 def _point_error(spec: SweepSpec, values: tuple[tuple[str, Any], ...], exc: KvsimError) -> KvsimError:
     """The workload reader's error, led by the axis (and value) it concerns: the one whose path the failing
     field starts with, else every axis value of the point."""
-    field = exc.field or ""
-    named = [(p, v) for p, v in values if field == p or field.startswith(p + ".") or field.startswith(p + "[")
-             or (p.split(".")[0] == "allocators" and field.startswith("allocators"))]
+    field = {"--model": "model", "--gpu": "hardware"}.get(exc.field or "", exc.field or "")  # the lookups' flag names
+
+    def concerns(p: str) -> bool:  # the path set or varied is the failing field, inside it, or holds it
+        return (field == p or field.startswith(p + ".") or field.startswith(p + "[") or p.startswith(field + ".")
+                or (p.split(".")[0] == "allocators" and field.startswith("allocators")))
+
+    named = [(p, v) for p, v in values if concerns(p)]
     if not named and field.split(".")[0] in ("model", "hardware"):
         named = [(p, v) for p, v in values if p == field.split(".")[0]]
+    fixed = [(p, v) for p, v in spec.fixed if concerns(p)] if not named else []
+    if fixed:  # a `set` value, the same at every point
+        what = ", ".join(f"{p} = {v!r}" for p, v in fixed)
+        return KvsimError(f"{what}: {exc}", source=str(spec.path), field="set")
     shown = named or list(values)
     where = "axes." + ", axes.".join(p for p, _ in shown) if shown else "base"
     what = ", ".join(f"{p} = {v!r}" for p, v in shown)

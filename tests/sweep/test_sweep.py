@@ -93,10 +93,16 @@ def test_tasks_are_one_per_point_and_allocator_with_an_allocators_axis_as_labels
         ({"scheduler.max_num_seqs": [4, 0]}, "axes.scheduler.max_num_seqs: scheduler.max_num_seqs = 0: "),
         ({"allocators.1.block_size": [16, 0]}, "axes.allocators.1.block_size: allocators.1.block_size = 0: "),
         ({"allocators.5.block_size": [16]}, "axes.allocators.5.block_size: allocators.5.block_size = 16: "),
+        # a tp that divides no head count is known before any replay (it was a failed row, exit 0)
+        ({"deployment.tp": [1, 3]}, "axes.deployment.tp: deployment.tp = 3: "),
+        # a `set` value is named as such, not blamed on an axis (it was "axes.seed: seed = 1: ...")
+        ({"seed": [1, 2], "set": {"requests.foo": 1}}, "set: requests.foo = 1: "),
+        ({"seed": [1], "set": {"model": "no-such-model"}}, "set: model = 'no-such-model': "),
     ],
 )
 def test_a_bad_point_is_one_error_naming_its_axis_and_value_before_anything_runs(tmp_path, axes, message):
-    path = make_sweep(tmp_path, axes=axes)
+    fixed = axes.pop("set", None)
+    path = make_sweep(tmp_path, axes=axes, **({"set": fixed} if fixed else {}))
     with pytest.raises(KvsimError) as info:
         make_tasks(load_sweep(path), ACCOUNTING)
     assert str(info.value).startswith(f"{path}: {message}")
