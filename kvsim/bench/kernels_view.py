@@ -101,7 +101,7 @@ def show_bench_kernels(model: str, *, block_sizes: str | None, batch_sizes: str 
     from rich.console import Console
 
     console = Console()
-    dev = resolve_device(device)
+    dev = resolve_device(device, field="--device")
     start = time.monotonic()
     with console.status("benchmarking kernels") as status:
 

@@ -90,7 +90,7 @@ def model_weights(model: ModelSpec, *, tp: int = 1, loaded: bool = True, weight_
     elif weight_dtype:  # --quantization fp8 and the like: linear layers in it, embeddings in the activation dtype
         from kvsim.models.quantization import Quantization
 
-        quant = Quantization(weight_dtype, 8 * dtype_bytes(weight_dtype), group_size=0, scale_bytes=4)
+        quant = Quantization(weight_dtype, 8 * dtype_bytes(weight_dtype, field="--weight-dtype"), group_size=0, scale_bytes=4)
     plain = dtype_bytes(activation)
     if quant is None and not weight_dtype and model.weight_dtype not in ("bf16", "fp16", "fp32"):
         return None  # a dtype without its quantization_config (a catalogue's weight_dtype): no per-group bytes

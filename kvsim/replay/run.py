@@ -155,8 +155,10 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         if config.kind == "flat" and bytes_per_token == 0:  # a flat reservation is per token: nothing to reserve
             raise KvsimError(f"{model.name} has no attention layer: a flat allocator reserves KV per token, and it keeps "
                              "none (its state is per sequence); use a paged allocator", source=source, field=f"allocators[{i}].kind")
-        pool = ctx.spec(config.block_size, config).pool if config.kind == "paged" and config.prefix_caching else None
-        if pool is not None:
+        if config.kind != "paged":
+            continue
+        pool = ctx.spec(config.block_size, config).pool
+        if pool is not None and config.prefix_caching:
             from kvsim.engine.paged.kv_cache_manager import check_prefix_caching
 
             try:
@@ -164,6 +166,11 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
             except KvsimError as exc:
                 raise KvsimError(f"{model.name}: {str(exc).removeprefix('prefix_caching: ')}; drop prefix_caching for it",
                                  source=source, field=f"allocators[{i}].prefix_caching") from None
+        try:  # what the paged engine refuses when it is built, said here with the file and the allocator
+            _check_paged(config, pool)
+        except KvsimError as exc:
+            raise KvsimError(f"{model.name}: {str(exc).removeprefix(f'{exc.field}: ')}", source=source,
+                             field=f"allocators[{i}].{exc.field}") from None
     _check_num_blocks(workload, ctx, source)
     if device == "cpu":
         _check_host_memory(workload.allocators, ctx, options)
@@ -277,6 +284,17 @@ def _check_num_blocks(workload, ctx: ReplayContext, source: str) -> None:
                 f"builds ({MAX_NUM_BLOCKS:,}: ~112 B of host memory each)",
                 source=source, field="kv_budget" if workload.kv_budget_bytes is not None else "gpu_memory_utilization",
             )
+
+
+def _check_paged(config, pool) -> None:
+    """The paged engine's refusals of a model (`None` pool: one uniform group), raised as the engine raises them."""
+    from kvsim.engine.paged.kv_cache_manager import check_retention_interval
+
+    groups = pool.groups if pool is not None else ()  # a uniform pool has no sliding group of its own
+    check_retention_interval(config.prefix_cache_retention_interval, groups)
+    if pool is not None and all(g.kind == "state" for g in groups):
+        raise KvsimError("it has no attention layer group, and the paged replay follows one (an attention-free "
+                         "model has no block table to replay)", field="kind")
 
 
 def _check_offload(workload, ctx: ReplayContext, options: ReplayOptions) -> None:

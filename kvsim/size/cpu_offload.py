@@ -140,8 +140,10 @@ def cpu_offload(
     cpu_block_size: int | None = None,
     replicated: bool = False,
     field: str = "--cpu-offload",
+    block_size_field: str = "--cpu-block-size",
 ) -> CpuOffload:
     """The CPU tier `cpu_bytes` (the whole engine's, as `--kv-offloading-size` gives it) buys for this pool.
+    Errors name `field` (the bytes) and `block_size_field` (the chunk size) as the caller's input calls them.
 
     `cpu_block_size` is the connector's `block_size` (tokens per chunk; a multiple of the GPU block, all groups
     of one block size), None for vLLM's default of one GPU block per chunk (`build_offloading_config`).
@@ -163,11 +165,11 @@ def cpu_offload(
         sizes = {g.block_size for g in startup.groups}
         if len(sizes) != 1:
             raise KvsimError(f"the groups' GPU blocks differ ({sorted(sizes)} tokens): vLLM takes no chunk size in "
-                             "tokens then", field="--cpu-block-size")
+                             "tokens then", field=block_size_field)
         gpu_block = sizes.pop()
         if cpu_block_size <= 0 or cpu_block_size % gpu_block:
             raise KvsimError(f"must be a positive multiple of the GPU block ({gpu_block} tokens), got {cpu_block_size}",
-                             field="--cpu-block-size")
+                             field=block_size_field)
         blocks_per_chunk = cpu_block_size // gpu_block
     groups = tuple(
         CpuOffloadGroup(g.kind, g.block_size, g.block_size * blocks_per_chunk, window_chunks(g, g.block_size * blocks_per_chunk))

@@ -340,6 +340,9 @@ def test_cli_rejects_bad_sizes_in_one_line(cli):
     result = cli(["bench", "kernels", "--batch-sizes", "two"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == ["kvsim: error: --batch-sizes: expected comma-separated whole numbers like 8,16,32, got 'two'"]
+    result = cli(["bench", "kernels", "--device", "tpu"])  # named "device:" before, not the flag
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["kvsim: error: --device: unknown device 'tpu' (choose cpu, cuda, cuda:N or auto)"]
 
 
 def test_cli_cpu_run_says_its_numbers_are_not_gpu_numbers(cli, tmp_path):

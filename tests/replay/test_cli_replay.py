@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.replay.test_replay import write_tiny
+from tests.replay.test_replay import BPT, write_tiny
 
 
 def test_replay_writes_reports_and_prints_a_table(cli, tmp_path):
@@ -311,3 +311,31 @@ def test_a_flat_allocator_on_an_attention_free_model_is_refused_by_name(cli, tmp
     assert result.exit_code == 2 and "Traceback" not in result.output
     line = result.stderr.strip()
     assert "\n" not in line and line.startswith(f"kvsim: error: {path}: allocators[0].kind: mamba-2.8b has no attention layer")
+
+
+@pytest.mark.parametrize(("model", "allocator", "line"), [
+    # the paged engine's refusals, said before anything runs with the file and the allocator (they named neither)
+    ("qwen3-0.6b", "{kind: paged, block_size: 16, prefix_caching: true, prefix_cache_retention_interval: 64}",
+     "allocators[0].prefix_cache_retention_interval: qwen3-0.6b: is 64 but this model has no sliding-window layer group"),
+    ("mamba-2.8b", "{kind: paged, block_size: 16}", "allocators[0].kind: mamba-2.8b: it has no attention layer group"),
+])
+def test_what_the_paged_engine_refuses_names_the_file_and_the_allocator(cli, tmp_path, model, allocator, line):
+    path = tmp_path / "w.yaml"
+    text = write_tiny(tmp_path).read_text().replace("model: tiny-model.json", f"model: {model}")
+    text = text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB")
+    head, _, _ = text.partition("allocators:")
+    path.write_text(head + f"allocators:\n  - {allocator}\nscheduler: {{max_num_seqs: 16, max_num_batched_tokens: 256}}\n")
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (error,) = result.stderr.strip().splitlines()
+    assert error.startswith(f"kvsim: error: {path}: {line}")
+
+
+def test_a_cpu_tier_chunk_size_names_the_workloads_field(cli, tmp_path):
+    path = write_tiny(tmp_path)
+    path.write_text(path.read_text().replace("allocators:", "offload: {cpu_bytes: 1GiB, block_size: 7}\nallocators:", 1)
+                    .replace("  - {kind: flat, reserve: oracle}\n", "").replace("  - {kind: paged, block_size: 16}\n", ""))
+    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    (error,) = result.stderr.strip().splitlines()
+    assert error == (f"kvsim: error: {path}: offload.block_size: must be a positive multiple of the GPU block (16 tokens), got 7")

@@ -419,3 +419,9 @@ def test_kv_dtype_auto_takes_the_fp8_kv_cache_a_checkpoint_asks_for(cli, tmp_pat
     line = result.stderr.strip()
     assert "\n" not in line and "--kv-dtype" in line and "nvfp4 KV cache" in line and "quantization_config" in line
     assert run_json(cli, ["--config", str(path), "--kv-dtype", "fp8"])["kv_bytes_per_token"] == 32 * 8 * 128 * 2
+
+
+def test_a_bad_weight_dtype_names_its_flag(cli):
+    result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--weight-dtype", "fp4"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("kvsim: error: --weight-dtype: unknown dtype 'fp4'")  # it said "dtype:"

@@ -27,18 +27,18 @@ if hasattr(torch, "float8_e4m3fn"):
     TORCH_DTYPES.update(fp8=torch.float8_e4m3fn, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2)
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a user error."""
+def resolve_device(device: str, field: str = "device") -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a user error (naming `field`)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda, cuda:N or auto)", field="device") from None
+        raise KvsimError(f"unknown device {device!r} (choose cpu, cuda, cuda:N or auto)", field=field) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KvsimError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)", field="device")
+        raise KvsimError("device 'cuda' requested but torch sees no CUDA device (use cpu or auto)", field=field)
     if dev.type not in ("cpu", "cuda"):
-        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda, cuda:N or auto)", field="device")
+        raise KvsimError(f"unsupported device {device!r} (choose cpu, cuda, cuda:N or auto)", field=field)
     return dev
 
 

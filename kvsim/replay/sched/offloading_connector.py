@@ -807,7 +807,7 @@ def connector_for_replay(offload, model, spec, allocator, max_model_len: int, se
     replicated = all(layer.kind == "mla" for layer in layers)
     try:
         tier = cpu_offload(startup, offload.cpu_bytes, tp=tp, cpu_block_size=offload.block_size,
-                           replicated=replicated, field="offload.block_size")
+                           replicated=replicated, field="offload.cpu_bytes", block_size_field="offload.block_size")
     except KvsimError as exc:
         raise KvsimError(str(exc).removeprefix(f"{exc.field}: "), source=source, field=exc.field) from None
     groups = tuple(
