@@ -65,6 +65,9 @@ def print_vllm_lines(console: SizeConsole, report) -> None:
         sched = "async" if st.async_scheduling else "sync"
         how = f"as vLLM {VLLM_VERSION} computes it (max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling"
         how += f", block_size {v.hybrid.block_size:,})" if v.hybrid else ")"
+        if report.spec.dtype == "int8":  # vLLM's int8 caches (int8_per_token_head) store per-token scales too
+            how = (f"a what-if in vLLM {VLLM_VERSION}'s arithmetic, which has no plain int8 KV cache dtype "
+                   f"(max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling)")
     console.print(
         f"{how}: GPU KV cache size: {tokens} tokens, "
         f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",

@@ -425,3 +425,11 @@ def test_a_bad_weight_dtype_names_its_flag(cli):
     result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--weight-dtype", "fp4"])
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("kvsim: error: --weight-dtype: unknown dtype 'fp4'")  # it said "dtype:"
+
+
+def test_an_int8_kv_cache_is_a_what_if_not_vllms_figure(cli):
+    # vLLM 0.33 has no plain int8 KV cache dtype (int8_per_token_head stores scales too): never "as vLLM computes it"
+    result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--kv-dtype", "int8"])
+    assert result.exit_code == 0 and "as vLLM 0.33.0 computes it" not in result.stdout
+    assert "a what-if in vLLM 0.33.0's arithmetic, which has no plain int8 KV cache dtype" in result.stdout
+    assert "as vLLM 0.33.0 computes it" in cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--kv-dtype", "fp8"]).stdout
