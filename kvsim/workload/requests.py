@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from kvsim.workload.distributions import ArrivalProcess, LengthDistribution
-from kvsim.workload.trace_mooncake import MOONCAKE_BLOCK_TOKENS
+from kvsim.workload.trace_mooncake import MAX_HASH_ID, MOONCAKE_BLOCK_TOKENS
 from kvsim.workload.traces import Trace, read_trace
 
 # Synthetic ids are uniform in [0, VOCAB_SIZE): wide enough that two unrelated requests agreeing on even one
@@ -204,6 +204,7 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
 # make_block_keys: a key is tag << 61 | stream << 21 | block index (every field in range, so keys are exact)
 _KEY_REQUEST, _KEY_GROUP, _KEY_TRACE = 0, 1, 2
 _KEY_STREAM_BITS, _KEY_BLOCK_BITS = 40, 21
+assert MAX_HASH_ID < 1 << _KEY_STREAM_BITS  # every id a trace may carry is a stream of its own
 
 
 def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> np.ndarray:

@@ -9,7 +9,9 @@ The form is told by the header (CSV) or by a leading '{' (JSONL) and its keys:
     mooncake  {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}   see kvsim.workload.trace_mooncake
 
 Arrival times become seconds from the first request (which arrives at t = 0, as in a synthetic workload), so
-epoch seconds or a slice from the middle of a day replay the same. Extra columns or keys are ignored. A bad row is a KvsimError naming the file, line number and column.
+epoch seconds or a slice from the middle of a day replay the same. Extra columns (named in the header) or keys are
+ignored; a row with more cells than the header has is an error, as is one short of the columns read ('1.0,396,10,9'
+under a 3-column header was read as 10 output tokens). A bad row is a KvsimError naming the file, line number and column.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def _csv_rows(text: str, source: str, *, model: str | None,
             need = max(need, header.index(col) + 1)
     rows = []
     for lineno, row in enumerate(reader, start=skipped + 2):
-        if len(row) < need:
+        if len(row) < need or len(row) > len(header):  # a longer row's cells are not where its header says
             if not any(cell.strip() for cell in row):
                 continue  # a blank line
             raise KvsimError(f"expected {len(header)} columns, got {len(row)}", source=source, field=f"line {lineno}")

@@ -86,6 +86,9 @@ def test_azure_timezones_and_fractions(tmp_path):
         (VIDUR + "-1,10,1\n", "line 6, column arrived_at: expected seconds >= 0, got '-1'"),
         (VIDUR + "nan,10,1\n", "line 6, column arrived_at: expected seconds >= 0"),
         (VIDUR + "5.0,10\n", "line 6: expected 3 columns, got 2"),
+        # a fourth cell was ignored: '109' typed as '10,9' replayed 10 output tokens
+        (VIDUR + "5.0,396,10,9\n", "line 6: expected 3 columns, got 4"),
+        (AZURE + "2023-11-16 18:15:51,5,10,9\n", "line 6: expected 3 columns, got 4"),
         (AZURE.replace("18:15:50", "yesterday"), "line 4, column TIMESTAMP: expected a date-time"),
         (JSONL + '{"arrival_time": 1, "prompt_tokens": 5}\n', "line 5: missing key 'output_tokens'"),
         (JSONL + '{"arrival_time": 1, "prompt_tokens": 2.5, "output_tokens": 1}\n', "line 5, column prompt_tokens: expected a whole number"),
@@ -228,6 +231,9 @@ def test_mooncake_form_ms_to_seconds_and_ids_follow_the_sort(tmp_path):
                                                    "but block 1 after id 0 covering 512 tokens at line 1 (ids must be chained)"),
     ([(0, 600, 1, [0, 1]), (1, 1024, 1, [0, 1])], "hash id 1 is block 1 after id 0 covering 512 tokens here, but block 1 after id 0 covering 88"),
     ([(0, 512, 1, [4]), (1, 1024, 1, [5, 4])], "hash id 4 is block 1 after id 5"),
+    # past int64 was an OverflowError; past 2^40 an AssertionError in a replay's block keys
+    ([(0, 100, 10, [2**63])], "line 1, key hash_ids: hash id 9223372036854775808 is past 1,099,511,627,775 (2^40 - 1"),
+    ([(0, 100, 10, [5]), (1, 600, 10, [5, 2**40])], "line 2, key hash_ids: hash id 1099511627776 is past 1,099,511,627,775"),
 ])
 def test_mooncake_bad_rows_and_unchained_ids(tmp_path, lines, message):
     path = tmp_path / "m.jsonl"
@@ -328,3 +334,14 @@ def test_token_ids_share_exactly_the_shared_ids_blocks():
     assert (a[:1100] == c[:1100]).all()  # a shared partial id shares its tokens too
     assert not (a[1100:] == c[1100:]).any()  # outputs are each request's own
     assert not (make_token_ids(RequestSpec(0, 0.0, 1100, 5, hash_ids=(0, 1, 2)), seed=1)[:512] == a[:512]).any()
+
+
+def test_the_largest_hash_id_keys_its_blocks(tmp_path):
+    from kvsim.workload.requests import make_block_keys, trace_requests
+    from kvsim.workload.trace_mooncake import MAX_HASH_ID
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(mooncake_line(0, 600, 1, [MAX_HASH_ID, 0]) + mooncake_line(1, 600, 1, [MAX_HASH_ID, 0]))
+    a, b = trace_requests(read_trace(path))
+    keys = make_block_keys(a, 16, 600)  # (37,) 32 blocks of id 2^40 - 1, then 5 of id 0
+    assert len(set(keys.tolist())) == 37 and keys.tolist() == make_block_keys(b, 16, 600).tolist()
