@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvsim.workload.distributions import MAX_TOKENS
+from kvsim.workload.distributions import MAX_ARRIVAL_S, MAX_TOKENS
 from kvsim.errors import KvsimError
 from kvsim.workload.trace_mooncake import is_mooncake, read_mooncake
 
@@ -104,6 +104,10 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
         scaled = arrival[order] * time_scale  # (n,) checked below
     if not np.all(np.isfinite(scaled)):
         raise KvsimError(f"time_scale {time_scale:g} overflows the arrival times (latest {arrival.max():g} s)", source=source)
+    if len(scaled) and scaled[-1] > MAX_ARRIVAL_S:  # 1e16 s resolves only 2 s: every TTFT and TPOT would read 0
+        scale = f" x time_scale {time_scale:g}" if time_scale != 1 else ""
+        raise KvsimError(f"the last arrival is {scaled[-1]:.3g} s after the first{scale}, past {MAX_ARRIVAL_S:g} s, the "
+                         "latest arrival kvsim replays (beyond it a double does not resolve a step's time)", source=source)
     ids = tuple(hash_ids[i] for i in order.tolist()) if hash_ids is not None else None
     return Trace(path, form, scaled, prompt[order], output[order], ids)
 

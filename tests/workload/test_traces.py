@@ -159,7 +159,21 @@ def test_time_scale_that_overflows_the_arrivals_is_an_error(tmp_path):
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n1e15,10,1\n")
     with pytest.raises(KvsimError, match="time_scale 1e\\+300 overflows the arrival times"):
         read_trace(path, time_scale=1e300)
-    assert read_trace(path, time_scale=2.0).arrival_time.tolist() == [0.0, 2e15]
+
+
+def test_arrivals_past_1e9_s_are_an_error(tmp_path):
+    # 2e15 s was replayed, its TTFTs and TPOTs lost in the arrival times' resolution (0.25 s there)
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n1e15,10,1\n")
+    with pytest.raises(KvsimError) as err:
+        read_trace(path, time_scale=2.0)
+    assert str(err.value) == (f"{path}: the last arrival is 2e+15 s after the first x time_scale 2, past 1e+09 s, the "
+                              "latest arrival kvsim replays (beyond it a double does not resolve a step's time)")
+    assert read_trace(path, limit=1).arrival_time.tolist() == [0.0]  # the requests replayed are the ones held to it
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n5e8,10,1\n")
+    assert read_trace(path, time_scale=2.0).arrival_time.tolist() == [0.0, 1e9]
+    with pytest.raises(KvsimError, match="the last arrival is 1.5e\\+09 s after the first x time_scale 3, past 1e\\+09 s"):
+        read_trace(path, time_scale=3.0)
 
 
 def test_blank_lines_above_the_header_are_skipped_and_lines_still_counted(tmp_path):
