@@ -100,17 +100,48 @@ def _main(
 
 
 def user_errors(fn: F) -> F:
-    """The one place a KvsimError becomes one line on stderr and exit code 2."""
+    """The one place a KvsimError becomes one line on stderr and exit code 2; an empty value of any option or
+    argument is one too (`_refuse_empty`), before the command does anything."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            _refuse_empty(fn, kwargs)
             return fn(*args, **kwargs)
         except KvsimError as exc:
             typer.echo(f"kvsim: error: {exc}", err=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _refuse_empty(fn: Callable, kwargs: dict) -> None:
+    """A KvsimError naming the first option (or argument) of command `fn` given as '' (or blanks).
+
+    An empty value otherwise passed for "not given": `--trace ''` replayed the workload's own requests, `--gpu ''`
+    dropped the start-up section, `--model ''` of `cache-curve` read the current directory as the model's folder.
+    `--out` has its own check (`kvsim.out_paths.out_option`), which also names what to give.
+    """
+    for name, value in kwargs.items():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if name != "out" and any(isinstance(v, str) and not v.strip() for v in values):
+            option, label = _parameter_label(fn, name)
+            raise KvsimError("an empty value; give one, or leave the option out" if option else "an empty value", field=label)
+
+
+def _parameter_label(fn: Callable, name: str) -> tuple[bool, str]:
+    """(is an option, its first long flag or an argument's metavar) for parameter `name` of command `fn`, read
+    from its `Annotated[..., typer.Option(...)]` (typer takes an Annotated Option's first positional as a flag)."""
+    import typing
+
+    from typer.models import OptionInfo, ParameterInfo
+
+    hint = typing.get_type_hints(fn, include_extras=True).get(name)
+    info = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, ParameterInfo)), None)
+    if isinstance(info, OptionInfo):
+        decls = (info.default, *info.param_decls) if isinstance(info.default, str) else tuple(info.param_decls or ())
+        return True, next((d for d in decls if d.startswith("--")), "--" + name.replace("_", "-"))
+    return False, (getattr(info, "metavar", None) or name.upper())
 
 
 # --- commands -----------------------------------------------------------------------------------------

@@ -99,6 +99,8 @@ def run_allocator_bench(
     """Drive a PagedAllocator through the trace; the budget holds `max_running` requests of the longest length."""
     if num_requests <= 0 or max_running <= 0 or block_size <= 0:
         raise KvsimError("--num-requests, --max-running and --block-size must be positive", field="bench allocator")
+    if seed < 0:  # numpy's generators take seeds >= 0 only
+        raise KvsimError(f"must be a whole number >= 0, got {seed}", field="--seed")
     spec = KVCacheSpec.uniform(num_layers=32, num_kv_heads=8, head_dim=128, block_size=block_size)  # Llama-3-8B
     max_len = 2048 + 1024
     budget = max_running * -(-max_len // block_size) * spec.block_bytes

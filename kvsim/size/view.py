@@ -69,8 +69,8 @@ def show_size(
         raise KvsimError("give exactly one of --model NAME or --config FILE", field="--model")
     spec = resolve_model(model) if model else load_hf_config(config)
     if params is not None:
-        if params <= 0:
-            raise KvsimError(f"must be positive, got {params}", field="--params")
+        if not 0 < params < float("inf"):  # nan too: int() of nan or inf was a traceback
+            raise KvsimError(f"must be a positive, finite count, got {params}", field="--params")
         spec = replace(spec, num_params=int(params), params_source="--params", checkpoint_bytes=None)
     if gpu and memory:
         raise KvsimError("give --gpu or --memory, not both", field="--memory")

@@ -25,6 +25,10 @@ ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
 # The longest request kvsim draws or reads (prompt or output tokens): beyond any model's context (10M for the
 # longest today), and small enough that counts stay exact int64 and a bounded zipf's table stays ~100 MiB.
 MAX_TOKENS = 2**24
+# The latest arrival kvsim replays, in seconds from the first (~32 years). A double resolves times there to 1.2e-7 s,
+# well under a step's time; a rate of 1e-15 requests/s put arrivals near 1e16 s, where the resolution is 2 s and
+# every TTFT and TPOT read 0 (the arrival swallowed the steps' times). Traces are held to it too.
+MAX_ARRIVAL_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,13 @@ class ArrivalProcess:
     def mean_rate(self) -> float:
         """Requests per second in the long run."""
         return self.size / self.every_s if self.process == "burst" else self.rate
+
+    def expected_last_arrival(self, count: int) -> float:
+        """When the last of `count` requests arrives, in seconds: exact for constant and burst, the mean for
+        poisson and gamma."""
+        if self.process == "burst":
+            return (count - 1) // self.size * self.every_s
+        return (count - 1) / self.rate
 
     def times(self, rng: np.random.Generator, *, count: int | None = None, duration_s: float | None = None) -> np.ndarray:
         """Non-decreasing arrival times, (n,) float64: exactly `count` of them, or all before `duration_s`."""
@@ -203,15 +214,31 @@ def _read_lengths_file(path: Path) -> tuple[list[int], list[float]]:
     return values, weights
 
 
-def arrival_from_fields(f: Fields) -> ArrivalProcess:
-    """Read `{process: poisson, rate: 10.0}` (or gamma / constant / burst) into an ArrivalProcess."""
+def arrival_from_fields(f: Fields, *, count: int | None = None) -> ArrivalProcess:
+    """Read `{process: poisson, rate: 10.0}` (or gamma / constant / burst) into an ArrivalProcess; with `count`,
+    its last arrival (the mean, for a random process) must come by MAX_ARRIVAL_S."""
     process = f.choice("process", ARRIVAL_KINDS)
     if process == "burst":
         result = ArrivalProcess("burst", size=f.int("size", min=1), every_s=f.float("every_s", min=0, exclusive=True))
+        key, given, second = "every_s", f"{result.every_s:g} s", "burst"
+        first = result.every_s  # the second burst's arrival
     else:
         rate = f.float("rate", min=0, exclusive=True)
         # cv**2 must stay a normal float: a cv of 1e-300 made the gamma shape 1 / 0 (a ZeroDivisionError)
         cv = f.float("cv", min=1e-6, max=1e6) if process == "gamma" else 1.0
         result = ArrivalProcess(process, rate=rate, cv=cv)
+        key, given, second = "rate", f"{rate:g} requests/s", "request"
+        first = 1 / rate  # the second request's (mean) arrival
+    # rate 1e-307 and every_s 1e307 overflowed the arrival times (a traceback), and rate 1e-15 put them near 1e16 s,
+    # where every TTFT and TPOT read 0
+    if first > MAX_ARRIVAL_S:
+        raise f.error(key, f"{given} puts the second {second} at {first:.3g} s, {_PAST_LATEST}")
+    last = result.expected_last_arrival(count) if count is not None else 0.0
+    if last > MAX_ARRIVAL_S:
+        mean = "" if process in ("constant", "burst") else " on average"
+        raise f.error(key, f"{given} puts the last of {count:,} requests at {last:.3g} s{mean}, {_PAST_LATEST}")
     f.done()
     return result
+
+
+_PAST_LATEST = f"past {MAX_ARRIVAL_S:g} s, the latest arrival kvsim replays (beyond it a double does not resolve a step's time)"

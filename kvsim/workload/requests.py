@@ -12,8 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvsim.workload.distributions import ArrivalProcess, LengthDistribution
-from kvsim.workload.trace_mooncake import MOONCAKE_BLOCK_TOKENS
+from kvsim.errors import KvsimError
+from kvsim.workload.distributions import MAX_ARRIVAL_S, ArrivalProcess, LengthDistribution
+from kvsim.workload.trace_mooncake import MAX_HASH_ID, MOONCAKE_BLOCK_TOKENS
 from kvsim.workload.traces import Trace, read_trace
 
 # Synthetic ids are uniform in [0, VOCAB_SIZE): wide enough that two unrelated requests agreeing on even one
@@ -108,6 +109,7 @@ class StreamSource(Protocol):
 
     seed: int
     requests: SyntheticRequests | TraceRequests
+    path: Path  # the workload file, named in errors
 
 
 def generate_requests(workload: StreamSource) -> list[RequestSpec]:
@@ -122,6 +124,11 @@ def generate_requests(workload: StreamSource) -> list[RequestSpec]:
     else:
         rng = [np.random.default_rng([workload.seed, stream]) for stream in range(4)]
         arrival = spec.arrival.times(rng[_ARRIVAL], count=spec.count, duration_s=spec.duration_s)
+        if len(arrival) and arrival[-1] > MAX_ARRIVAL_S:  # a random process's mean is checked with the file; a draw
+            burstier = " or a lower cv" if spec.arrival.process == "gamma" else ""  # can still overshoot it
+            raise KvsimError(f"seed {workload.seed} draws the last arrival at {arrival[-1]:.3g} s, past {MAX_ARRIVAL_S:g} s, "
+                             f"the latest arrival kvsim replays (a higher rate{burstier} keeps the stream within it)",
+                             source=str(workload.path), field=f"requests.arrival.{'cv' if burstier else 'rate'}")
         prompt = spec.prompt_tokens.sample(rng[_PROMPT], len(arrival))
         output = spec.output_tokens.sample(rng[_OUTPUT], len(arrival))
         group, prefix = _prefix_groups(spec.shared_prefix, prompt, rng[_PREFIX])
@@ -204,6 +211,7 @@ def make_token_ids(request: RequestSpec, seed: int) -> np.ndarray:
 # make_block_keys: a key is tag << 61 | stream << 21 | block index (every field in range, so keys are exact)
 _KEY_REQUEST, _KEY_GROUP, _KEY_TRACE = 0, 1, 2
 _KEY_STREAM_BITS, _KEY_BLOCK_BITS = 40, 21
+assert MAX_HASH_ID < 1 << _KEY_STREAM_BITS  # every id a trace may carry is a stream of its own
 
 
 def make_block_keys(request: RequestSpec, block_size: int, num_tokens: int) -> np.ndarray:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
 
-from kvsim.workload.distributions import arrival_from_fields, length_from_fields
+from kvsim.workload.distributions import MAX_ARRIVAL_S, arrival_from_fields, length_from_fields
 from kvsim.engine.factory import AllocatorConfig
 from kvsim.errors import KvsimError
 from kvsim.workload.requests import SharedPrefix, SyntheticRequests, TraceRequests
@@ -340,10 +340,13 @@ def _requests(f: Fields, base_dir: Path, max_model_len: int, cli_trace: str | No
         raise f.error("count", "give exactly one of count (requests) and duration_s (seconds of arrivals)")
     count = f.int("count", None, min=1, max=MAX_REQUESTS)
     duration_s = f.float("duration_s", None, min=0, exclusive=True)
-    arrival = arrival_from_fields(f.sub("arrival"))
+    arrival = arrival_from_fields(f.sub("arrival"), count=count)
     if duration_s is not None and duration_s * arrival.mean_rate + arrival.size > MAX_REQUESTS:
         raise f.error("duration_s", f"{duration_s:g} s at {arrival.mean_rate:g} requests/s is more than "
                                     f"{MAX_REQUESTS:,} requests (the most one workload may have)")
+    if duration_s is not None and duration_s > MAX_ARRIVAL_S:
+        raise f.error("duration_s", f"{duration_s:g} s is past {MAX_ARRIVAL_S:g} s, the latest arrival kvsim replays "
+                                    "(beyond it a double does not resolve a step's time)")
     prompt = length_from_fields(f.sub("prompt_tokens"), base_dir=base_dir)
     output = length_from_fields(f.sub("output_tokens"), base_dir=base_dir)
     shared = None

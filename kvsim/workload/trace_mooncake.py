@@ -15,6 +15,8 @@ from kvsim.errors import KvsimError
 # Tokens named by one hash id: the prompt's blocks in Mooncake's own hashing (the last one may be partial).
 MOONCAKE_BLOCK_TOKENS = 512
 KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+# The largest hash id: a replay keys a block by its id in 40 bits (kvsim.workload.requests.make_block_keys).
+MAX_HASH_ID = 2**40 - 1
 
 
 def is_mooncake(first_line: str) -> bool:
@@ -57,6 +59,9 @@ def read_mooncake(text: str, source: str) -> tuple[np.ndarray, np.ndarray, np.nd
         need = -(-p // MOONCAKE_BLOCK_TOKENS)
         if not isinstance(h, list) or len(h) != need or not all(type(x) is int for x in h) or min(h) < 0:
             raise KvsimError(f"expected {need} ids >= 0 (one per {MOONCAKE_BLOCK_TOKENS} prompt tokens), got {h!r:.80}",
+                             source=source, field=f"{field}, key hash_ids")
+        if max(h) > MAX_HASH_ID:  # was an OverflowError (int64) or an AssertionError (the replay's block keys)
+            raise KvsimError(f"hash id {max(h)} is past {MAX_HASH_ID:,} (2^40 - 1, the largest a replay keys blocks by)",
                              source=source, field=f"{field}, key hash_ids")
         arrival.append(t / 1000.0)
         prompt.append(p)

@@ -9,7 +9,9 @@ The form is told by the header (CSV) or by a leading '{' (JSONL) and its keys:
     mooncake  {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}   see kvsim.workload.trace_mooncake
 
 Arrival times become seconds from the first request (which arrives at t = 0, as in a synthetic workload), so
-epoch seconds or a slice from the middle of a day replay the same. Extra columns or keys are ignored. A bad row is a KvsimError naming the file, line number and column.
+epoch seconds or a slice from the middle of a day replay the same. Extra columns (named in the header) or keys are
+ignored; a row with more cells than the header has is an error, as is one short of the columns read ('1.0,396,10,9'
+under a 3-column header was read as 10 output tokens). A bad row is a KvsimError naming the file, line number and column.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvsim.workload.distributions import MAX_TOKENS
+from kvsim.workload.distributions import MAX_ARRIVAL_S, MAX_TOKENS
 from kvsim.errors import KvsimError
 from kvsim.workload.trace_mooncake import is_mooncake, read_mooncake
 
@@ -102,6 +104,10 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
         scaled = arrival[order] * time_scale  # (n,) checked below
     if not np.all(np.isfinite(scaled)):
         raise KvsimError(f"time_scale {time_scale:g} overflows the arrival times (latest {arrival.max():g} s)", source=source)
+    if len(scaled) and scaled[-1] > MAX_ARRIVAL_S:  # 1e16 s resolves only 2 s: every TTFT and TPOT would read 0
+        scale = f" x time_scale {time_scale:g}" if time_scale != 1 else ""
+        raise KvsimError(f"the last arrival is {scaled[-1]:.3g} s after the first{scale}, past {MAX_ARRIVAL_S:g} s, the "
+                         "latest arrival kvsim replays (beyond it a double does not resolve a step's time)", source=source)
     ids = tuple(hash_ids[i] for i in order.tolist()) if hash_ids is not None else None
     return Trace(path, form, scaled, prompt[order], output[order], ids)
 
@@ -186,7 +192,7 @@ def _csv_rows(text: str, source: str, *, model: str | None,
             need = max(need, header.index(col) + 1)
     rows = []
     for lineno, row in enumerate(reader, start=skipped + 2):
-        if len(row) < need:
+        if len(row) < need or len(row) > len(header):  # a longer row's cells are not where its header says
             if not any(cell.strip() for cell in row):
                 continue  # a blank line
             raise KvsimError(f"expected {len(header)} columns, got {len(row)}", source=source, field=f"line {lineno}")

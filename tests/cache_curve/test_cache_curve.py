@@ -201,6 +201,15 @@ def test_cli_json_keys_and_errors(cli, tmp_path):
     assert "KV budget of llama-3.1-8b on h100-80gb" in out.output
 
 
+def test_a_hash_id_past_the_block_keys_is_one_line_naming_the_file_line_and_key(cli, tmp_path):
+    trace = tmp_path / "big.jsonl"  # an id >= 2^63 was an OverflowError traceback
+    trace.write_text('{"timestamp":0,"input_length":100,"output_length":10,"hash_ids":[9223372036854775808]}\n')
+    result = cli(["cache-curve", str(trace)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"kvsim: error: {trace}: line 1, key hash_ids: hash id 9223372036854775808 is past")
+    assert result.output.count("\n") == 1
+
+
 @pytest.mark.skipif(not MOONCAKE_CONV.is_file(), reason="needs ../shared/traces/mooncake")
 def test_conversation_trace_ideal_is_block_size_independent_for_divisors():
     """At block sizes dividing 512 the ideal differs only by partial blocks; at 512 it counts whole ids."""

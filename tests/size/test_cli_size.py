@@ -130,6 +130,11 @@ def test_models_command(cli):
     assert (by_name["deepseek-v3"]["num_kv_heads"], by_name["deepseek-v3"]["head_dim"]) == (1, 576)
 
 
+LLAMA_CONFIG = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
+                "max_position_embeddings": 8192, "head_dim": 128}
+
+
 def _config(tmp_path, text):
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -164,6 +169,15 @@ def _config(tmp_path, text):
         (["--model", "llama-3.1-8b", "--tp", "-2"], "--tp: must be a positive integer"),
         (["--model", "llama-3.1-8b", "--block-size", "0"], "--block-size"),
         (["--model", "llama-3.1-8b", "--context", "0"], "--context"),
+        # an empty value was a TypeError (--model) or silently "not given" (--gpu: no start-up section; --weight-dtype: the default)
+        (["--model", ""], "kvsim: error: --model: an empty value; give one, or leave the option out"),
+        (["--model", "qwen3-0.6b", "--gpu", ""], "kvsim: error: --gpu: an empty value"),
+        (["--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--weight-dtype", ""], "kvsim: error: --weight-dtype: an empty value"),
+        (["--model", "qwen3-0.6b", "--config", " "], "kvsim: error: --config: an empty value"),
+        # int() of nan / inf was a ValueError / OverflowError traceback
+        (["--config", "{llama}", "--gpu", "h100-80gb", "--params", "nan"], "--params: must be a positive, finite count, got nan"),
+        (["--config", "{llama}", "--gpu", "h100-80gb", "--params", "inf"], "--params: must be a positive, finite count, got inf"),
+        (["--config", "{llama}", "--params", "0"], "--params: must be a positive, finite count, got 0.0"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(cli, tmp_path, args, needle):
@@ -172,6 +186,7 @@ def test_user_errors_are_one_line_and_exit_2(cli, tmp_path, args, needle):
         _config(tmp_path, "[1, 2]") if a == "{list}" else
         _config(tmp_path, "") if a == "{empty}" else
         _config(tmp_path, "{not json") if a == "{bad}" else
+        _config(tmp_path, json.dumps(LLAMA_CONFIG)) if a == "{llama}" else
         _config(tmp_path, '{"num_hidden_layers": 2, "hidden_size": 64, "max_position_embeddings": 64}') if a == "{missing}" else a
         for a in args
     ]

@@ -86,6 +86,9 @@ def test_azure_timezones_and_fractions(tmp_path):
         (VIDUR + "-1,10,1\n", "line 6, column arrived_at: expected seconds >= 0, got '-1'"),
         (VIDUR + "nan,10,1\n", "line 6, column arrived_at: expected seconds >= 0"),
         (VIDUR + "5.0,10\n", "line 6: expected 3 columns, got 2"),
+        # a fourth cell was ignored: '109' typed as '10,9' replayed 10 output tokens
+        (VIDUR + "5.0,396,10,9\n", "line 6: expected 3 columns, got 4"),
+        (AZURE + "2023-11-16 18:15:51,5,10,9\n", "line 6: expected 3 columns, got 4"),
         (AZURE.replace("18:15:50", "yesterday"), "line 4, column TIMESTAMP: expected a date-time"),
         (JSONL + '{"arrival_time": 1, "prompt_tokens": 5}\n', "line 5: missing key 'output_tokens'"),
         (JSONL + '{"arrival_time": 1, "prompt_tokens": 2.5, "output_tokens": 1}\n', "line 5, column prompt_tokens: expected a whole number"),
@@ -156,7 +159,21 @@ def test_time_scale_that_overflows_the_arrivals_is_an_error(tmp_path):
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n1e15,10,1\n")
     with pytest.raises(KvsimError, match="time_scale 1e\\+300 overflows the arrival times"):
         read_trace(path, time_scale=1e300)
-    assert read_trace(path, time_scale=2.0).arrival_time.tolist() == [0.0, 2e15]
+
+
+def test_arrivals_past_1e9_s_are_an_error(tmp_path):
+    # 2e15 s was replayed, its TTFTs and TPOTs lost in the arrival times' resolution (0.25 s there)
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n1e15,10,1\n")
+    with pytest.raises(KvsimError) as err:
+        read_trace(path, time_scale=2.0)
+    assert str(err.value) == (f"{path}: the last arrival is 2e+15 s after the first x time_scale 2, past 1e+09 s, the "
+                              "latest arrival kvsim replays (beyond it a double does not resolve a step's time)")
+    assert read_trace(path, limit=1).arrival_time.tolist() == [0.0]  # the requests replayed are the ones held to it
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,1\n5e8,10,1\n")
+    assert read_trace(path, time_scale=2.0).arrival_time.tolist() == [0.0, 1e9]
+    with pytest.raises(KvsimError, match="the last arrival is 1.5e\\+09 s after the first x time_scale 3, past 1e\\+09 s"):
+        read_trace(path, time_scale=3.0)
 
 
 def test_blank_lines_above_the_header_are_skipped_and_lines_still_counted(tmp_path):
@@ -228,6 +245,9 @@ def test_mooncake_form_ms_to_seconds_and_ids_follow_the_sort(tmp_path):
                                                    "but block 1 after id 0 covering 512 tokens at line 1 (ids must be chained)"),
     ([(0, 600, 1, [0, 1]), (1, 1024, 1, [0, 1])], "hash id 1 is block 1 after id 0 covering 512 tokens here, but block 1 after id 0 covering 88"),
     ([(0, 512, 1, [4]), (1, 1024, 1, [5, 4])], "hash id 4 is block 1 after id 5"),
+    # past int64 was an OverflowError; past 2^40 an AssertionError in a replay's block keys
+    ([(0, 100, 10, [2**63])], "line 1, key hash_ids: hash id 9223372036854775808 is past 1,099,511,627,775 (2^40 - 1"),
+    ([(0, 100, 10, [5]), (1, 600, 10, [5, 2**40])], "line 2, key hash_ids: hash id 1099511627776 is past 1,099,511,627,775"),
 ])
 def test_mooncake_bad_rows_and_unchained_ids(tmp_path, lines, message):
     path = tmp_path / "m.jsonl"
@@ -328,3 +348,14 @@ def test_token_ids_share_exactly_the_shared_ids_blocks():
     assert (a[:1100] == c[:1100]).all()  # a shared partial id shares its tokens too
     assert not (a[1100:] == c[1100:]).any()  # outputs are each request's own
     assert not (make_token_ids(RequestSpec(0, 0.0, 1100, 5, hash_ids=(0, 1, 2)), seed=1)[:512] == a[:512]).any()
+
+
+def test_the_largest_hash_id_keys_its_blocks(tmp_path):
+    from kvsim.workload.requests import make_block_keys, trace_requests
+    from kvsim.workload.trace_mooncake import MAX_HASH_ID
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(mooncake_line(0, 600, 1, [MAX_HASH_ID, 0]) + mooncake_line(1, 600, 1, [MAX_HASH_ID, 0]))
+    a, b = trace_requests(read_trace(path))
+    keys = make_block_keys(a, 16, 600)  # (37,) 32 blocks of id 2^40 - 1, then 5 of id 0
+    assert len(set(keys.tolist())) == 37 and keys.tolist() == make_block_keys(b, 16, 600).tolist()

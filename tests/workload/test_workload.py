@@ -307,6 +307,18 @@ def test_list_items_are_named_by_index(tmp_path):
         ("requests.prompt_tokens", {"dist": "empirical", "values": [10, 2**40]}, "requests.prompt_tokens.values[1]: must be <= 16,777,216"),
         ("requests.arrival", {"process": "gamma", "rate": 10, "cv": 1e-300}, "requests.arrival.cv: must be >= 1e-06, got 1e-300"),
         ("requests.arrival", {"process": "gamma", "rate": 10, "cv": 1e7}, "requests.arrival.cv: must be <= 1,000,000"),
+        # arrivals past 1e9 s: an OverflowError (rate 1e-307, every_s 1e307), an AssertionError (gamma), or at rate
+        # 1e-15 arrivals near 1e16 s, whose 2 s resolution swallowed every step: TTFT and TPOT p50 read 0
+        ("requests.arrival", {"process": "poisson", "rate": 1e-307}, "requests.arrival.rate: 1e-307 requests/s puts "
+         "the second request at 1e+307 s, past 1e+09 s, the latest arrival kvsim replays (beyond it a double does not "
+         "resolve a step's time)"),
+        ("requests.arrival", {"process": "burst", "size": 5, "every_s": 1e307}, "requests.arrival.every_s: 1e+307 s puts the second burst at 1e+307 s, past 1e+09 s"),
+        ("requests.arrival", {"process": "gamma", "rate": 1e-307, "cv": 1e6}, "requests.arrival.rate: 1e-307 requests/s puts the second request"),
+        ("requests.arrival", {"process": "poisson", "rate": 1e-15}, "requests.arrival.rate: 1e-15 requests/s puts the second request at 1e+15 s"),
+        # 10 requests: the last one at 9 / rate, 9 // size x every_s
+        ("requests.arrival", {"process": "poisson", "rate": 8e-9}, "requests.arrival.rate: 8e-09 requests/s puts the last of 10 requests at 1.12e+09 s on average, past 1e+09 s"),
+        ("requests.arrival", {"process": "constant", "rate": 8e-9}, "requests.arrival.rate: 8e-09 requests/s puts the last of 10 requests at 1.12e+09 s, past"),
+        ("requests.arrival", {"process": "burst", "size": 2, "every_s": 3e8}, "requests.arrival.every_s: 3e+08 s puts the last of 10 requests at 1.2e+09 s, past"),
     ],
 )
 def test_sizes_beyond_what_a_replay_can_hold_are_errors(tmp_path, field, value, message):
@@ -323,6 +335,26 @@ def test_a_duration_that_would_draw_too_many_requests_is_an_error(tmp_path):
         load_workload(write(tmp_path, data))
     data["requests"]["duration_s"] = 100.0
     assert load_workload(write(tmp_path, data)).requests.duration_s == 100.0
+
+
+def test_arrivals_up_to_1e9_s_are_kept_and_a_draw_past_it_is_an_error(tmp_path):
+    from kvsim.workload.requests import generate_requests
+
+    # the last of 10 requests at exactly 1e9 s (9 // 2 = 4 bursts after the first)
+    burst = generate_requests(load_workload(write(tmp_path, with_change("requests.arrival", {"process": "burst", "size": 2, "every_s": 2.5e8}))))
+    assert [r.arrival_time for r in burst][-2:] == [1e9, 1e9]
+    with pytest.raises(KvsimError, match=r"requests.duration_s: 2e\+09 s is past 1e\+09 s"):
+        load_workload(write(tmp_path, {**BASE, "requests": {**with_change("requests.count", ...)["requests"], "duration_s": 2e9,
+                                                            "arrival": {"process": "poisson", "rate": 1e-3}}}))
+    # gamma's mean is within the bound, but a cv of 1000 makes rare gaps huge: seed 88 draws 2.45e11 s
+    data = with_change("requests.arrival", {"process": "gamma", "rate": 1e-6, "cv": 1000})
+    data["requests"]["count"] = 1000
+    path = write(tmp_path, data)
+    assert generate_requests(load_workload(path, seed=87))[-1].arrival_time < 1e9
+    with pytest.raises(KvsimError) as err:
+        generate_requests(load_workload(path, seed=88))
+    assert str(err.value) == (f"{path}: requests.arrival.cv: seed 88 draws the last arrival at 2.45e+11 s, past 1e+09 s, "
+                              "the latest arrival kvsim replays (a higher rate or a lower cv keeps the stream within it)")
 
 
 def test_a_seed_beyond_2_to_the_53_is_kept_exactly(tmp_path):
