@@ -8,38 +8,29 @@ import pytest
 from kvsim.errors import KvsimError
 from kvsim.workload.spec import load_workload
 from kvsim.workload.yaml_file import parse_yaml
+from tests.replay.test_replay import write_tiny
 
-WORKLOAD = """\
-name: dup
-seed: 0
-model: qwen3-0.6b
-kv_dtype: bf16
-hardware: h100-80gb
-kv_budget: 1GiB
-max_model_len: 4096
-requests:
-  count: 500
-  arrival: {process: poisson, rate: 50.0}
-  prompt_tokens: {dist: uniform, min: 8, max: 64}
-  output_tokens: {dist: uniform, min: 8, max: 64}
-allocators:
-  - {kind: paged, block_size: 16}
-"""
+def _line_of(text: str, needle: str, nth: int = 1) -> int:
+    """The 1-based line of the `nth` line holding `needle`."""
+    return [i for i, line in enumerate(text.splitlines(), 1) if needle in line][nth - 1]
 
 
-@pytest.mark.parametrize(("edit", "key", "line"), [
-    (lambda t: t.replace("  count: 500\n", "  count: 500\n  count: 5000\n"), "count", 10),  # ran 5,000 requests
-    (lambda t: t.replace("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, block_size: 32}"), "block_size", 14),
-    (lambda t: t + "seed: 1\n", "seed", 15),
+@pytest.mark.parametrize(("edit", "key", "needle", "nth"), [
+    (lambda t: t.replace("  count: 24\n", "  count: 24\n  count: 5000\n"), "count", "count: 5000", 1),  # ran 5,000
+    (lambda t: t.replace("{kind: paged, block_size: 16}", "{kind: paged, block_size: 16, block_size: 32}"), "block_size",
+     "block_size: 32", 1),
+    (lambda t: t + "seed: 1\n", "seed", "seed:", 2),
 ])
-def test_a_key_given_twice_is_an_error_naming_it(tmp_path, edit, key, line):
-    path = tmp_path / "w.yaml"
-    path.write_text(edit(WORKLOAD))
+def test_a_key_given_twice_is_an_error_naming_it(tmp_path, edit, key, needle, nth):
+    path = write_tiny(tmp_path)
+    plain = path.read_text()
+    path.write_text(edit(plain))
     with pytest.raises(KvsimError) as info:
         load_workload(path)
+    line = _line_of(edit(plain), needle, nth)
     assert str(info.value).startswith(f"{path}: not valid YAML: key {key!r} given twice at line {line}, column ")
-    path.write_text(WORKLOAD)
-    assert load_workload(path).requests.count == 500  # the file as written once loads
+    path.write_text(plain)
+    assert load_workload(path).requests.count == 24  # the file as written once loads
 
 
 def test_merge_keys_still_override_and_equal_keys_in_separate_mappings_are_fine():
@@ -50,8 +41,8 @@ def test_merge_keys_still_override_and_equal_keys_in_separate_mappings_are_fine(
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     from kvsim.sweep.spec import load_sweep
 
-    (tmp_path / "w.yaml").write_text(WORKLOAD)
+    write_tiny(tmp_path)
     path = tmp_path / "s.yaml"
-    path.write_text("name: s\nbase: w.yaml\naxes: {seed: [1, 2]}\naxes: {seed: [3]}\n")
+    path.write_text("name: s\nbase: tiny.yaml\naxes: {seed: [1, 2]}\naxes: {seed: [3]}\n")
     with pytest.raises(KvsimError, match=r"not valid YAML: key 'axes' given twice at line 4"):
         load_sweep(path)
