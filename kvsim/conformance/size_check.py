@@ -198,25 +198,37 @@ def settings_cases() -> list[Case]:
 _VLLM_KV_DTYPES = {"fp8_e4m3": "fp8", "fp8": "fp8", "nvfp4": "nvfp4"}
 
 
-def checkpoint_kv_dtypes() -> list[tuple[str, str | None, str | None]]:
+def checkpoint_kv_dtypes(models=None) -> list[tuple[str, str | None, str | None]]:
     """(model, kvsim's, vLLM's) KV cache dtype that --kv-cache-dtype auto takes from the checkpoint, for every
-    catalogue model: kvsim's `ModelSpec.checkpoint_kv_dtype` against vLLM's own
-    `get_kv_cache_quant_algo_string` on the config's quantization_config (ModelOpt checkpoints). For
-    compressed-tensors checkpoints vLLM decides in its Attention layer (any kv_cache_scheme is fp8), a module
-    the loader does not import: there the same rule is read, not run."""
+    catalogue model (or `models`, (name, config dict, ModelSpec) each): kvsim's `ModelSpec.checkpoint_kv_dtype`
+    against vLLM's own `_normalize_quantization_config` then `get_kv_cache_quant_algo_string` on the config's
+    quantization_config (ModelOpt checkpoints). For compressed-tensors checkpoints vLLM decides in its Attention
+    layer (any kv_cache_scheme is fp8; MLAAttention leaves it), a module the loader does not import: there the
+    rule is read, not run."""
+    import copy
+    from types import SimpleNamespace
+
     from kvsim.conformance.vllm_import import import_vllm
-    from kvsim.models.catalogue import catalogue_entry, catalogue_models
+    from kvsim.models.spec import LayerKind
 
     torch_utils = import_vllm("vllm.utils.torch_utils")
+    normalize = import_vllm("vllm.transformers_utils.model_arch_config_convertor").ModelArchConfigConvertorBase._normalize_quantization_config
+    if models is None:
+        from kvsim.models.catalogue import catalogue_entry, catalogue_models
+
+        models = [(m.name, catalogue_entry(m.name).get("config") or {}, m) for m in catalogue_models()]
     rows = []
-    for model in catalogue_models():
-        quant = (catalogue_entry(model.name).get("config") or {}).get("quantization_config")
+    for name, config, model in models:
+        quant = normalize(None, SimpleNamespace(**{k: copy.deepcopy(v) for k, v in config.items()
+                                                   if k in ("quantization_config", "compression_config")},
+                                                **{k: None for k in ("quantization_config", "compression_config") if k not in config}))
         vllm = None
         if isinstance(quant, dict):
             vllm = torch_utils.get_kv_cache_quant_algo_string(quant)
-            if vllm is None and quant.get("quant_method") == "compressed-tensors" and quant.get("kv_cache_scheme") is not None:
+            attention = any(layer.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED) for layer in model.layers)
+            if vllm is None and quant.get("quant_method") == "compressed-tensors" and quant.get("kv_cache_scheme") is not None and attention:
                 vllm = "fp8"
-        rows.append((model.name, model.checkpoint_kv_dtype, _VLLM_KV_DTYPES.get(vllm)))
+        rows.append((name, model.checkpoint_kv_dtype, _VLLM_KV_DTYPES.get(vllm)))
     return rows
 
 

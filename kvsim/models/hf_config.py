@@ -119,7 +119,7 @@ def model_spec_from_config(
         hidden_size=hidden_size,
         num_attention_heads=num_heads,
         weight_dtype=weight_dtype(cfg),
-        checkpoint_kv_dtype=checkpoint_kv_dtype(cfg),
+        checkpoint_kv_dtype=checkpoint_kv_dtype(cfg, layers),
         vocab_size=cfg.get("vocab_size", default=None),
         source=source,
         params_source=params_source,

@@ -129,3 +129,36 @@ def test_kv_cache_dtype_auto_equals_vllms_for_every_catalogue_checkpoint(vllm_lo
     monkeypatch.setattr(catalogue, "catalogue_models", lambda: [replace(m, checkpoint_kv_dtype=None) for m in models])
     wrong = size_check.checkpoint_kv_dtypes()
     assert {name for name, ours, theirs in wrong if ours != theirs} == asking
+
+
+def test_kv_cache_dtype_auto_equals_vllms_on_configs_vllm_normalizes(vllm_loaded, tmp_path):
+    # vLLM's own _normalize_quantization_config runs first: a ModelOpt producer without quant_method, a
+    # "compressed_tensors" spelling, a compression_config key; an MLA model under llm-compressor keeps its dtype
+    import json
+
+    from kvsim.conformance import size_check
+    from kvsim.models.hf_config import load_hf_config
+
+    llama = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    mla = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+           "v_head_dim": 32, "max_position_embeddings": 4096}
+    scheme = {"num_bits": 8, "type": "float", "dynamic": False}
+    configs = {
+        "producer-only": dict(llama, quantization_config={"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}),
+        "underscore": dict(llama, quantization_config={"quant_method": "compressed_tensors", "kv_cache_scheme": scheme}),
+        "compression-config": dict(llama, compression_config={"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}),
+        "mla-compressed": dict(mla, quantization_config={"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}),
+        "modelopt-nvfp4-kv": dict(llama, quantization_config={"quant_method": "modelopt", "kv_cache_scheme": {"num_bits": 4, "type": "float"}}),
+        "plain": llama,
+    }
+    models = []
+    for name, config in configs.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        models.append((name, config, load_hf_config(path)))
+    rows = size_check.checkpoint_kv_dtypes(models)
+    assert [(name, ours) for name, ours, theirs in rows if ours != theirs] == []
+    assert {name: ours for name, ours, _ in rows} == {"producer-only": "fp8", "underscore": "fp8", "compression-config": "fp8",
+                                                    "mla-compressed": None, "modelopt-nvfp4-kv": "nvfp4", "plain": None}

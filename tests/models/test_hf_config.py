@@ -580,6 +580,9 @@ def test_a_linear_rope_factor_scales_the_length(write_config):
     ({"quant_method": "compressed-tensors", "kv_cache_scheme": None}, None),
     ({"quant_method": "fp8", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, None),
     (None, None),
+    # as vLLM normalizes the config first: a ModelOpt producer names the method, "compressed_tensors" is the same
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, "fp8"),
+    ({"quant_method": "compressed_tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "fp8"),
 ])
 def test_the_kv_dtype_a_checkpoint_asks_for_is_what_vllm_auto_takes(write_config, quantization_config, expected):
     # vLLM 0.33's --kv-cache-dtype auto: get_kv_cache_quant_algo_string (ModelOpt), the Attention layer
@@ -610,3 +613,15 @@ def test_torch_dtype_spellings_a_config_uses(write_config):
     for spelling, dtype in (("float16", "fp16"), ("torch.bfloat16", "bf16"), ("float32", "fp32"), ("half", "fp16")):
         assert load_hf_config(write_config(dict(LLAMA_8B, torch_dtype=spelling))).weight_dtype == dtype
     assert load_hf_config(write_config({k: v for k, v in LLAMA_8B.items() if k != "torch_dtype"})).weight_dtype == "bf16"
+
+
+def test_an_mla_model_keeps_its_dtype_under_a_compressed_tensors_kv_scheme(write_config):
+    # vLLM's MLAAttention does not apply llm-compressor's kv_cache_scheme (its Attention layer does): auto stays bf16
+    mla = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+           "v_head_dim": 128, "max_position_embeddings": 163840,
+           "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}
+    assert load_hf_config(write_config(mla)).checkpoint_kv_dtype is None
+    modelopt = dict(mla, quantization_config={"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"})
+    assert load_hf_config(write_config(modelopt)).checkpoint_kv_dtype == "fp8"  # ModelOpt's sets the cache's dtype
+    assert load_hf_config(write_config(dict(LLAMA_8B, compression_config=mla["quantization_config"]))).checkpoint_kv_dtype == "fp8"

@@ -58,23 +58,40 @@ def max_model_len(cfg: Config, *, assume_default: bool = False) -> int:
     return int(derived)
 
 
-def checkpoint_kv_dtype(cfg: Config) -> str | None:
+# vLLM's names for a ModelOpt checkpoint's quant_algo where the config names only its producer
+# (`ModelArchConfigConvertor._normalize_quantization_config`)
+_MODELOPT_METHODS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
+                     "NVFP4": "modelopt_fp4", "MIXED_PRECISION": "modelopt_mixed"}
+
+
+def checkpoint_kv_dtype(cfg: Config, layers=()) -> str | None:
     """The KV cache dtype the checkpoint asks for, which vLLM 0.33 takes for --kv-cache-dtype auto: "fp8",
     "nvfp4", or None (the model's dtype).
 
-    ModelOpt checkpoints (quant_method modelopt*): `kv_cache_scheme`, else `kv_cache_quant_algo`, in the
-    quantization_config's `quantization` section or the config itself; a scheme {dynamic: false, num_bits: 8,
-    type: float} is fp8, {num_bits: 4, type: float} nvfp4, the strings "fp8" and "nvfp4" the same; anything else
-    falls back to the model's dtype, with a warning in vLLM (`get_kv_cache_quant_algo_string`). compressed-tensors
-    checkpoints (llm-compressor): any `kv_cache_scheme` is fp8 (vLLM's Attention layer).
+    The quantization_config (else compression_config) as vLLM normalizes it first: a ModelOpt producer (or a
+    legacy `modelopt_quant_config`) with a `quantization.quant_algo` names its quant_method, and
+    "compressed_tensors" is "compressed-tensors". Then:
+    - ModelOpt (quant_method modelopt*): `kv_cache_scheme`, else `kv_cache_quant_algo`, in the `quantization`
+      section or the config itself; a scheme {dynamic: false, num_bits: 8, type: float} is fp8, {num_bits: 4,
+      type: float} nvfp4, the strings "fp8" and "nvfp4" the same; anything else falls back to the model's dtype,
+      with a warning in vLLM (`get_kv_cache_quant_algo_string`).
+    - compressed-tensors (llm-compressor): any `kv_cache_scheme` is fp8, set by vLLM's Attention layer; MLA
+      layers (`MLAAttention`) do not apply it, so a model of `layers` without a non-MLA attention layer keeps
+      its dtype.
     """
-    quant = cfg.get("quantization_config", default=None)
+    quant = cfg.get("quantization_config", "compression_config", default=None)
     if not isinstance(quant, dict):
         return None
     method = str(quant.get("quant_method", "")).lower()
+    producer = quant.get("producer")
+    inner = quant.get("quantization")
+    inner = inner if isinstance(inner, dict) else {}
+    if (isinstance(producer, dict) and producer.get("name") == "modelopt") or "modelopt_quant_config" in inner:
+        if inner.get("quant_algo") is not None:
+            method = _MODELOPT_METHODS.get(str(inner["quant_algo"]).upper(), method)
+    method = method.replace("compressed_tensors", "compressed-tensors")
     if method.startswith("modelopt"):
-        inner = quant.get("quantization", quant)
-        inner = inner if isinstance(inner, dict) else quant
+        inner = inner or quant
         algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
                 or quant.get("kv_cache_quant_algo"))
         if isinstance(algo, dict):
@@ -83,7 +100,10 @@ def checkpoint_kv_dtype(cfg: Config) -> str | None:
             return "nvfp4" if algo.get("num_bits") == 4 and algo.get("type") == "float" else None
         return {"fp8": "fp8", "nvfp4": "nvfp4"}.get(algo.lower()) if isinstance(algo, str) else None
     if method == "compressed-tensors" and quant.get("kv_cache_scheme") is not None:
-        return "fp8"
+        from kvsim.models.spec import LayerKind
+
+        attention = (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED)
+        return "fp8" if any(layer.kind in attention for layer in layers) else None
     return None
 
 
