@@ -218,7 +218,6 @@ def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int
     """The deployments to replay, the (GPU, tp) pairs skipped because the model does not fit, and the
     workload's path. Bad input (a tp that divides no head count, nothing that fits) is one line.
     `async_scheduling` (None: the workload's, else vllm serve's default, async) sets every deployment's loop."""
-    import yaml
 
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
@@ -229,7 +228,9 @@ def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int
     if not path.exists():
         raise KvsimError(f"no such file: {target}", field="WORKLOAD_OR_TRACE")
     if path.suffix in (".yaml", ".yml"):
-        mapping = yaml.safe_load(path.read_text()) or {}
+        from kvsim.workload.yaml_file import parse_yaml
+
+        mapping = parse_yaml(path.read_bytes(), source=target) or {}
         if not isinstance(mapping, dict):
             raise KvsimError("expected a workload mapping", source=target)
         if model is not None:
@@ -281,8 +282,15 @@ def check_requests(tasks: list[PlanTask]) -> None:
     from kvsim.workload.requests import generate_requests
     from kvsim.workload.spec import workload_from_mapping
 
-    if tasks:
-        generate_requests(workload_from_mapping(tasks[0].workload_mapping(), tasks[0].workload_path, sha256="plan"))
+    for task in tasks:  # the first deployment the workload validates for (a field of one deployment is its row's)
+        try:
+            workload = workload_from_mapping(task.workload_mapping(), task.workload_path, sha256="plan")
+        except KvsimError as exc:
+            if (exc.field or "").startswith("requests"):
+                raise
+            continue
+        generate_requests(workload)
+        return
 
 
 def check_clock(tasks: list[PlanTask], timing: str) -> None:
@@ -302,7 +310,7 @@ def check_clock(tasks: list[PlanTask], timing: str) -> None:
         seen.add((task.gpu, task.tp))
         model = resolve_model(task.workload["model"])
         try:
-            kernel_clock(model, get_gpu(task.gpu), kv_dtype=kv_cache_dtype(task.workload.get("kv_dtype", "auto"), model),
+            kernel_clock(model, get_gpu(task.gpu), kv_dtype=kv_cache_dtype(task.workload.get("kv_dtype") or "auto", model),
                          tp=task.tp)
         except KvsimError as exc:
             raise KvsimError(f"the kernels-db clock does not cover {model.name} on {task.gpu} at tp {task.tp} ({exc}); "

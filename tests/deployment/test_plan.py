@@ -219,3 +219,16 @@ def test_the_watch_is_certain_exactly_when_the_percentile_must_exceed_the_target
     watch2 = SloWatch((("ttft_p99_s", 1.0),), np.zeros(100), np.full(100, 8))
     assert not watch2.certain_miss(1.0)  # waited exactly the target: not over it
     assert watch2.certain_miss(1.5) and (watch2.metric, watch2.lower_bound, watch2.cut_at_s) == ("ttft_p99_s", 1.5, 1.5)
+
+
+def test_the_request_check_reads_the_stream_without_refusing_a_deployment_it_would_skip(tmp_path):
+    # a workload valid at tp 2 only (ep 2 spans every tp rank) still plans, and a null kv_dtype is vllm serve's auto
+    path = write(tmp_path, count=20)
+    data = yaml.safe_load(path.read_text())
+    data.update(model="qwen3-30b-a3b", kv_budget="4GiB", kv_dtype=None, deployment={"ep": 2})
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["plan", str(path), "--gpu", "h100-80gb", "--tp", "1,2", "--replicas", "1", "--slo",
+                                      "ttft_p99=1000s", "--workers", "1", "--out", str(tmp_path / "o")])  # ep: kernels-db
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert "tp 2" in result.output and plan["plans"]
