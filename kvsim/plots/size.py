@@ -25,17 +25,21 @@ def context_points(max_context: int, knees: list[int]) -> np.ndarray:
     return np.unique(np.concatenate([grid, extra, [max_context]]).astype(int))
 
 
-def size_curves(model_name: str, *, kv_dtype: str = "bf16", tp: int = 1, max_context: int | None = None) -> dict:
-    """{'model', 'tokens', 'capped', 'uncapped', 'windows', 'state_bytes'}: what the chart draws for one model."""
+def size_curves(model_name: str, *, kv_dtype: str = "auto", tp: int = 1, max_context: int | None = None) -> dict:
+    """{'model', 'kv_dtype', 'tokens', 'capped', 'uncapped', 'windows', 'state_bytes'}: what the chart draws for
+    one model; `kv_dtype` auto is what `kvsim size` takes (the checkpoint's fp8, else the model's dtype)."""
     from kvsim.models.catalogue import resolve_model
+    from kvsim.size.kv_dtype import kv_cache_dtype
     from kvsim.size.sizing import bytes_per_sequence, kv_cache_spec
 
     model = resolve_model(model_name)
+    kv_dtype = kv_cache_dtype(kv_dtype, model)
     spec = kv_cache_spec(model, kv_dtype=kv_dtype, tp=tp)
     windows = sorted({g.window for g in spec.groups if g.kind == "sliding"})
     tokens = context_points(max_context or model.max_model_len, windows)
     return {
         "model": model.name,
+        "kv_dtype": kv_dtype,
         "tokens": tokens,
         "capped": np.array([bytes_per_sequence(spec, int(n), capped=True) for n in tokens], dtype=float),
         "uncapped": np.array([bytes_per_sequence(spec, int(n), capped=False) for n in tokens], dtype=float),
@@ -53,7 +57,7 @@ def _tokens_tick(value: float, _pos) -> str:
     return f"{value / 1024:g}k" if value >= 1024 else f"{value:g}"
 
 
-def bytes_per_sequence(models: list[str], *, kv_dtype: str = "bf16", tp: int = 1, max_context: int | None = None):
+def bytes_per_sequence(models: list[str], *, kv_dtype: str = "auto", tp: int = 1, max_context: int | None = None):
     """The chart: one colour per model, solid = capped (sliding layers keep their window), dashed = uncapped."""
     if max_context is not None and max_context <= MIN_CONTEXT:  # 0 or less drew a chart of nothing
         raise KvsimError(f"must be above the chart's left edge, {MIN_CONTEXT} tokens; got {max_context}", field="--max-context")
@@ -91,7 +95,9 @@ def bytes_per_sequence(models: list[str], *, kv_dtype: str = "bf16", tp: int = 1
     ax.set_xlabel("context length (tokens per sequence, log scale)")
     ax.set_ylabel("KV cache + state per sequence (bytes, log scale)")
     ax.legend(loc="upper left", fontsize=8.5)
-    subtitle = f"KV dtype {kv_dtype} · TP {tp} (per rank) · before block rounding · each line ends at the model's max length"
+    dtypes = list(dict.fromkeys(c["kv_dtype"] for c in curves))  # as resolved per model (auto)
+    dtype = dtypes[0] if len(dtypes) == 1 else ", ".join(f"{c['model']} {c['kv_dtype']}" for c in curves)
+    subtitle = f"KV dtype {dtype} · TP {tp} (per rank) · before block rounding · each line ends at the model's max length"
     titles(fig, "KV cache bytes per sequence vs context length", subtitle)
     return fig
 

@@ -367,6 +367,10 @@ def test_size_curves_are_the_sizing_figures():
     assert qwen["capped"][i] == 114688 * 1024
     assert qwen["uncapped"].tolist() == qwen["capped"].tolist()
     assert qwen["tokens"][0] == 16 and qwen["tokens"][-1] == 4096 and qwen["windows"] == []
+    # auto, as `kvsim size` takes it: a checkpoint asking for an fp8 KV cache is drawn in fp8 (it drew bf16)
+    fp8, bf16 = size_curves("laguna-xs.2-fp8", max_context=4096), size_curves("laguna-xs.2-fp8", kv_dtype="bf16", max_context=4096)
+    assert (qwen["kv_dtype"], fp8["kv_dtype"], bf16["kv_dtype"]) == ("bf16", "fp8", "bf16")
+    assert fp8["uncapped"][-1] * 2 == bf16["uncapped"][-1]
 
     gemma = size_curves("gemma-3-27b")
     (window,) = gemma["windows"]
