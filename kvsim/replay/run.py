@@ -120,7 +120,8 @@ def resolve_replay(workload, options: ReplayOptions = ReplayOptions()) -> tuple[
         raise KvsimError("the workload has no requests", source=source, field="requests")
     device, note = "none", None
     num_attention_layers = len(model.attention_layers)
-    if options.tensors and options.num_layers > num_attention_layers:  # more would be timed as more than the model
+    # more would be timed as more than the model; an attention-free model is refused by its allocators below
+    if options.tensors and 0 < num_attention_layers < options.num_layers:
         raise KvsimError(f"{model.name} has {num_attention_layers} attention layers; materialise at most that many, "
                          f"got {options.num_layers}", field="--layers")
     if options.tensors:

@@ -325,10 +325,11 @@ def test_what_the_paged_engine_refuses_names_the_file_and_the_allocator(cli, tmp
     text = text.replace(f"kv_budget: {1024 * BPT}", "kv_budget: 1GiB")
     head, _, _ = text.partition("allocators:")
     path.write_text(head + f"allocators:\n  - {allocator}\nscheduler: {{max_num_seqs: 16, max_num_batched_tokens: 256}}\n")
-    result = cli(["replay", str(path), "--no-tensors", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    (error,) = result.stderr.strip().splitlines()
-    assert error.startswith(f"kvsim: error: {path}: {line}")
+    for tensors in (["--no-tensors"], []):  # with CPU tensors (the default) too: not a --layers error
+        result = cli(["replay", str(path), *tensors, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        (error,) = result.stderr.strip().splitlines()
+        assert error.startswith(f"kvsim: error: {path}: {line}")
 
 
 def test_a_cpu_tier_chunk_size_names_the_workloads_field(cli, tmp_path):
