@@ -260,6 +260,7 @@ def meta(result: ReplayResult, *, command: str | None = None) -> dict:
         "workload_path": str(workload.path),
         "workload_sha256": workload.sha256,
         "model": result.model_name,
+        "kv_dtype": workload.kv_dtype,  # as resolved for the model (auto: the checkpoint's fp8, else the model's dtype)
         "hardware": result.hardware_name,
         "tp": result.tp,
         "ep": result.ep,

@@ -40,7 +40,7 @@ def hand_result() -> ReplayResult:
         num_cached_tokens=np.array([0, 16, 0]), rejected_reason=[None, None, "too long"],
         prefix_query_tokens=40, prefix_hit_tokens=10,
     )
-    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32, max_model_len=25,
+    workload = SimpleNamespace(name="hand", seed=7, path=Path("hand.yaml"), sha256="ab" * 32, max_model_len=25, kv_dtype="bf16",
                                scheduler=SchedulerConfig())
     return ReplayResult(
         workload=workload, model_name="m", hardware_name="g", budget_bytes=100, device="none",
