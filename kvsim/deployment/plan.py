@@ -237,6 +237,9 @@ def plan_tasks(target: str, *, model: str | None, gpus: list[str], tps: list[int
             mapping["model"] = model
         if "model" not in mapping:
             raise KvsimError("give --model (the workload names none)", field="--model")
+        named = str(mapping["model"])
+        if model is None and (named.endswith(".json") or (path.parent / named).exists()):
+            mapping["model"] = str((path.parent / named).resolve())  # a path in the file is the file's, as replay reads it
         allocators = mapping.get("allocators") or [{"kind": "paged", "block_size": 16, "prefix_caching": True}]
         mapping["allocators"] = allocators[:1]  # one engine configuration per deployment: the first
         workload_path = str(path)

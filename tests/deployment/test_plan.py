@@ -232,3 +232,20 @@ def test_the_request_check_reads_the_stream_without_refusing_a_deployment_it_wou
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert "tp 2" in result.output and plan["plans"]
+
+
+def test_a_model_path_in_the_workload_is_the_files_as_replay_reads_it(tmp_path, monkeypatch):
+    # plan read it against the current directory ("m.json: cannot read config"); replay against the file's folder
+    from tests.replay.test_replay import TINY_MODEL
+
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "m.json").write_text(TINY_MODEL)
+    path = write(sub, count=10)
+    data = yaml.safe_load(path.read_text())
+    data.update(model="m.json", kv_budget="64MiB", max_model_len=2048)
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["plan", "sub/plan.yaml", "--gpu", "h100-80gb", "--tp", "1", "--replicas", "1", "--slo",
+                                      "ttft_p99=1000s", "--timing", "roofline", "--workers", "1", "--out", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output
