@@ -98,7 +98,7 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
     split each into one task per allocator."""
     from kvsim.models.catalogue import resolve_model
     from kvsim.models.hardware import get_gpu
-    from kvsim.replay.run import rank_bytes_per_token, with_model_kv_dtype
+    from kvsim.replay.run import rank_bytes_per_token, serve_defaults, with_model_kv_dtype
     from kvsim.workload.spec import workload_from_mapping
 
     tasks = []
@@ -108,8 +108,9 @@ def make_tasks(spec: SweepSpec, options: ReplayOptions) -> list[Task]:
         try:
             workload = workload_from_mapping(mapping, spec.base_path, sha256="")
             model = resolve_model(workload.model)
-            get_gpu(workload.hardware)
+            gpu = get_gpu(workload.hardware)
             rank_bytes_per_token(with_model_kv_dtype(workload, model), model, workload.deployment.tp)  # the tp rules
+            serve_defaults(workload.allocators, model, gpu.key, str(spec.base_path))  # the model's allocator rules
         except KvsimError as exc:
             raise _point_error(spec, values, exc) from None
         raw_allocators = mapping["allocators"]

@@ -95,6 +95,8 @@ def test_tasks_are_one_per_point_and_allocator_with_an_allocators_axis_as_labels
         ({"allocators.5.block_size": [16]}, "axes.allocators.5.block_size: allocators.5.block_size = 16: "),
         # a tp that divides no head count is known before any replay (it was a failed row, exit 0)
         ({"deployment.tp": [1, 3]}, "axes.deployment.tp: deployment.tp = 3: "),
+        # the model's allocator rules too (qwen3-0.6b keeps no state): it was a failed row, exit 0
+        ({"allocators.1.mamba_cache_mode": ["align"]}, "axes.allocators.1.mamba_cache_mode: allocators.1.mamba_cache_mode = 'align': "),
         # a `set` value is named as such, not blamed on an axis (it was "axes.seed: seed = 1: ...")
         ({"seed": [1, 2], "set": {"requests.foo": 1}}, "set: requests.foo = 1: "),
         ({"seed": [1], "set": {"model": "no-such-model"}}, "set: model = 'no-such-model': "),

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:  # torch >= 2.3; older torch has no cuDNN attention to keep out of the reads
+try:  # torch.nn.attention (2.2+); older torch has no cuDNN attention to keep out of the reads
     from torch.nn.attention import SDPBackend as _SDPBackend, sdpa_kernel as _sdpa_kernel
 except ImportError:  # pragma: no cover
     _SDPBackend = _sdpa_kernel = None
