@@ -17,21 +17,30 @@ _MERGE = "tag:yaml.org,2002:merge"
 
 
 class _StrictLoader(_Base):  # type: ignore[misc, valid-type]
-    def construct_mapping(self, node, deep=False):
+    def construct_document(self, node):
+        # every mapping as written, before construction flattens merge keys into the nodes it merges into
+        self._check_keys(node, set())
+        return super().construct_document(node)
+
+    def _check_keys(self, node, seen: set) -> None:
+        if id(node) in seen:  # an alias: its node was checked where its anchor is
+            return
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == _MERGE:
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:  # an unhashable key: the constructor's own error follows
-                    continue
-                if duplicate:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+            keys = set()
+            for key_node, value_node in node.value:
+                if key_node.tag != _MERGE and isinstance(key_node, yaml.ScalarNode):
+                    key = self.construct_object(key_node)
+                    try:
+                        if key in keys:
+                            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+                        keys.add(key)
+                    except TypeError:  # an unhashable key: the constructor's own error follows
+                        pass
+                self._check_keys(value_node, seen)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                self._check_keys(item, seen)
 
 
 def parse_yaml(data: bytes | str, *, source: str) -> Any:
