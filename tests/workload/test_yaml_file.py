@@ -37,9 +37,11 @@ def test_a_key_given_twice_is_an_error_naming_it(tmp_path, edit, key, needle, nt
 def test_merge_keys_still_override_and_equal_keys_in_separate_mappings_are_fine():
     doc = parse_yaml("base: &b {rate: 1.0, cv: 2}\nother:\n  <<: *b\n  rate: 3.0\nthird: {rate: 1.0}\n", source="x.yaml")
     assert doc["other"] == {"rate": 3.0, "cv": 2} and doc["third"] == {"rate": 1.0}
-    # a mapping that merges an anchor and overrides one of its keys, itself merged elsewhere: as yaml.safe_load reads it
+    # a mapping that merges an anchor and overrides one of its keys, itself merged elsewhere: no error, and read as
+    # this PyYAML's safe_load reads it (versions differ on the top-level x)
     text = "a: &a {x: 1}\ndefs: &b\n  <<: *a\n  x: 2\n<<: *b\n"
-    assert parse_yaml(text, source="x.yaml") == yaml.safe_load(text) == {"x": 2, "a": {"x": 1}, "defs": {"x": 2}}
+    doc = parse_yaml(text, source="x.yaml")
+    assert doc == yaml.safe_load(text) and doc["defs"] == {"x": 2}
 
 
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
