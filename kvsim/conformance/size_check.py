@@ -219,9 +219,8 @@ def checkpoint_kv_dtypes(models=None) -> list[tuple[str, str | None, str | None]
         models = [(m.name, catalogue_entry(m.name).get("config") or {}, m) for m in catalogue_models()]
     rows = []
     for name, config, model in models:
-        quant = normalize(None, SimpleNamespace(**{k: copy.deepcopy(v) for k, v in config.items()
-                                                   if k in ("quantization_config", "compression_config")},
-                                                **{k: None for k in ("quantization_config", "compression_config") if k not in config}))
+        quant = normalize(None, SimpleNamespace(quantization_config=copy.deepcopy(config.get("quantization_config")),
+                                                compression_config=copy.deepcopy(config.get("compression_config"))))
         vllm = None
         if isinstance(quant, dict):
             vllm = torch_utils.get_kv_cache_quant_algo_string(quant)

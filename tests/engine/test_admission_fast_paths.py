@@ -29,6 +29,16 @@ def _seq(r: RequestSpec) -> Sequence:
     return seq
 
 
+def _admit_in_both(hits: list, waiting: list, running: list, index: int) -> None:
+    """Both allocators answered the same; an admitted request moves from waiting to running in each replay."""
+    assert hits[0] == hits[1]
+    if hits[0] is not None:
+        for w, run in zip(waiting, running):
+            seq = w.pop(index)
+            seq.num_computed_tokens = hits[0]
+            run.append(seq)
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("full", [False, True])
 def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
@@ -70,12 +80,7 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
             # (as a connector's skips allow): it may revive the head's free hit blocks
             hits = [a.allocate(w[1], w[1].num_prompt_tokens, num_tokens=w[1].num_prompt_tokens) for a, w in
                     zip(allocs, waiting)]
-            assert hits[0] == hits[1]
-            if hits[0] is not None:
-                for w, run in zip(waiting, running):
-                    seq = w.pop(1)
-                    seq.num_computed_tokens = hits[0]
-                    run.append(seq)
+            _admit_in_both(hits, waiting, running, 1)
         if waiting[0]:
             budget = int(rng.integers(1, 100))
             watermark = bool(rng.random() < 0.7)
@@ -87,12 +92,7 @@ def test_a_refused_retry_is_answered_as_allocate_answers_it(seed, full):
             hits = [a.allocate(w[0], budget, num_tokens=num_tokens, full_sequence_must_fit=full,
                                apply_watermark=watermark, reserved_blocks=reserved, num_external_computed_tokens=ext)
                     for a, w in zip(allocs, waiting)]
-            assert hits[0] == hits[1]
-            if hits[0] is not None:
-                for w, run in zip(waiting, running):
-                    seq = w.pop(0)
-                    seq.num_computed_tokens = hits[0]
-                    run.append(seq)
+            _admit_in_both(hits, waiting, running, 0)
         if running[0] and op < 0.5:  # a running request computes a few more tokens
             i = int(rng.integers(len(running[0])))
             n = int(rng.integers(1, 40))
