@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from kvsim.engine.paged.prefix_table import EMPTY, EMPTY_CHUNK, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
+from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK, PrefixTable
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
@@ -371,8 +371,8 @@ class BlockPool:
         base = table.rows.get(block_hash >> SLOT_BITS)
         if base is None:
             return None
-        block = table.slots[base + (block_hash & SLOT_MASK)]
-        if (block == EMPTY or not self.is_primary[block] or self.block_hash[block] != block_hash
+        block = table.slot[base + (block_hash & SLOT_MASK)]
+        if (block == EMPTY or not self._primary[block] or self._hashes[block] != block_hash
                 or self.block_group[block] != group):
             return None
         return block
@@ -387,26 +387,29 @@ class BlockPool:
         table = self.tables[group]
         base = table.rows.get(block_hash >> SLOT_BITS)
         if base is None:  # the first key of its chunk
-            table.slots[table.add_chunk(block_hash >> SLOT_BITS) + (block_hash & SLOT_MASK)] = block
+            base = table.add_chunk(block_hash >> SLOT_BITS)  # (before `table.slot`: it may grow the table)
+            table.slot[base + (block_hash & SLOT_MASK)] = block
             self._primary[block] = True
             if len(table.rows) > self._table_limit:
                 self._purge()
             return
         at = base + (block_hash & SLOT_MASK)
-        first = table.slots[at]
+        slot = table.slot
+        first = slot[at]
         if first != EMPTY and first != block:
             if self._primary[first] and self._hashes[first] == block_hash and self.block_group[first] == group:
                 self.duplicates[group].setdefault(block_hash, []).append(block)  # behind a live older copy
                 self._younger[first] = True
                 return
-        table.slots[at] = block  # an empty slot or a stale entry
+        slot[at] = block  # an empty slot or a stale entry
         self._primary[block] = True
 
     def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
-        `key_runs(keys)`), each behind any block already caching its key. A run of keys is one slice of the
-        table's slots; runs whose slots held entries (stale ones, or a live older copy: the block queues behind
-        it) are checked after, together."""
+        `key_runs(keys)`), each behind any block already caching its key. Each run of keys is one dict
+        operation (its chunk); their slots are then read and written as one slice or one gather: an empty slot
+        or a stale entry (an evicted block's) takes the block, a live one (an older copy) keeps its slot and the
+        block queues behind it."""
         n = len(ids)
         end = start + n
         if n <= _FEW:  # a few (a decode run's blocks): one at a time
@@ -414,72 +417,59 @@ class BlockPool:
                 self.cache_full_block(block, key)
             return
         arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
-        self.block_hash[arr] = keys[start:end]
+        new_keys = keys[start:end]  # (n,)
+        self.block_hash[arr] = new_keys
         self.is_cached[arr] = True
         if self.num_groups > 1:
             self.block_group[arr] = 0
         table = self.cached_block_hash_to_block
-        rows, slots = table.rows, table.slots
+        rows = table.rows
         r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
-        i, held = start, None
+        offsets, lengths = [], []  # per run: its first slot less its first position in `ids`, its length
+        i = start
         while i < end:
             stop = runs[r] if runs[r] < end else end
             r += 1
             key = keys.item(i)
             base = rows.get(key >> SLOT_BITS)
-            if base is None:  # a new chunk, at the end of `slots`
-                rows[key >> SLOT_BITS] = len(slots)
-                if stop - i == NUM_SLOTS:  # all of it (a Mooncake hash id's blocks at block size 16)
-                    slots += ids[i - start : stop - start]
-                    i = stop
-                    continue
-                base = len(slots)
-                slots += EMPTY_CHUNK
-            elif any(slots[base + (key & SLOT_MASK) : base + (key & SLOT_MASK) + stop - i]):  # entries there
-                held = held or []
-                held.append((base + (key & SLOT_MASK), i, stop))
-                i = stop
-                continue
-            at = base + (key & SLOT_MASK)
-            slots[at : at + stop - i] = ids[i - start : stop - start]
+            if base is None:  # a new chunk
+                base = table.add_chunk(key >> SLOT_BITS)
+            offset = base + (key & SLOT_MASK) - (i - start)
+            if offsets and offsets[-1] == offset:  # its slots follow the last run's (new chunks come in order)
+                lengths[-1] += stop - i
+            else:
+                offsets.append(offset)
+                lengths.append(stop - i)
             i = stop
-        if held is not None:
-            arr = self._cache_over_entries(held, ids, keys, start, arr)
+        slots = table.slots  # (after add_chunk, which may have grown it)
+        if len(offsets) == 1:
+            pos = slice(offsets[0], offsets[0] + n)
+        else:
+            pos = np.repeat(offsets, lengths) + np.arange(n)  # (n,) the slot of each key
+        older = slots[pos]  # (n,) the entries there
+        if older.any():
+            live = self.is_primary[older] & (self.block_hash[older] == new_keys)  # (n,) an older copy answers
+            if self.num_groups > 1:
+                live &= self.block_group[older] == 0
+            if live.any():
+                arr = self._queue_behind_older(arr, new_keys, older, live)
+                if type(pos) is slice:
+                    pos = np.arange(pos.start, pos.stop)
+                pos = pos[~live]
+        slots[pos] = arr
         self.is_primary[arr] = True
         if len(rows) > self._table_limit:
             self._purge()
 
-    def _cache_over_entries(self, held: list, ids: list[int], keys: np.ndarray, start: int,
-                            arr: np.ndarray) -> np.ndarray:
-        """`cache_full_blocks`' runs whose slots held entries, (first slot, i, stop) each, all checked at once: a
-        stale entry (an evicted block's) is replaced, a live one (an older copy) keeps its slot and the block
-        queues behind it. Returns `arr` less the blocks that queued."""
-        n = len(ids)
-        slots = self.cached_block_hash_to_block.slots
-        entries = [EMPTY] * n  # the entries held runs met, at their positions in `ids`; EMPTY (never live) elsewhere
-        for at, i, stop in held:
-            entries[i - start : stop - start] = slots[at : at + stop - i]
-        older = np.array(entries, dtype=np.int64)  # (n,)
-        live = self.is_primary[older] & (self.block_hash[older] == keys[start : start + n])
-        if self.num_groups > 1:
-            live &= self.block_group[older] == 0
-        queued = np.flatnonzero(live).tolist()  # positions in `ids`
-        if not queued:
-            for at, i, stop in held:
-                slots[at : at + stop - i] = ids[i - start : stop - start]
-            return arr
-        queued_set = set(queued)
+    def _queue_behind_older(self, arr: np.ndarray, keys: np.ndarray, older: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """`cache_full_blocks`' blocks `arr` (n,) whose keys `keys` (n,) a live older copy `older` (n,) answers
+        (`live`, (n,) bool) queue behind it, in `arr`'s order; returns `arr` less them."""
+        queued = np.flatnonzero(live)  # positions in `arr`
         duplicates = self.duplicates[0]
-        for at, i, stop in held:
-            for x in range(i - start, stop - start):
-                if x in queued_set:  # behind a live older copy
-                    duplicates.setdefault(keys.item(start + x), []).append(ids[x])
-                else:
-                    slots[at + x - (i - start)] = ids[x]
+        for key, block in zip(keys[queued].tolist(), arr[queued].tolist()):
+            duplicates.setdefault(key, []).append(block)
         self.has_younger[older[queued]] = True
-        keep = np.ones(n, dtype=bool)
-        keep[queued] = False
-        return arr[keep]
+        return arr[~live]
 
     def _purge(self) -> None:
         """Drop the tables' stale entries: each keeps only its live ones."""

@@ -484,10 +484,10 @@ class PagedAllocator(KVAllocator):
             pool = self.pool
             table = pool.cached_block_hash_to_block
             base = table.rows.get(key >> SLOT_BITS)
-            if base is not None and table.slots[base + (key & SLOT_MASK)] == EMPTY:  # its chunk, no entry yet
+            if base is not None and table.slot[base + (key & SLOT_MASK)] == EMPTY:  # its chunk, no entry yet
                 pool._hashes[block] = key
                 pool._cached[block] = True
-                table.slots[base + (key & SLOT_MASK)] = block
+                table.slot[base + (key & SLOT_MASK)] = block
                 pool._primary[block] = True
             else:
                 pool.cache_full_block(block, key)
@@ -502,14 +502,14 @@ class PagedAllocator(KVAllocator):
     def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int, *,
                                 count_free: bool = False) -> tuple[list[int], int]:
         """The cached blocks of the leading keys (at most `max_blocks`; `keys`: the keys and where their runs
-        start), up to the first miss: the prefix table's entries, one slice per run of keys, up to the first key
+        start), up to the first miss: the prefix table's entries, one gather over the runs of keys, up to the first key
         it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
         checked at once. With `count_free`, also how many of them nobody holds (`BlockPool.num_evictable`: a
         hit revives them), else 0."""
         pool = self.pool
         key_array, runs = keys
         table = pool.cached_block_hash_to_block
-        rows, slots = table.rows, table.slots
+        rows = table.rows
         is_primary, block_hash = pool.is_primary, pool.block_hash
         last = self._last_hit
         if last is not None and last[0] is keys:  # a refused admission retried: its last answer, if it stands
@@ -521,7 +521,10 @@ class PagedAllocator(KVAllocator):
                                                                                   or not self._is_live(keys, n)):
                 # every block still answers its key (a live block is its key's entry) and the next key has none
                 return hits[:], int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
-        hits: list[int] = []
+        slot, primary, cached_key = table.slot, pool._primary, pool._hashes
+        offsets, lengths = [], []  # per stretch of adjacent slots (runs led by a live entry): its first slot less
+        # its first key's position, its length
+        n = 0
         for r in range(len(runs) - 1):
             start = runs[r]
             if start >= max_blocks:
@@ -531,32 +534,40 @@ class PagedAllocator(KVAllocator):
             if base is None:
                 break
             at = base + (key & SLOT_MASK)
+            block = slot[at]
+            if block == EMPTY or not primary[block] or cached_key[block] != key:
+                break
             stop = runs[r + 1]
-            part = slots[at : at + (stop if stop < max_blocks else max_blocks) - start]
-            block = part[0]
-            if block == EMPTY or not is_primary[block] or block_hash[block] != key:
-                break
-            if EMPTY in part:
-                hits += part[: part.index(EMPTY)]
-                break
-            hits += part
-        n = len(hits)
-        if n > _FEW_HITS:
-            arr = np.array(hits, dtype=np.int64)  # (n,)
-            live = is_primary[arr] & (block_hash[arr] == key_array[:n])
-            if not live.all():
-                n = int(np.argmin(live))  # a stale entry: the hit ends before it
-                del hits[n:]
-                arr = arr[:n]
-            self._last_hit = (keys, hits[:], arr)
-            return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
-        if n:  # a few: block by block, through the pool's memoryviews (Python ints; numpy's fixed cost is more)
-            primary, cached_key = pool._primary, pool._hashes
-            for i, (block, key) in enumerate(zip(hits, key_array[:n].tolist())):
-                if not primary[block] or cached_key[block] != key:
-                    del hits[i:]
-                    break
-        return hits, pool.num_evictable(hits) if count_free else 0
+            if stop > max_blocks:
+                stop = max_blocks
+            if offsets and offsets[-1] == at - start:  # its slots follow the last run's (chunks cached in order)
+                lengths[-1] += stop - start
+            else:
+                offsets.append(at - start)
+                lengths.append(stop - start)
+            n = stop
+        if n <= _FEW_HITS:  # a few: block by block, through the memoryviews (numpy's fixed cost is more)
+            hits: list[int] = []
+            first = 0
+            for offset, length in zip(offsets, lengths):
+                for i, key in enumerate(key_array[first : first + length].tolist(), first):
+                    block = slot[offset + i]
+                    if block == EMPTY or not primary[block] or cached_key[block] != key:
+                        return hits, pool.num_evictable(hits) if count_free else 0
+                    hits.append(block)
+                first += length
+            return hits, pool.num_evictable(hits) if count_free else 0
+        if len(offsets) == 1:
+            arr = table.slots[offsets[0] : offsets[0] + n].copy()  # (n,)
+        else:
+            arr = table.slots[np.repeat(offsets, lengths) + np.arange(n)]  # (n,)
+        live = is_primary[arr] & (block_hash[arr] == key_array[:n])  # (n,) an empty slot (block 0) is never live
+        if not live.all():
+            n = int(np.argmin(live))  # the hit ends before the first key without a live entry
+            arr = arr[:n]
+        hits = arr.tolist()
+        self._last_hit = (keys, hits[:], arr)
+        return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
 
     def _refuse(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, query: int, num_hit: int,
                 revived: int) -> None:
@@ -592,7 +603,7 @@ class PagedAllocator(KVAllocator):
             table = pool.cached_block_hash_to_block
             base = table.rows.get(key >> SLOT_BITS)
             if base is not None:
-                block = table.slots[base + (key & SLOT_MASK)]
+                block = table.slot[base + (key & SLOT_MASK)]
                 if block != EMPTY and pool._primary[block] and pool._hashes[block] == key:
                     return False
         if pool.num_evicted != evicted:
