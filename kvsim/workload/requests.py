@@ -6,6 +6,7 @@ requests that are live, never for the whole stream.
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -242,7 +243,14 @@ def make_block_key_runs(request: RequestSpec, block_size: int, num_tokens: int) 
     nb = len(keys)
     if not nb:
         return keys, [0]
-    return keys, sorted({*range(0, nb, 1 << _RUN_BITS), *starts}) + [nb]
+    runs = list(range(0, nb, 1 << _RUN_BITS))
+    if len(starts) == 1:  # (a trace's or a group's stream, then the request's own: the common case)
+        if starts[0] & _RUN_MASK:
+            insort(runs, starts[0])
+    elif starts:
+        runs = sorted({*runs, *starts})
+    runs.append(nb)
+    return keys, runs
 
 
 _RUN_BITS = 5  # the prefix table's chunk: 32 consecutive keys (`kvsim.engine.paged.prefix_table.SLOT_BITS`)
@@ -260,11 +268,19 @@ def _block_keys(request: RequestSpec, block_size: int, num_tokens: int, starts: 
     start = 0  # blocks before it are keyed
     if request.hash_ids is not None:
         assert request.prompt_of is None
-        last = np.arange(block_size - 1, prompt_end * block_size, block_size, dtype=np.int64)  # (prompt_end,)
-        stream = np.asarray(request.hash_ids, dtype=np.int64)[last // MOONCAKE_BLOCK_TOKENS]  # (prompt_end,)
-        assert not prompt_end or 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, \
-            "stream id out of key range"
-        keys[:prompt_end] |= (stream << _KEY_BLOCK_BITS) | (_KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS))
+        per_id = MOONCAKE_BLOCK_TOKENS // block_size if MOONCAKE_BLOCK_TOKENS % block_size == 0 else 0
+        if per_id and prompt_end:  # hash id m's blocks are m * per_id .. (m + 1) * per_id - 1
+            ids = request.hash_ids[: -(-prompt_end // per_id)]
+            assert 0 <= min(ids) and max(ids) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
+            stream = np.array(ids, dtype=np.int64)  # (ids,)
+            stream <<= _KEY_BLOCK_BITS
+            stream |= _KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS)
+            keys[:prompt_end] |= np.repeat(stream, per_id)[:prompt_end]
+        elif prompt_end:  # block j's last token (j + 1) * block_size - 1 is in hash id that // 512
+            last = np.arange(block_size - 1, prompt_end * block_size, block_size, dtype=np.int64)  # (prompt_end,)
+            stream = np.asarray(request.hash_ids, dtype=np.int64)[last // MOONCAKE_BLOCK_TOKENS]  # (prompt_end,)
+            assert 0 <= int(stream.min()) and int(stream.max()) < 1 << _KEY_STREAM_BITS, "stream id out of key range"
+            keys[:prompt_end] |= (stream << _KEY_BLOCK_BITS) | (_KEY_TRACE << (_KEY_STREAM_BITS + _KEY_BLOCK_BITS))
         start = prompt_end
         if starts is not None and (MOONCAKE_BLOCK_TOKENS % block_size or MOONCAKE_BLOCK_TOKENS // block_size & _RUN_MASK):
             # hash id m's blocks start at block 512 m // block_size (within the chunk breaks when 32 blocks or
