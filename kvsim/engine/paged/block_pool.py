@@ -8,12 +8,12 @@ of a model: the single-group path of uniform models and the per-group managers o
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 
 import numpy as np
 
-from kvsim.engine.paged.prefix_table import EMPTY, SLOT_BITS, SLOT_MASK, PrefixTable
+from kvsim.engine.paged.prefix_table import EMPTY, NUM_SLOTS, SLOT_BITS, SLOT_MASK, PrefixTable
 
 _NOT_QUEUED = -1
 _FEW = 8  # up to this many blocks, a call goes block by block: numpy's fixed cost (~1 µs an operation) is more
@@ -338,7 +338,7 @@ class BlockPool:
             self.is_primary[ids] = False
             return
         slow = self.has_younger[ids] | ~self.is_primary[ids]
-        if not slow.any():
+        if not np.count_nonzero(slow):  # (count_nonzero: a fraction of any()'s fixed cost)
             self.is_primary[ids] = False
             return
         self.is_primary[ids[~slow]] = False
@@ -425,6 +425,9 @@ class BlockPool:
         table = self.cached_block_hash_to_block
         rows = table.rows
         r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
+        table.reserve(bisect_left(runs, end, r) - r + 1)  # room for a new chunk per run: `slots` stays
+        slots = table.slots
+        next_base = len(rows) * NUM_SLOTS  # where a new chunk's slots start (`add_chunk`, inlined)
         offsets, lengths = [], []  # per run: its first slot less its first position in `ids`, its length
         i = start
         while i < end:
@@ -433,7 +436,8 @@ class BlockPool:
             key = keys.item(i)
             base = rows.get(key >> SLOT_BITS)
             if base is None:  # a new chunk
-                base = table.add_chunk(key >> SLOT_BITS)
+                base = rows[key >> SLOT_BITS] = next_base
+                next_base += NUM_SLOTS
             offset = base + (key & SLOT_MASK) - (i - start)
             if offsets and offsets[-1] == offset:  # its slots follow the last run's (new chunks come in order)
                 lengths[-1] += stop - i
@@ -441,17 +445,16 @@ class BlockPool:
                 offsets.append(offset)
                 lengths.append(stop - i)
             i = stop
-        slots = table.slots  # (after add_chunk, which may have grown it)
         if len(offsets) == 1:
             pos = slice(offsets[0], offsets[0] + n)
         else:
             pos = np.repeat(offsets, lengths) + np.arange(n)  # (n,) the slot of each key
         older = slots[pos]  # (n,) the entries there
-        if older.any():
+        if np.count_nonzero(older):  # (count_nonzero: a fraction of any()'s fixed cost)
             live = self.is_primary[older] & (self.block_hash[older] == new_keys)  # (n,) an older copy answers
             if self.num_groups > 1:
                 live &= self.block_group[older] == 0
-            if live.any():
+            if np.count_nonzero(live):
                 arr = self._queue_behind_older(arr, new_keys, older, live)
                 if type(pos) is slice:
                     pos = np.arange(pos.start, pos.stop)
