@@ -292,6 +292,11 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
+        return self.get_new_blocks_and_array(num_blocks)[0]
+
+    def get_new_blocks_and_array(self, num_blocks: int) -> tuple[list[int], np.ndarray | None]:
+        """`get_new_blocks(num_blocks)`, and the same blocks as an int64 array where they were taken as one (more
+        than a few; else None): what caching them next takes (`cache_full_blocks`' `arr`)."""
         if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost (same blocks, same order)
             out = self.free_queue.pop_list(num_blocks)
             refs, cached = self._refs, self._cached
@@ -300,7 +305,7 @@ class BlockPool:
                 if cached[block]:
                     self._evict_one(block)
             self.num_blocks_allocated += num_blocks
-            return out
+            return out, None
         ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
         self.ref_count[ids] = 1
         cached = self.is_cached[ids]
@@ -308,7 +313,7 @@ class BlockPool:
         if num_cached:
             self._evict(ids[cached] if num_cached != num_blocks else ids)
         self.num_blocks_allocated += num_blocks
-        return ids.tolist()
+        return ids.tolist(), ids
 
     def get_new_block(self) -> int:
         """`get_new_blocks(1)[0]`: a decode step opening one block."""
@@ -404,9 +409,11 @@ class BlockPool:
         slot[at] = block  # an empty slot or a stale entry
         self._primary[block] = True
 
-    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int) -> None:
+    def cache_full_blocks(self, ids: list[int], keys: np.ndarray, runs: list[int], start: int,
+                          arr: np.ndarray | None = None) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
-        `key_runs(keys)`), each behind any block already caching its key. Each run of keys is one dict
+        `key_runs(keys)`; `arr`: `ids` as an int64 array, if the caller has it), each behind any block already
+        caching its key. Each run of keys is one dict
         operation (its chunk); their slots are then read and written as one slice or one gather: an empty slot
         or a stale entry (an evicted block's) takes the block, a live one (an older copy) keeps its slot and the
         block queues behind it."""
@@ -416,7 +423,8 @@ class BlockPool:
             for block, key in zip(ids, keys[start:end].tolist()):
                 self.cache_full_block(block, key)
             return
-        arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
+        if arr is None:
+            arr = np.fromiter(ids, dtype=np.int64, count=n)  # (n,)
         new_keys = keys[start:end]  # (n,)
         self.block_hash[arr] = new_keys
         self.is_cached[arr] = True

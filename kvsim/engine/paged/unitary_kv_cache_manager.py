@@ -219,13 +219,14 @@ class PagedAllocator(KVAllocator):
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
-        req.table = hit_blocks + self.pool.get_new_blocks(num_blocks - len(hit_blocks))
+        new_blocks, new_ids = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
+        req.table = hit_blocks + new_blocks
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._cache_full_blocks(req, hit if delay_cache_blocks else total)
+        self._cache_full_blocks(req, hit if delay_cache_blocks else total, new_ids)
         self._refresh(req)
         return hit
 
@@ -424,6 +425,7 @@ class PagedAllocator(KVAllocator):
         it opens the next one (one block from the pool). Both single-block cases are inlined.
         """
         bs, cap = self.block_size, req.cap
+        new_ids = None  # the blocks added, as an array, where many
         if total > cap:
             pool = self.pool
             if total - cap <= bs:  # one block: `pool.get_new_block()`, its common case inlined
@@ -454,7 +456,8 @@ class PagedAllocator(KVAllocator):
                 num_new = (total - cap + bs - 1) // bs
                 if pool.free_queue.num_free_blocks < num_new:
                     return False
-                req.table += pool.get_new_blocks(num_new)
+                new_blocks, new_ids = pool.get_new_blocks_and_array(num_new)
+                req.table += new_blocks
                 cap += num_new * bs
             final = req.final
             used = cap if cap < final else final
@@ -493,7 +496,7 @@ class PagedAllocator(KVAllocator):
                 pool.cache_full_block(block, key)
             req.num_hashed = j = filled
         elif filled > j:
-            self._cache_full_blocks(req, filled * bs)
+            self._cache_full_blocks(req, filled * bs, new_ids)
             j = req.num_hashed
         event = (j + 1) * bs  # the next block to hash fills here
         req.quiet_until = cap if cap < event or j >= req.lazy_from else event - 1
@@ -663,9 +666,10 @@ class PagedAllocator(KVAllocator):
                 self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
             req.num_hashed = end
 
-    def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
+    def _cache_full_blocks(self, req: PagedRequest, total: int, new_ids: np.ndarray | None = None) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
-        its hash (`BlockPool.cache_full_blocks`)."""
+        its hash (`BlockPool.cache_full_blocks`). `new_ids`: the blocks just added at the end of its table, as an
+        array (`BlockPool.get_new_blocks_and_array`), or None."""
         hashes = req.hashes
         if hashes is None:
             return
@@ -678,5 +682,9 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
             self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j)
+            table = req.table
+            arr = None
+            if new_ids is not None and j == len(table) - len(new_ids):  # exactly new blocks: no conversion
+                arr = new_ids[: end - j]
+            self.pool.cache_full_blocks(table[j:end], hashes, req.runs, j, arr)
         req.num_hashed = end
