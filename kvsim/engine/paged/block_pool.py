@@ -433,7 +433,9 @@ class BlockPool:
         table = self.cached_block_hash_to_block
         rows = table.rows
         r = bisect_right(runs, start)  # runs[r]: the end of the run `start` is in
-        table.reserve(bisect_left(runs, end, r) - r + 1)  # room for a new chunk per run: `slots` stays
+        num_runs = bisect_left(runs, end, r) - r + 1
+        if (len(rows) + num_runs) * NUM_SLOTS > len(table.slots):
+            table.reserve(num_runs)  # room for a new chunk per run: `slots` stays as it is below
         slots = table.slots
         next_base = len(rows) * NUM_SLOTS  # where a new chunk's slots start (`add_chunk`, inlined)
         offsets, lengths = [], []  # per run: its first slot less its first position in `ids`, its length

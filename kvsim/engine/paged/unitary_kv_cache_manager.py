@@ -684,7 +684,11 @@ class PagedAllocator(KVAllocator):
         else:
             table = req.table
             arr = None
-            if new_ids is not None and j == len(table) - len(new_ids):  # exactly new blocks: no conversion
-                arr = new_ids[: end - j]
+            if new_ids is not None:  # new blocks, after at most a few older ones (a chunk's last block, now full)
+                old = len(table) - len(new_ids)
+                if j == old:
+                    arr = new_ids[: end - j]
+                elif old - _FEW_HITS <= j < old < end:
+                    arr = np.concatenate((table[j:old], new_ids[: end - old]))
             self.pool.cache_full_blocks(table[j:end], hashes, req.runs, j, arr)
         req.num_hashed = end
