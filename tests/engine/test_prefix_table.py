@@ -90,6 +90,39 @@ def test_table_get_set_items_rebuild():
     assert sorted(table.items()) == [(31, 13), (1 << 40, 14)] and table.get(5) == EMPTY
 
 
+def test_the_slots_grow_keeping_every_entry_and_a_rebuild_clears_the_rest():
+    """The slots array starts with room for 64 chunks: past it, it grows (a new array and a new memoryview) and
+    keeps what it held; a purge's rebuild leaves every slot past the live chunks empty."""
+    table = PrefixTable()
+    capacity = len(table.slots)
+    keys = [(c << 5) | (c % NUM_SLOTS) for c in range(3 * capacity // NUM_SLOTS)]  # one key in each of 192 chunks
+    for block, key in enumerate(keys, 1):
+        table.set(key, block)
+    assert len(table.slots) > capacity and len(table) == len(keys)
+    assert [table.get(key) for key in keys] == list(range(1, len(keys) + 1))  # through the new memoryview
+    assert not table.slots[len(keys) * NUM_SLOTS :].any()
+    live = np.array(keys[5:8], dtype=np.int64)
+    table.rebuild(live, np.array([6, 7, 8], dtype=np.int64))
+    assert sorted(table.items()) == list(zip(keys[5:8], [6, 7, 8])) and table.get(keys[0]) == EMPTY
+    assert not table.slots[3 * NUM_SLOTS :].any()
+
+
+def test_one_call_whose_new_chunks_outgrow_the_slots():
+    """300 chained hashes (a run and a new chunk each) cached in one call: the table grows inside the call, and
+    every key answers; the same again over their stale entries once all of them are evicted."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    pool = BlockPool(301, enable_caching=True)  # 300 usable blocks
+    blocks = pool.get_new_blocks(300)
+    cache(pool, blocks, keys)
+    assert len(pool.tables[0]) == 300 and lookup(pool, keys) == lookup_by_key(pool, keys) == blocks
+    pool.free_blocks(blocks[::-1])
+    again = pool.get_new_blocks(300)  # every cached block evicted: their entries stale
+    assert lookup(pool, keys) == []
+    cache(pool, again, keys)
+    assert lookup(pool, keys) == lookup_by_key(pool, keys) == again
+
+
 def test_a_run_split_across_calls_and_one_started_mid_chunk():
     pool = BlockPool(128, enable_caching=True)
     keys = stream_keys(3, 0, 70)  # chunks: 0-31, 32-63, 64-69
