@@ -199,3 +199,32 @@ def test_kvsim_refuses_the_compressed_tensors_kv_schemes_vllms_own_check_refuses
     else:
         rows = size_check.checkpoint_kv_dtypes([("llama", llama, load_hf_config(path))])
         assert rows == [("llama", "fp8", "fp8")]
+
+
+def test_kvsim_refuses_the_modelopt_quant_algos_vllms_normalization_refuses(vllm_loaded, tmp_path):
+    # vLLM's _normalize_quantization_config raises for a ModelOpt quant_algo it does not know (in config.json or a
+    # legacy hf_quant_config.json, which vLLM reads into quantization_config); kvsim sized the KV cache regardless
+    import json
+    from types import SimpleNamespace
+
+    from kvsim.conformance.vllm_import import import_vllm
+    from kvsim.models.hf_config import load_hf_config
+
+    normalize = import_vllm("vllm.transformers_utils.model_arch_config_convertor").ModelArchConfigConvertorBase._normalize_quantization_config
+    llama = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    for algo, refused in (("INT4_AWQ", True), ("W4A8_AWQ", True), ("fp8", False), ("NVFP4", False), ("FP8_PB_WO", False)):
+        quant = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8"}}
+        try:
+            normalize(None, SimpleNamespace(quantization_config=json.loads(json.dumps(quant))))
+            vllm_refused = False
+        except ValueError:
+            vllm_refused = True
+        assert vllm_refused is refused, algo
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(dict(llama, quantization_config=quant)))
+        if refused:
+            with pytest.raises(KvsimError, match=f"quantization_config.quantization.quant_algo: .*'{algo}'"):
+                load_hf_config(path)
+        else:
+            assert load_hf_config(path).checkpoint_kv_dtype == "fp8", algo

@@ -94,7 +94,12 @@ def checkpoint_kv_dtype(cfg: Config, layers=(), *, quant_source: str | None = No
     inner = inner if isinstance(inner, dict) else {}
     if (isinstance(producer, dict) and producer.get("name") == "modelopt") or "modelopt_quant_config" in inner:
         if inner.get("quant_algo") is not None:
-            method = _MODELOPT_METHODS.get(str(inner["quant_algo"]).upper(), method)
+            method = _MODELOPT_METHODS.get(str(inner["quant_algo"]).upper(), "")
+            if not method:  # vLLM raises "Unknown ModelOpt quant algo" while it builds the model's config
+                raise KvsimError(f"vLLM 0.33 cannot load this checkpoint: unknown ModelOpt quant_algo "
+                                 f"{inner['quant_algo']!r} (it knows {', '.join(_MODELOPT_METHODS)})",
+                                 source=quant_source or cfg.source,
+                                 field="quantization.quant_algo" if quant_source else f"{key}.quantization.quant_algo")
     method = method.replace("compressed_tensors", "compressed-tensors")
     if method.startswith("modelopt"):
         inner = inner or quant
