@@ -194,8 +194,47 @@ def settings_cases() -> list[Case]:
     ]
 
 
-# vLLM's cache dtype strings in kvsim's names (None: auto stays the model's dtype)
-_VLLM_KV_DTYPES = {"fp8_e4m3": "fp8", "fp8": "fp8", "nvfp4": "nvfp4"}
+# vLLM's cache dtype strings in kvsim's names (None: auto stays the model's dtype; "refused": vLLM cannot load it)
+_VLLM_KV_DTYPES = {"fp8_e4m3": "fp8", "fp8": "fp8", "nvfp4": "nvfp4", "refused": "refused"}
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_validate_kv_cache_scheme():
+    """vLLM's `CompressedTensorsKVCacheMethod.validate_kv_cache_scheme`, compiled from its own source.
+
+    Its module (model_executor/.../compressed_tensors.py) needs the compressed-tensors package and CUDA kernels, so
+    the function is taken out of the file unmodified (ast), with compressed-tensors' `QuantizationStrategy` as a
+    stand-in enum of the same values (compressed_tensors/quantization/quant_args.py,
+    https://github.com/vllm-project/compressed-tensors). It raises where vLLM refuses a checkpoint's
+    kv_cache_scheme while building its Attention layers.
+    """
+    import ast
+    import enum
+    from typing import Any
+
+    from kvsim.conformance.vllm_wheel import vllm_source_root
+
+    path = vllm_source_root() / "vllm" / "model_executor" / "layers" / "quantization" / "compressed_tensors" / "compressed_tensors.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CompressedTensorsKVCacheMethod")
+    func = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "validate_kv_cache_scheme")
+    func.decorator_list = []  # a @staticmethod, compiled as a plain function
+    strategy = enum.Enum("QuantizationStrategy", {"TENSOR": "tensor", "CHANNEL": "channel", "GROUP": "group",
+                                                  "BLOCK": "block", "TOKEN": "token", "TENSOR_GROUP": "tensor_group",
+                                                  "ATTN_HEAD": "attn_head"}, type=str)  # fmt: skip
+    namespace: dict = {"QuantizationStrategy": strategy, "Any": Any}
+    module = ast.Module(body=[func], type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), str(path), "exec"), namespace)
+    return namespace["validate_kv_cache_scheme"]
+
+
+def vllm_refuses_kv_cache_scheme(scheme) -> bool:
+    """Whether vLLM's validate_kv_cache_scheme refuses a compressed-tensors `scheme` (any exception it raises)."""
+    try:
+        vllm_validate_kv_cache_scheme()(scheme)
+    except Exception:
+        return True
+    return False
 
 
 def checkpoint_kv_dtypes(models=None) -> list[tuple[str, str | None, str | None]]:
@@ -203,8 +242,9 @@ def checkpoint_kv_dtypes(models=None) -> list[tuple[str, str | None, str | None]
     catalogue model (or `models`, (name, config dict, ModelSpec) each): kvsim's `ModelSpec.checkpoint_kv_dtype`
     against vLLM's own `_normalize_quantization_config` then `get_kv_cache_quant_algo_string` on the config's
     quantization_config (ModelOpt checkpoints). For compressed-tensors checkpoints vLLM decides in its Attention
-    layer (any kv_cache_scheme is fp8; MLAAttention leaves it), a module the loader does not import: there the
-    rule is read, not run."""
+    layer (a kv_cache_scheme is fp8; MLAAttention leaves it), a module the loader does not import: there the
+    rule is read, not run, and the scheme goes through vLLM's own validate_kv_cache_scheme (vLLM's "refused",
+    which a kvsim ModelSpec can never equal: kvsim refuses such a config when it reads it)."""
     import copy
     from types import SimpleNamespace
 
@@ -226,7 +266,7 @@ def checkpoint_kv_dtypes(models=None) -> list[tuple[str, str | None, str | None]
             vllm = torch_utils.get_kv_cache_quant_algo_string(quant)
             attention = any(layer.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED) for layer in model.layers)
             if vllm is None and quant.get("quant_method") == "compressed-tensors" and quant.get("kv_cache_scheme") is not None and attention:
-                vllm = "fp8"
+                vllm = "refused" if vllm_refuses_kv_cache_scheme(quant["kv_cache_scheme"]) else "fp8"
         rows.append((name, model.checkpoint_kv_dtype, _VLLM_KV_DTYPES.get(vllm)))
     return rows
 

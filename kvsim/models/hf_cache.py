@@ -3,7 +3,8 @@
 The cache is read the way huggingface_hub lays it out, without importing it (`kvsim size` starts fast):
 `$HF_HUB_CACHE` (else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), then `models--ORG--NAME/refs/main` names
 the snapshot `models--ORG--NAME/snapshots/<commit>/` whose config.json is read. A checkpoint's
-`model.safetensors.index.json` beside its config gives its shipped size (`metadata.total_size`), never its weights.
+`model.safetensors.index.json` beside its config gives its shipped size (`metadata.total_size`), never its weights;
+a legacy ModelOpt `hf_quant_config.json` beside it is read with the config (kvsim.models.hf_config.load_hf_config).
 """
 
 from __future__ import annotations

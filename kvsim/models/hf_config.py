@@ -34,6 +34,9 @@ _COUNT_WEIGHT_FIELDS = ("ffn_dim", "n_inner", "moe_intermediate_size", "shared_e
                         "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                         "v_head_dim")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+# ModelOpt 0.29 and before saved the quantization config in this file beside config.json, not in it; vLLM 0.33 reads
+# it where config.json has no quantization_config (vllm/transformers_utils/config.py, get_config)
+QUANT_CONFIG = "hf_quant_config.json"
 
 
 def config_name(path: Path, data: dict) -> str:
@@ -68,11 +71,34 @@ def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
         raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
     if not isinstance(data, dict):
         raise KvsimError("expected a JSON object at the top level", source=source)
-    spec = model_spec_from_config(data, source=source, name=name or config_name(Path(path), data))
+    data, quant_source = _with_legacy_quant_config(Path(path), data)
+    spec = model_spec_from_config(data, source=source, name=name or config_name(Path(path), data),
+                                  quant_source=quant_source)
     estimate = estimate_num_params(data, spec)
     if estimate is None:
         return spec
     return replace(spec, num_params=estimate, params_source="estimated from config.json tensor shapes")
+
+
+def _with_legacy_quant_config(path: Path, data: dict) -> tuple[dict, str | None]:
+    """A checkpoint's config.json with its `hf_quant_config.json` as quantization_config, as vLLM 0.33 reads it:
+    only where the file is a checkpoint's config.json (a folder's, the Hugging Face cache's, the Hub's download)
+    and states no quantization_config itself. Returns the data and the file it took, if any."""
+    beside = path.with_name(QUANT_CONFIG)
+    if path.name != "config.json" or data.get("quantization_config") is not None or not beside.is_file():
+        return data, None
+    source = str(beside)
+    try:
+        quant = json.loads(beside.read_text())
+    except OSError as exc:
+        raise KvsimError(f"cannot read it: {exc.strerror or exc}", source=source) from None
+    except UnicodeDecodeError:
+        raise KvsimError("binary content, not JSON text", source=source) from None
+    except json.JSONDecodeError as exc:
+        raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
+    if not isinstance(quant, dict):
+        raise KvsimError("expected a JSON object at the top level", source=source)
+    return {**data, "quantization_config": quant}, source
 
 
 def _check_weight_fields(cfg: Config) -> None:
@@ -95,8 +121,10 @@ def model_spec_from_config(
     hf_id: str | None = None,
     num_params: int | None = None,
     params_source: str | None = None,
+    quant_source: str | None = None,
 ) -> ModelSpec:
-    """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors."""
+    """Build a ModelSpec from a config dict (as in config.json). `source` names the file in errors; `quant_source`
+    the file its quantization_config came from where that is another (a ModelOpt `hf_quant_config.json`)."""
     data = flatten(data)
     cfg = Config(data, source)
     family = family_of(cfg)
@@ -119,11 +147,11 @@ def model_spec_from_config(
         hidden_size=hidden_size,
         num_attention_heads=num_heads,
         weight_dtype=weight_dtype(cfg),
-        checkpoint_kv_dtype=checkpoint_kv_dtype(cfg, layers),
+        checkpoint_kv_dtype=checkpoint_kv_dtype(cfg, layers, quant_source=quant_source),
         vocab_size=cfg.get("vocab_size", default=None),
         source=source,
         params_source=params_source,
         vllm_unserved=VLLM_UNSERVED.get(family),
-        weight_config=weight_config(data, num_layers, source),
+        weight_config=weight_config(data, num_layers, quant_source or source),
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvsim.errors import KvsimError
 from kvsim.models.hf_cache import CONFIG, INDEX, Checkpoint
+from kvsim.models.hf_config import QUANT_CONFIG
 
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -24,7 +25,9 @@ def hub_offline() -> bool:
 
 
 def fetch_from_hub(repo_id: str) -> Checkpoint:
-    """Download `repo_id`'s config.json (and model.safetensors.index.json when it has one) into the local cache."""
+    """Download `repo_id`'s config.json (and model.safetensors.index.json when it has one) into the local cache;
+    where config.json states no quantization_config, also hf_quant_config.json when the repository has one (a
+    legacy ModelOpt checkpoint's, which vLLM reads for --kv-cache-dtype auto), beside it in the same snapshot."""
     import logging
 
     try:
@@ -45,6 +48,8 @@ def fetch_from_hub(repo_id: str) -> Checkpoint:
         config = _download(huggingface_hub, errors, repo_id, CONFIG)
         assert config is not None
         index = _download(huggingface_hub, errors, repo_id, INDEX, optional=True)
+        if not _states_quantization(Path(config)):
+            _download(huggingface_hub, errors, repo_id, QUANT_CONFIG, optional=True)
     finally:
         hub_log.setLevel(level)
     return Checkpoint(Path(config), Path(index) if index else None, repo_id, "Hugging Face Hub")
@@ -79,6 +84,18 @@ def _download(hub, errors, repo_id: str, filename: str, *, optional: bool = Fals
     except (OSError, ValueError) as exc:
         raise fail(f"cannot reach the Hugging Face Hub ({_first_line(exc)}); set HF_HUB_OFFLINE=1 to stay offline, "
                    "or pass a local path to its config.json") from None  # fmt: skip
+
+
+def _states_quantization(config: Path) -> bool:
+    """Whether a downloaded config.json has a quantization_config (one that cannot be read asks for nothing more:
+    reading it again reports the fault)."""
+    import json
+
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return True
+    return not isinstance(data, dict) or data.get("quantization_config") is not None
 
 
 def _first_line(exc: BaseException) -> str:

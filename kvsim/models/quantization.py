@@ -81,6 +81,13 @@ def read_quantization(config: object, source: str | None) -> Quantization | None
     if not isinstance(config, dict):
         raise KvsimError(f"expected an object, got {config!r}", source=source, field=field)
     method = str(config.get("quant_method", "")).lower().replace("_", "-")
+    producer, inner = config.get("producer"), config.get("quantization")
+    if not method and isinstance(producer, dict) and producer.get("name") == "modelopt":
+        # a legacy hf_quant_config.json names its producer only: vLLM's _normalize_quantization_config makes its
+        # quant_algo the method, and without one (a checkpoint that quantizes only its KV cache) loads no method
+        if not isinstance(inner, dict) or inner.get("quant_algo") is None:
+            return None
+        method = "modelopt"
     ignored = tuple(str(m) for m in (config.get("modules_to_not_convert") or config.get("ignored_layers")
                                      or config.get("ignore") or config.get("llm_int8_skip_modules") or []))
     if method in ("fp8", "fbgemm-fp8"):

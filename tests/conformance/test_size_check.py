@@ -7,6 +7,7 @@ import pytest
 from kvsim.size import vllm as vllm_sizing
 from kvsim.models.catalogue import model_names
 from kvsim.conformance.size_check import Case, catalogue_cases, check, settings_cases
+from kvsim.errors import KvsimError
 
 pytestmark = pytest.mark.conformance
 
@@ -144,7 +145,7 @@ def test_kv_cache_dtype_auto_equals_vllms_on_configs_vllm_normalizes(vllm_loaded
     mla = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
            "num_key_value_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
            "v_head_dim": 32, "max_position_embeddings": 4096}
-    scheme = {"num_bits": 8, "type": "float", "dynamic": False}
+    scheme = {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor", "symmetric": True}
     configs = {
         "producer-only": dict(llama, quantization_config={"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}),
         "underscore": dict(llama, quantization_config={"quant_method": "compressed_tensors", "kv_cache_scheme": scheme}),
@@ -162,3 +163,68 @@ def test_kv_cache_dtype_auto_equals_vllms_on_configs_vllm_normalizes(vllm_loaded
     assert [(name, ours) for name, ours, theirs in rows if ours != theirs] == []
     assert {name: ours for name, ours, _ in rows} == {"producer-only": "fp8", "underscore": "fp8", "compression-config": "fp8",
                                                     "mla-compressed": None, "modelopt-nvfp4-kv": "nvfp4", "plain": None}
+
+
+@pytest.mark.parametrize(("change", "refused"), [
+    ({}, False),
+    ({"strategy": "attn_head", "dynamic": True}, False),
+    ({"num_bits": 8.0}, False),
+    ({"num_bits": 4, "type": "int"}, True),
+    ({"num_bits": 8, "type": "int"}, True),
+    ({"num_bits": 4, "type": "float"}, True),
+    ({"strategy": "channel"}, True),
+    ({"strategy": "TENSOR"}, True),
+    ({"strategy": None}, True),
+    ({"symmetric": False}, True),
+    ({"symmetric": None}, True),
+])
+def test_kvsim_refuses_the_compressed_tensors_kv_schemes_vllms_own_check_refuses(vllm_loaded, tmp_path, change, refused):
+    # vLLM's CompressedTensorsKVCacheMethod.validate_kv_cache_scheme, compiled from its source, against kvsim's
+    # reading of the same config: a refusal on both sides, or fp8 on both
+    import json
+
+    from kvsim.conformance import size_check
+    from kvsim.models.hf_config import load_hf_config
+
+    scheme = {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor", "symmetric": True, **change}
+    assert size_check.vllm_refuses_kv_cache_scheme(scheme) is refused
+    llama = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096,
+             "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama))
+    if refused:
+        with pytest.raises(KvsimError, match="kv_cache_scheme"):
+            load_hf_config(path)
+    else:
+        rows = size_check.checkpoint_kv_dtypes([("llama", llama, load_hf_config(path))])
+        assert rows == [("llama", "fp8", "fp8")]
+
+
+def test_kvsim_refuses_the_modelopt_quant_algos_vllms_normalization_refuses(vllm_loaded, tmp_path):
+    # vLLM's _normalize_quantization_config raises for a ModelOpt quant_algo it does not know (in config.json or a
+    # legacy hf_quant_config.json, which vLLM reads into quantization_config); kvsim sized the KV cache regardless
+    import json
+    from types import SimpleNamespace
+
+    from kvsim.conformance.vllm_import import import_vllm
+    from kvsim.models.hf_config import load_hf_config
+
+    normalize = import_vllm("vllm.transformers_utils.model_arch_config_convertor").ModelArchConfigConvertorBase._normalize_quantization_config
+    llama = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    for algo, refused in (("INT4_AWQ", True), ("W4A8_AWQ", True), ("fp8", False), ("NVFP4", False), ("FP8_PB_WO", False)):
+        quant = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8"}}
+        try:
+            normalize(None, SimpleNamespace(quantization_config=json.loads(json.dumps(quant))))
+            vllm_refused = False
+        except ValueError:
+            vllm_refused = True
+        assert vllm_refused is refused, algo
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(dict(llama, quantization_config=quant)))
+        if refused:
+            with pytest.raises(KvsimError, match=f"quantization_config.quantization.quant_algo: .*'{algo}'"):
+                load_hf_config(path)
+        else:
+            assert load_hf_config(path).checkpoint_kv_dtype == "fp8", algo

@@ -565,6 +565,12 @@ def test_a_linear_rope_factor_scales_the_length(write_config):
     assert load_hf_config(write_config(config)).max_model_len == 8192
 
 
+# llm-compressor's fp8 KV cache scheme as it serializes it (laguna-xs.2-fp8's config.json in the catalogue)
+CT_FP8_KV = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+             "observer": "minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "tensor", "symmetric": True,
+             "type": "float", "zp_dtype": None}
+
+
 @pytest.mark.parametrize(("quantization_config", "expected"), [
     # ModelOpt: a scheme dict (NVFP4 checkpoints ship this one), in the config or its `quantization` section
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, "fp8"),
@@ -575,14 +581,16 @@ def test_a_linear_rope_factor_scales_the_length(write_config):
     ({"quant_method": "modelopt", "kv_cache_scheme": {"dynamic": True, "num_bits": 8, "type": "float"}}, None),
     ({"quant_method": "modelopt", "kv_cache_quant_algo": "int8"}, None),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, None),
-    # llm-compressor: any kv_cache_scheme is fp8; a scheme under another method is not read by vLLM
-    ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "fp8"),
+    # llm-compressor: an 8-bit float kv_cache_scheme is fp8 (per tensor or per head, static or dynamic); a scheme
+    # under another method is not read by vLLM
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": CT_FP8_KV}, "fp8"),
+    ({"quant_method": "compressed-tensors", "kv_cache_scheme": dict(CT_FP8_KV, strategy="attn_head", dynamic=True)}, "fp8"),
     ({"quant_method": "compressed-tensors", "kv_cache_scheme": None}, None),
     ({"quant_method": "fp8", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}, None),
     (None, None),
     # as vLLM normalizes the config first: a ModelOpt producer names the method, "compressed_tensors" is the same
     ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, "fp8"),
-    ({"quant_method": "compressed_tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "fp8"),
+    ({"quant_method": "compressed_tensors", "kv_cache_scheme": CT_FP8_KV}, "fp8"),
 ])
 def test_the_kv_dtype_a_checkpoint_asks_for_is_what_vllm_auto_takes(write_config, quantization_config, expected):
     # vLLM 0.33's --kv-cache-dtype auto: get_kv_cache_quant_algo_string (ModelOpt), the Attention layer
@@ -620,8 +628,36 @@ def test_an_mla_model_keeps_its_dtype_under_a_compressed_tensors_kv_scheme(write
     mla = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
            "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
            "v_head_dim": 128, "max_position_embeddings": 163840,
-           "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}
+           "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": CT_FP8_KV}}
     assert load_hf_config(write_config(mla)).checkpoint_kv_dtype is None
+    # nor does it check the scheme: an int4 one, which vLLM's Attention refuses, leaves an MLA model in its dtype
+    int4 = dict(mla, quantization_config={"quant_method": "compressed-tensors", "kv_cache_scheme": dict(CT_FP8_KV, num_bits=4, type="int")})
+    assert load_hf_config(write_config(int4)).checkpoint_kv_dtype is None
     modelopt = dict(mla, quantization_config={"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"})
     assert load_hf_config(write_config(modelopt)).checkpoint_kv_dtype == "fp8"  # ModelOpt's sets the cache's dtype
     assert load_hf_config(write_config(dict(LLAMA_8B, compression_config=mla["quantization_config"]))).checkpoint_kv_dtype == "fp8"
+
+
+@pytest.mark.parametrize(("scheme", "field", "says"), [
+    # vLLM 0.33's CompressedTensorsKVCacheMethod.validate_kv_cache_scheme refuses each while building the Attention
+    # layers (whatever --kv-cache-dtype says); kvsim read every one of them as an fp8 KV cache
+    (dict(CT_FP8_KV, num_bits=4, type="int"), "type", "got num_bits 4, type 'int'"),
+    (dict(CT_FP8_KV, num_bits=8, type="int"), "type", "num_bits 8, type float"),
+    (dict(CT_FP8_KV, num_bits=4, type="float"), "num_bits", "got num_bits 4, type 'float'"),
+    (dict(CT_FP8_KV, strategy="channel"), "strategy", "got 'channel'"),
+    ({k: v for k, v in CT_FP8_KV.items() if k != "strategy"}, "strategy", "got None"),
+    (dict(CT_FP8_KV, symmetric=False), "symmetric", "symmetric: true"),
+])
+def test_a_compressed_tensors_kv_scheme_vllm_cannot_load_is_refused_naming_the_field(write_config, scheme, field, says):
+    path = write_config(dict(LLAMA_8B, quantization_config={"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}))
+    with pytest.raises(KvsimError) as info:
+        load_hf_config(path)
+    assert info.value.field == f"quantization_config.kv_cache_scheme.{field}" and info.value.source == str(path)
+    assert says in str(info.value) and "vLLM 0.33 cannot load this checkpoint" in str(info.value)
+    # the same under compression_config, and a scheme that is not an object
+    path = write_config(dict(LLAMA_8B, compression_config={"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}))
+    with pytest.raises(KvsimError, match=f"compression_config.kv_cache_scheme.{field}: "):
+        load_hf_config(path)
+    path = write_config(dict(LLAMA_8B, quantization_config={"quant_method": "compressed-tensors", "kv_cache_scheme": "fp8"}))
+    with pytest.raises(KvsimError, match="quantization_config.kv_cache_scheme: .* got 'fp8'"):
+        load_hf_config(path)

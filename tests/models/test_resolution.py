@@ -122,6 +122,73 @@ def test_a_bad_index_names_its_file(hf_cache):
     assert "model.safetensors.index.json" in str(err.value)
 
 
+# --- a legacy ModelOpt checkpoint's hf_quant_config.json ----------------------------------------------------------
+
+LLAMA31_8B = CONFIGS / "meta-llama--Llama-3.1-8B.json"  # 32 layers x 8 KV heads x 128: 131,072 B a token in bf16
+# what ModelOpt 0.29 and before wrote beside config.json (nvidia/Llama-3.1-8B-Instruct-FP8 and its kin), with no
+# quantization_config in config.json; vLLM 0.33 reads it (transformers_utils/config.py get_config) and takes
+# kv_cache_quant_algo FP8 for --kv-cache-dtype auto (utils/torch_utils.py get_kv_cache_quant_algo_string)
+LEGACY_FP8 = {"producer": {"name": "modelopt", "version": "0.19.0"},
+              "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+
+
+def legacy_checkpoint(folder: Path, quant: dict | str = LEGACY_FP8, config: Path = LLAMA31_8B) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config, folder / "config.json")
+    (folder / "hf_quant_config.json").write_text(quant if isinstance(quant, str) else json.dumps(quant))
+    return folder
+
+
+def test_a_checkpoint_folder_with_hf_quant_config_sizes_the_fp8_kv_cache_vllm_takes(tmp_path, cli):
+    from kvsim.size.kv_dtype import kv_cache_dtype
+
+    folder = legacy_checkpoint(tmp_path / "Llama-3.1-8B-Instruct-FP8")
+    model = resolve_model(str(folder))
+    assert model.checkpoint_kv_dtype == "fp8" and kv_cache_dtype("auto", model) == "fp8"
+    assert model.weight_config.quantization.method == "modelopt-fp8"  # its weights as vLLM's modelopt method loads them
+    assert resolve_model(str(folder / "config.json")).checkpoint_kv_dtype == "fp8"  # the folder's config.json too
+    for args in (["--model", str(folder)], ["--config", str(folder / "config.json")]):
+        result = cli(["size", *args, "--json"])
+        assert result.exit_code == 0, result.output
+        assert (json.loads(result.stdout)["kv_dtype"], json.loads(result.stdout)["kv_bytes_per_token"]) == ("fp8", 65536)
+    (folder / "hf_quant_config.json").unlink()  # without it: the model's bf16, twice the bytes
+    assert json.loads(cli(["size", "--model", str(folder), "--json"]).stdout)["kv_bytes_per_token"] == 131072
+
+
+def test_hf_quant_config_is_read_only_beside_a_config_json_without_a_quantization_config(tmp_path):
+    folder = legacy_checkpoint(tmp_path / "ckpt")
+    shutil.copy(LLAMA31_8B, folder / "llama.json")  # a config file of its own name is one file, not a checkpoint
+    assert resolve_model(str(folder / "llama.json")).checkpoint_kv_dtype is None
+    config = json.loads(LLAMA31_8B.read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, quantization_config={"quant_method": "fp8"})))
+    assert resolve_model(str(folder)).checkpoint_kv_dtype is None  # vLLM reads config.json's own first
+    # a KV-cache-only export (quant_algo null): no method in vLLM, so auto stays the model's dtype
+    kv_only = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}
+    model = resolve_model(str(legacy_checkpoint(tmp_path / "kv-only", kv_only)))
+    assert model.checkpoint_kv_dtype is None and model.weight_config.quantization is None
+
+
+@pytest.mark.parametrize(("quant", "says"), [
+    ("{not json", "invalid JSON at line 1"),
+    ("[1, 2]", "expected a JSON object"),
+    # vLLM's _normalize_quantization_config raises for a quant_algo it does not know (INT4_AWQ: TensorRT-LLM's)
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "INT4_AWQ", "kv_cache_quant_algo": "FP8"}},
+     "quantization.quant_algo: vLLM 0.33 cannot load this checkpoint: unknown ModelOpt quant_algo 'INT4_AWQ'"),
+])
+def test_a_bad_hf_quant_config_names_that_file(tmp_path, quant, says):
+    folder = legacy_checkpoint(tmp_path / "ckpt", quant)
+    with pytest.raises(KvsimError) as err:
+        resolve_model(str(folder))
+    assert str(err.value).startswith(f"{folder / 'hf_quant_config.json'}: ") and says in str(err.value)
+
+
+def test_a_cached_checkpoint_reads_its_hf_quant_config(hf_cache):
+    snapshot = cache_repo(hf_cache, REPO_ID, LLAMA31_8B)
+    assert resolve_model(REPO_ID).checkpoint_kv_dtype is None
+    (snapshot / "hf_quant_config.json").write_text(json.dumps(LEGACY_FP8))
+    assert resolve_model(REPO_ID).checkpoint_kv_dtype == "fp8"
+
+
 # --- 3. the catalogue, 4. the Hub --------------------------------------------------------------------------------
 
 
@@ -166,12 +233,13 @@ def hub(tmp_path, monkeypatch):
     return install
 
 
-def test_the_hub_fetches_config_and_index_only(hub, tmp_path):
+def test_the_hub_fetches_config_index_and_hf_quant_config_only(hub, tmp_path):
+    # hf_quant_config.json is asked for where config.json states no quantization_config (here a 404: none)
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"metadata": {"total_size": TOTAL_SIZE}}))
     fake = hub({"config.json": QWEN35_9B, "model.safetensors.index.json": index})
     model = resolve_model(REPO_ID)
-    assert fake.calls == [(REPO_ID, "config.json"), (REPO_ID, "model.safetensors.index.json")]
+    assert fake.calls == [(REPO_ID, "config.json"), (REPO_ID, "model.safetensors.index.json"), (REPO_ID, "hf_quant_config.json")]
     assert (model.hf_id, model.checkpoint_bytes) == (REPO_ID, TOTAL_SIZE)
     assert model.layer_counts == {"linear-state": 24, "full": 8}
 
@@ -179,6 +247,20 @@ def test_the_hub_fetches_config_and_index_only(hub, tmp_path):
 def test_a_hub_checkpoint_without_an_index_has_no_checkpoint_bytes(hub):
     hub({"config.json": GEMMA2})
     assert resolve_model(REPO_ID).checkpoint_bytes is None
+
+
+def test_a_hub_checkpoint_with_hf_quant_config_sizes_the_fp8_kv_cache(hub, tmp_path):
+    quant = tmp_path / "hf_quant_config.json"
+    quant.write_text(json.dumps(LEGACY_FP8))
+    fake = hub({"config.json": LLAMA31_8B, "hf_quant_config.json": quant})
+    assert resolve_model(REPO_ID).checkpoint_kv_dtype == "fp8"
+    assert fake.calls == [(REPO_ID, "config.json"), (REPO_ID, "model.safetensors.index.json"), (REPO_ID, "hf_quant_config.json")]
+    # a config.json with its own quantization_config: vLLM reads no other file, nor does kvsim ask for one
+    fp8 = tmp_path / "fp8.json"
+    fp8.write_text(json.dumps(dict(json.loads(LLAMA31_8B.read_text()), quantization_config={"quant_method": "fp8"})))
+    fake = hub({"config.json": fp8, "hf_quant_config.json": quant})
+    assert resolve_model("example-org/Other-8B").checkpoint_kv_dtype is None
+    assert [f for _, f in fake.calls] == ["config.json", "model.safetensors.index.json"]
 
 
 def test_a_catalogue_model_never_reaches_the_hub(hub):

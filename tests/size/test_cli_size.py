@@ -436,6 +436,21 @@ def test_kv_dtype_auto_takes_the_fp8_kv_cache_a_checkpoint_asks_for(cli, tmp_pat
     assert run_json(cli, ["--config", str(path), "--kv-dtype", "fp8"])["kv_bytes_per_token"] == 32 * 8 * 128 * 2
 
 
+def test_a_compressed_tensors_int_kv_scheme_is_refused_as_vllm_refuses_it(cli, tmp_path):
+    # llm-compressor's int KV schemes: vLLM 0.33's Attention layer refuses them (validate_kv_cache_scheme) whatever
+    # --kv-cache-dtype says; kvsim sized them as an fp8 cache, 64 KiB a token here
+    scheme = {"num_bits": 4, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+                                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+                                "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}}))
+    for extra in ([], ["--kv-dtype", "bf16"]):
+        result = cli(["size", "--config", str(path), *extra])
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        line = result.stderr.strip()
+        assert "\n" not in line and f"{path}: quantization_config.kv_cache_scheme.type: vLLM 0.33 cannot load" in line
+
+
 def test_a_bad_weight_dtype_names_its_flag(cli):
     result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--weight-dtype", "fp4"])
     assert result.exit_code == 2

@@ -64,7 +64,7 @@ _MODELOPT_METHODS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt",
                      "NVFP4": "modelopt_fp4", "MIXED_PRECISION": "modelopt_mixed"}
 
 
-def checkpoint_kv_dtype(cfg: Config, layers=()) -> str | None:
+def checkpoint_kv_dtype(cfg: Config, layers=(), *, quant_source: str | None = None) -> str | None:
     """The KV cache dtype the checkpoint asks for, which vLLM 0.33 takes for --kv-cache-dtype auto: "fp8",
     "nvfp4", or None (the model's dtype).
 
@@ -75,11 +75,17 @@ def checkpoint_kv_dtype(cfg: Config, layers=()) -> str | None:
       section or the config itself; a scheme {dynamic: false, num_bits: 8, type: float} is fp8, {num_bits: 4,
       type: float} nvfp4, the strings "fp8" and "nvfp4" the same; anything else falls back to the model's dtype,
       with a warning in vLLM (`get_kv_cache_quant_algo_string`).
-    - compressed-tensors (llm-compressor): any `kv_cache_scheme` is fp8, set by vLLM's Attention layer; MLA
-      layers (`MLAAttention`) do not apply it, so a model of `layers` without a non-MLA attention layer keeps
+    - compressed-tensors (llm-compressor): a `kv_cache_scheme` is fp8, set by vLLM's Attention layer, whose
+      `CompressedTensorsKVCacheMethod` loads only num_bits 8, type float, strategy tensor or attn_head, symmetric:
+      any other scheme is refused (vLLM cannot load the checkpoint, whatever --kv-cache-dtype says). MLA layers
+      (`MLAAttention`) neither apply nor check it, so a model of `layers` without a non-MLA attention layer keeps
       its dtype.
+
+    `quant_source` names the file the quantization_config came from where it is not the config's own (a legacy
+    ModelOpt `hf_quant_config.json`); errors then name that file and its fields.
     """
     quant = cfg.get("quantization_config", "compression_config", default=None)
+    key = "quantization_config" if cfg.data.get("quantization_config") is not None else "compression_config"
     if not isinstance(quant, dict):
         return None
     method = str(quant.get("quant_method", "")).lower()
@@ -88,7 +94,12 @@ def checkpoint_kv_dtype(cfg: Config, layers=()) -> str | None:
     inner = inner if isinstance(inner, dict) else {}
     if (isinstance(producer, dict) and producer.get("name") == "modelopt") or "modelopt_quant_config" in inner:
         if inner.get("quant_algo") is not None:
-            method = _MODELOPT_METHODS.get(str(inner["quant_algo"]).upper(), method)
+            method = _MODELOPT_METHODS.get(str(inner["quant_algo"]).upper(), "")
+            if not method:  # vLLM raises "Unknown ModelOpt quant algo" while it builds the model's config
+                raise KvsimError(f"vLLM 0.33 cannot load this checkpoint: unknown ModelOpt quant_algo "
+                                 f"{inner['quant_algo']!r} (it knows {', '.join(_MODELOPT_METHODS)})",
+                                 source=quant_source or cfg.source,
+                                 field="quantization.quant_algo" if quant_source else f"{key}.quantization.quant_algo")
     method = method.replace("compressed_tensors", "compressed-tensors")
     if method.startswith("modelopt"):
         inner = inner or quant
@@ -103,8 +114,35 @@ def checkpoint_kv_dtype(cfg: Config, layers=()) -> str | None:
         from kvsim.models.spec import LayerKind
 
         attention = (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED)
-        return "fp8" if any(layer.kind in attention for layer in layers) else None
+        if not any(layer.kind in attention for layer in layers):
+            return None
+        field = "kv_cache_scheme" if quant_source else f"{key}.kv_cache_scheme"
+        _check_compressed_tensors_kv_scheme(quant["kv_cache_scheme"], quant_source or cfg.source, field)
+        return "fp8"
     return None
+
+
+# QuantizationStrategy values vLLM's CompressedTensorsKVCacheMethod accepts for a KV cache scheme
+_CT_KV_STRATEGIES = ("tensor", "attn_head")
+
+
+def _check_compressed_tensors_kv_scheme(scheme: object, source: str, field: str) -> None:
+    """vLLM 0.33's `CompressedTensorsKVCacheMethod.validate_kv_cache_scheme`, in its order: type float and
+    num_bits 8, then strategy tensor or attn_head, then symmetric; anything else is a KvsimError naming the field
+    (vLLM raises while building the model's Attention layers)."""
+    why = "vLLM 0.33 cannot load this checkpoint: its compressed-tensors KV cache scheme must be "
+    if not isinstance(scheme, dict):
+        raise KvsimError(f"{why}an object (num_bits 8, type float, ...), got {scheme!r}", source=source, field=field)
+    kind, bits = scheme.get("type"), scheme.get("num_bits")
+    if kind != "float" or bits != 8:
+        raise KvsimError(f"{why}num_bits 8, type float (an fp8 KV cache), got num_bits {bits!r}, type {kind!r}",
+                         source=source, field=f"{field}.{'type' if kind != 'float' else 'num_bits'}")
+    if scheme.get("strategy") not in _CT_KV_STRATEGIES:
+        raise KvsimError(f"{why}per tensor or per attention head (strategy tensor or attn_head), got "
+                         f"{scheme.get('strategy')!r}", source=source, field=f"{field}.strategy")
+    if not scheme.get("symmetric"):
+        raise KvsimError(f"{why}symmetric (symmetric: true), got {scheme.get('symmetric')!r}", source=source,
+                         field=f"{field}.symmetric")
 
 
 def weight_dtype(cfg: Config) -> str:
