@@ -11,6 +11,7 @@ import numpy as np
 
 from kvsim.workload.distributions import MAX_TOKENS
 from kvsim.errors import KvsimError
+from kvsim.workload.jsonl_row import JsonlRowReader
 
 # Tokens named by one hash id: the prompt's blocks in Mooncake's own hashing (the last one may be partial).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -37,19 +38,12 @@ def read_mooncake(text: str, source: str) -> tuple[np.ndarray, np.ndarray, np.nd
     from it would be wrong.
     """
     arrival, prompt, output, ids, lines = [], [], [], [], []
+    reader = JsonlRowReader(KEYS)
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         field = f"line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise KvsimError(f"not valid JSON: {exc.msg} at column {exc.colno}", source=source, field=field) from None
-        if not isinstance(obj, dict):
-            raise KvsimError("expected a JSON object", source=source, field=field)
-        for key in KEYS:
-            if key not in obj:
-                raise KvsimError(f"missing key {key!r}", source=source, field=field)
+        obj = reader.read(line, source, field)
         t = obj["timestamp"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t < 0:
             raise KvsimError(f"expected milliseconds >= 0, got {t!r}", source=source, field=f"{field}, key timestamp")

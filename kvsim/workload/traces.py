@@ -17,7 +17,6 @@ under a 3-column header was read as 10 output tokens). A bad row is a KvsimError
 from __future__ import annotations
 
 import csv
-import json
 import sys
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from kvsim.workload.distributions import MAX_ARRIVAL_S, MAX_TOKENS
+from kvsim.workload.jsonl_row import JsonlRowReader
 from kvsim.errors import KvsimError
 from kvsim.workload.trace_mooncake import is_mooncake, read_mooncake
 
@@ -203,19 +203,12 @@ def _csv_rows(text: str, source: str, *, model: str | None,
 
 def _jsonl_rows(text: str, source: str) -> list[tuple[int, object, object, object]]:
     keys = COLUMNS["jsonl"]
+    reader = JsonlRowReader(keys)
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise KvsimError(f"not valid JSON: {exc.msg} at column {exc.colno}", source=source, field=f"line {lineno}") from None
-        if not isinstance(obj, dict):
-            raise KvsimError("expected a JSON object", source=source, field=f"line {lineno}")
-        for key in keys:
-            if key not in obj:
-                raise KvsimError(f"missing key {key!r}", source=source, field=f"line {lineno}")
+        obj = reader.read(line, source, f"line {lineno}")
         rows.append((lineno, obj[keys[0]], obj[keys[1]], obj[keys[2]]))
     return rows
 

@@ -257,6 +257,31 @@ def test_mooncake_bad_rows_and_unchained_ids(tmp_path, lines, message):
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
 
 
+@pytest.mark.parametrize("text, message", [
+    # json.loads keeps the last of a repeated key: these replayed 5,000 prompt tokens, and the second timestamp
+    (JSONL + '{"arrival_time": 1, "prompt_tokens": 100, "output_tokens": 5, "prompt_tokens": 5000}\n',
+     "line 5: key 'prompt_tokens' given 2 times"),
+    ('{"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1], "timestamp": 9000}\n',
+     "line 1: key 'timestamp' given 2 times"),
+])
+def test_a_key_given_twice_in_a_jsonl_row_is_an_error(tmp_path, text, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(text)
+    with pytest.raises(KvsimError) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_a_key_name_inside_a_value_or_a_nested_object_or_spaced_is_not_a_repeated_key(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"arrival_time": 0.5, "prompt_tokens": 10, "output_tokens": 2, "note": "\"prompt_tokens\"",
+             "meta": {"prompt_tokens": 7}}, {"arrival_time": 0.0, "prompt_tokens": 20, "output_tokens": 3}]
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    path.write_text(text + '{"arrival_time" : 1.0, "prompt_tokens" : 30, "output_tokens" : 4}\n')  # no '":' at all
+    trace = read_trace(path)
+    assert trace.num_prompt_tokens.tolist() == [20, 10, 30]
+
+
 @pytest.mark.parametrize("name, count, tokens", [("conversation_trace", 12_031, 144_793_823), ("synthetic_trace", 3_993, 61_194_628)])
 def test_mooncake_traces(name, count, tokens):
     path = MOONCAKE_DIR / f"{name}.jsonl"
