@@ -413,10 +413,10 @@ class BlockPool:
                           arr: np.ndarray | None = None) -> None:
         """Register uncached full blocks `ids` of group 0 under `keys[start : start + len(ids)]` (`runs`:
         `key_runs(keys)`; `arr`: `ids` as an int64 array, if the caller has it), each behind any block already
-        caching its key. Each run of keys is one dict
-        operation (its chunk); their slots are then read and written as one slice or one gather: an empty slot
-        or a stale entry (an evicted block's) takes the block, a live one (an older copy) keeps its slot and the
-        block queues behind it."""
+        caching its key. Each run of keys is one dict operation (its chunk); their slots are then read and
+        written as one slice or one gather: an empty slot or a stale entry (an evicted block's) takes the block,
+        a live one (an older copy) keeps its slot and the block queues behind it. (A key given twice in one call,
+        which a request's keys never are, leaves its last block in the slot.)"""
         n = len(ids)
         end = start + n
         if n <= _FEW:  # a few (a decode run's blocks): one at a time
