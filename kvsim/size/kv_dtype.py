@@ -20,7 +20,14 @@ def kv_cache_dtype(name: str, model, weight_dtype: str | None = None, *, field: 
             raise KvsimError(f"{model.name}: its quantization_config asks for an {asked} KV cache, which vLLM takes "
                              "for auto and kvsim does not model (a packed format); give fp8 or bf16", source=source,
                              field=field)
-        if weight_dtype in ("fp32", "fp16", "bf16"):
-            return weight_dtype
-        return model.weight_dtype if model.weight_dtype in ("fp16", "bf16") else "bf16"
+        return served_dtype(model, weight_dtype)
     return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(key, key)
+
+
+def served_dtype(model, weight_dtype: str | None = None) -> str:
+    """The dtype vLLM serves `model` in (its --dtype): `weight_dtype` where given (fp32, fp16, bf16), else auto's, the
+    checkpoint's fp16 or bf16 and bf16 for quantized and fp32 checkpoints. A KV cache in fp32 is vLLM's only when
+    this is fp32 (its --kv-cache-dtype has no float32: auto takes the model's dtype)."""
+    if weight_dtype in ("fp32", "fp16", "bf16"):
+        return weight_dtype
+    return model.weight_dtype if model.weight_dtype in ("fp16", "bf16") else "bf16"

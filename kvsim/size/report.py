@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from kvsim.size.kv_cache_spec import KVCacheSpec
+from kvsim.size.kv_dtype import served_dtype
 from kvsim.errors import KvsimError
 from kvsim.models.spec import ModelSpec
 from kvsim.size.sizing import (
@@ -102,6 +103,7 @@ class SizeReport(NamedTuple):  # not a frozen dataclass: ~6x cheaper to define (
     hybrid: HybridPages | None = None  # vLLM's raised block size and padded state page (state layers only)
     startup: StartupMemory | None = None  # vLLM's start-up accounting behind the KV budget
     largest_max_model_len: int | None = None  # where one request of context_tokens does not fit: the most that does
+    served_dtype: str = "bf16"  # the dtype vLLM serves the model in (`kv_dtype.served_dtype`)
 
     @property
     def verdict(self) -> str | None:
@@ -255,6 +257,7 @@ def size_report(
         bytes_per_sequence_block_rounded=block_rounded_bytes_per_sequence(spec, n),
         settings=settings,
         hybrid=hybrid_pages(layers, block_size, settings),
+        served_dtype=served_dtype(model, weight_dtype),
     )
     memory = None
     if kv_budget_bytes is not None:

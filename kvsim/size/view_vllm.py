@@ -68,6 +68,9 @@ def print_vllm_lines(console: SizeConsole, report) -> None:
         if report.spec.dtype == "int8":  # vLLM's int8 caches (int8_per_token_head) store per-token scales too
             how = (f"a what-if in vLLM {VLLM_VERSION}'s arithmetic, which has no plain int8 KV cache dtype "
                    f"(max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling)")
+        elif report.spec.dtype == "fp32" and report.served_dtype != "fp32":  # auto is fp32 only with --dtype float32
+            how = (f"a what-if in vLLM {VLLM_VERSION}'s arithmetic, whose fp32 KV cache needs fp32 weights "
+                   f"(--weight-dtype fp32; max_num_batched_tokens {st.max_num_batched_tokens:,}, {sched} scheduling)")
     console.print(
         f"{how}: GPU KV cache size: {tokens} tokens, "
         f"Maximum concurrency for {n:,} tokens per request: {cap.max_sequences_block_rounded:.2f}x",

@@ -457,6 +457,15 @@ def test_a_bad_weight_dtype_names_its_flag(cli):
     assert result.stderr.strip().startswith("kvsim: error: --weight-dtype: unknown dtype 'fp4'")  # it said "dtype:"
 
 
+def test_an_fp32_kv_cache_is_vllms_only_with_fp32_weights(cli):
+    # vLLM 0.33's --kv-cache-dtype has no float32: auto takes the model's dtype, fp32 only under --dtype float32
+    args = ["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--kv-dtype", "fp32"]
+    result = cli(args)
+    assert result.exit_code == 0 and "as vLLM 0.33.0 computes it" not in result.stdout
+    assert "a what-if in vLLM 0.33.0's arithmetic, whose fp32 KV cache needs fp32 weights" in result.stdout
+    assert "as vLLM 0.33.0 computes it" in cli([*args, "--weight-dtype", "fp32"]).stdout
+
+
 def test_an_int8_kv_cache_is_a_what_if_not_vllms_figure(cli):
     # vLLM 0.33 has no plain int8 KV cache dtype (int8_per_token_head stores scales too): never "as vLLM computes it"
     result = cli(["size", "--model", "qwen3-0.6b", "--gpu", "h100-80gb", "--kv-dtype", "int8"])
