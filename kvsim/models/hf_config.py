@@ -59,18 +59,7 @@ def load_hf_config(path: str | Path, *, name: str | None = None) -> ModelSpec:
     source = str(path)
     if Path(path).suffix.lower() in _WEIGHT_FILES:
         raise KvsimError("a weights file, not a config: give the checkpoint's folder or its config.json", source=source)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise KvsimError(f"cannot read config: {exc.strerror or exc}", source=source) from None
-    except UnicodeDecodeError:
-        raise KvsimError("not a config.json: binary content, not JSON text", source=source) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
-    if not isinstance(data, dict):
-        raise KvsimError("expected a JSON object at the top level", source=source)
+    data = _read_json_object(Path(path), "config", "a config.json")
     data, quant_source = _with_legacy_quant_config(Path(path), data)
     spec = model_spec_from_config(data, source=source, name=name or config_name(Path(path), data),
                                   quant_source=quant_source)
@@ -87,18 +76,25 @@ def _with_legacy_quant_config(path: Path, data: dict) -> tuple[dict, str | None]
     beside = path.with_name(QUANT_CONFIG)
     if path.name != "config.json" or data.get("quantization_config") is not None or not beside.is_file():
         return data, None
-    source = str(beside)
+    quant = _read_json_object(beside, "it", f"a {QUANT_CONFIG}")
+    return {**data, "quantization_config": quant}, str(beside)
+
+
+def _read_json_object(path: Path, it: str, kind: str) -> dict:
+    """The JSON object in `path`; else a KvsimError naming the file (`it` and `kind` word the messages:
+    "cannot read {it}", "not {kind}: binary content")."""
+    source = str(path)
     try:
-        quant = json.loads(beside.read_text())
+        data = json.loads(path.read_text())
     except OSError as exc:
-        raise KvsimError(f"cannot read it: {exc.strerror or exc}", source=source) from None
+        raise KvsimError(f"cannot read {it}: {exc.strerror or exc}", source=source) from None
     except UnicodeDecodeError:
-        raise KvsimError("binary content, not JSON text", source=source) from None
+        raise KvsimError(f"not {kind}: binary content, not JSON text", source=source) from None
     except json.JSONDecodeError as exc:
         raise KvsimError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", source=source) from None
-    if not isinstance(quant, dict):
+    if not isinstance(data, dict):
         raise KvsimError("expected a JSON object at the top level", source=source)
-    return {**data, "quantization_config": quant}, source
+    return data
 
 
 def _check_weight_fields(cfg: Config) -> None:

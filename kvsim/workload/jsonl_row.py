@@ -36,12 +36,9 @@ class JsonlRowReader:
         return obj
 
     def _check_repeats(self, line: str, source: str, field: str) -> None:
-        names = [name for name, _ in json.loads(line, object_pairs_hook=_Pairs)]  # the top level's, in order
+        names = [name for name, _ in json.loads(line, object_pairs_hook=list)]  # the top level's, in order
         for name in dict.fromkeys(names):
             if names.count(name) > 1:
                 raise KvsimError(f"key {name!r} given {names.count(name)} times (which one holds?)", source=source,
                                  field=field)
 
-
-class _Pairs(list):
-    """An object's (name, value) pairs as parsed (a nested object's stay inside its value)."""
