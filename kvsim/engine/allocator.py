@@ -83,7 +83,8 @@ class KVAllocator(ABC):
     # checkpoint alignment (0: they export none)
     mamba_block_size: int = 0
     mamba_checkpoint_alignment: int = 0
-    # prefix caching of a request's private blocks (those past its prompt, which no other request asks for):
+    # prefix caching of a request's private blocks (keyed by its own streams: past its prompt, or past its
+    # `num_shareable_tokens`; no other request asks for them):
     # True where they may be cached only when the request's blocks are freed, up to where vLLM's caching as
     # tokens settle would have taken them (the paged allocator of a uniform model)
     caches_private_blocks_at_free: bool = False
@@ -134,6 +135,10 @@ class KVAllocator(ABC):
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (finished or preempted)."""
+
+    def free_finished(self, seq: Sequence) -> None:
+        """`free` for a request that has finished (it will not be admitted again)."""
+        self.free(seq)
 
     def new_step_starts(self) -> None:
         """A scheduler step begins (vLLM's `KVCacheManager.new_step_starts`)."""

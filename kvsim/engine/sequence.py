@@ -42,6 +42,9 @@ class Sequence:
     # prefixes are built equal (`kvsim.workload.requests.make_block_keys`), and where their runs start, as
     # `kvsim.engine.paged.prefix_table.key_runs` finds them): `make_block_key_runs`. None: prefix caching hashes token_ids.
     block_keys: Callable[[int, int], tuple[np.ndarray, list[int]]] | None = None
+    # With `block_keys`: its leading tokens whose blocks another request may share; the blocks past them are keyed
+    # by streams no other request has (`kvsim.workload.requests.num_shareable_tokens`). None: its prompt.
+    num_shareable_tokens: int | None = None
     extra: dict = field(default_factory=dict)  # scheduler / report bookkeeping, never read by allocators
 
     def __post_init__(self) -> None:

@@ -74,7 +74,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
     Decode runs are off with an observer, so every row is one step. `on_schedule(out, sched)` sees each row
     that computes, right after it is scheduled (the block tables as the row runs them).
     """
-    from kvsim.workload.requests import make_block_key_runs, make_token_ids
+    from kvsim.workload.requests import make_block_key_runs, make_token_ids, num_shareable_tokens
 
     spec = ctx.spec(config.block_size, config)
     allocator = make_allocator(config, spec, ctx.budget_bytes, max_model_len=ctx.max_model_len)
@@ -120,6 +120,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             connector.finished_in_set_order = True
     # prefix caching keys blocks by the requests' structure (`make_block_keys`): no token ids for it
     keyed = config.prefix_caching
+    shareable = num_shareable_tokens(requests) if keyed else None  # what the allocator may cache lazily
     needs_ids = options.integrity or connector is not None
 
     def token_ids(seq: SchedSeq) -> np.ndarray:
@@ -186,6 +187,7 @@ def engine_rows(config: AllocatorConfig, requests: list, ctx: ReplayContext, opt
             seq = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, arrival_time=r.arrival_time, index=i)
             if keyed:
                 seq.block_keys = partial(make_block_key_runs, r)
+                seq.num_shareable_tokens = shareable[i]
             reason = sched.add_request(seq)
             if reason is not None:
                 rejected[i] = reason

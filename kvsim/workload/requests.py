@@ -253,6 +253,40 @@ def make_block_key_runs(request: RequestSpec, block_size: int, num_tokens: int) 
     return keys, runs
 
 
+def num_shareable_tokens(requests: list[RequestSpec]) -> list[int]:
+    """Per request of `requests`, the leading tokens whose blocks another request of `requests` may share: from
+    there on, every block's key (`make_block_keys`) names a stream no other request has, at any block size.
+
+        a Mooncake prompt       up to the trailing hash ids no other request lists: 512 tokens each
+        a shared-prefix group   its prefix tokens, where another request is in the group (else 0)
+        a parallel sample       its whole prompt (the n samples share it), the first sample's too
+        any other               0: every block is its own stream's
+
+    Counted over the requests' streams, not their keys (a stream two requests name counts as shared even where
+    their lengths leave them no common full block), so the answer errs only towards sharing. A request's output
+    blocks are its own always. What the paged allocator caches lazily (`Sequence.num_shareable_tokens`)."""
+    from collections import Counter
+
+    traced = Counter(h for r in requests if r.hash_ids is not None for h in set(r.hash_ids))
+    groups = Counter(r.prefix_group for r in requests if r.prefix_group is not None and r.num_prefix_tokens)
+    sampled = {r.prompt_of for r in requests if r.prompt_of is not None}
+    out = []
+    for r in requests:
+        p = r.num_prompt_tokens
+        if r.hash_ids is not None:
+            m = len(r.hash_ids)  # one per 512 prompt tokens
+            while m and traced[r.hash_ids[m - 1]] == 1:
+                m -= 1
+            out.append(min(p, m * MOONCAKE_BLOCK_TOKENS))
+        elif r.prompt_of is not None or r.request_id in sampled:
+            out.append(p)
+        elif r.num_prefix_tokens and groups[r.prefix_group] > 1:
+            out.append(min(p, r.num_prefix_tokens))
+        else:
+            out.append(0)
+    return out
+
+
 _RUN_BITS = 5  # the prefix table's chunk: 32 consecutive keys (`kvsim.engine.paged.prefix_table.SLOT_BITS`)
 _RUN_MASK = (1 << _RUN_BITS) - 1
 

@@ -1,5 +1,6 @@
-"""`PagedAllocator` caches a request's private blocks (past its prompt, keyed by its own stream) just before its
-blocks are freed: the pool is then as vLLM's eager caching leaves it (cached set, oldest copy answering, younger
+"""`PagedAllocator` caches a request's private blocks (keyed by streams no other request has: past its prompt,
+and on a first admission past its shareable tokens) just before its blocks are freed, a finished request's without
+table entries: the pool is then as vLLM's eager caching leaves it (cached set, oldest copy answering, younger
 copies, free-queue order), whatever was evicted meanwhile."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.workload.requests import RequestSpec, make_block_key_runs
+from kvsim.workload.requests import RequestSpec, make_block_key_runs, num_shareable_tokens
 
 BS = 4
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=BS)
@@ -24,9 +25,10 @@ def _alloc(num_blocks: int, lazy: bool) -> PagedAllocator:
     return alloc
 
 
-def _seq(r: RequestSpec) -> Sequence:
+def _seq(r: RequestSpec, shareable: int | None = None) -> Sequence:
     seq = Sequence(r.request_id, r.num_prompt_tokens, r.max_tokens)
     seq.block_keys = partial(make_block_key_runs, r)
+    seq.num_shareable_tokens = shareable
     return seq
 
 
@@ -131,7 +133,7 @@ def test_random_operations_equal_eager_caching():
     and finishes on a small pool, with the replay's bookkeeping of computed tokens (synchronous scheduling):
     after every operation the same free queue, entries and block tables; at the end the same table."""
     rng = random.Random(11)
-    own_hits = 0
+    own_hits = lazy_prompts = unlisted = 0
     for trial in range(40):
         specs = []
         while len(specs) < 12:
@@ -148,7 +150,15 @@ def test_random_operations_equal_eager_caching():
         runs = []
         for lazy in (False, True):
             alloc = _alloc(num_blocks, lazy)
-            waiting = [_seq(r) for r in specs]
+            waiting = [_seq(r, n) for r, n in zip(specs, num_shareable_tokens(specs))]
+            unlist = alloc.pool.cache_unlisted_blocks
+
+            def counted_unlist(ids, keys, unlist=unlist):
+                nonlocal unlisted
+                unlisted += len(ids)
+                unlist(ids, keys)
+
+            alloc.pool.cache_unlisted_blocks = counted_unlist
             running: list[Sequence] = []
             log = []
             for x, y in ops:
@@ -160,6 +170,7 @@ def test_random_operations_equal_eager_caching():
                     hit = alloc.allocate(seq, num_tokens, num_tokens=num_tokens)
                     if hit is not None:
                         own_hits += lazy and hit > seq.num_prompt_tokens // BS * BS  # its own decode blocks
+                        lazy_prompts += alloc._reqs[seq].lazy_from < seq.num_prompt_tokens // BS  # its own prompt blocks
                         waiting.pop(0)
                         seq.num_computed_tokens = num_tokens
                         running.append(seq)
@@ -175,7 +186,7 @@ def test_random_operations_equal_eager_caching():
                         waiting.insert(0, victim)
                     for seq in [s for s in running if s.num_computed_tokens >= s.num_final_tokens]:
                         running.remove(seq)
-                        alloc.free(seq)
+                        alloc.free_finished(seq)
                 elif running:
                     victim = running.pop(int(y * len(running)))  # preempted for recompute, or swapped out
                     victim.extra["computed"] = victim.num_computed_tokens
@@ -191,4 +202,6 @@ def test_random_operations_equal_eager_caching():
         for step, (a, b) in enumerate(zip(*runs)):
             assert a == b, (trial, step)
         assert runs[0] == runs[1]
-    assert own_hits >= 20
+    # re-admissions hitting their own decode blocks, first admissions whose own prompt blocks wait, finished
+    # requests' blocks cached without table entries
+    assert own_hits >= 20 and lazy_prompts >= 100 and unlisted >= 500, (own_hits, lazy_prompts, unlisted)

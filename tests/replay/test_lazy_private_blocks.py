@@ -16,7 +16,7 @@ from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.replay.sched.output import SchedSeq
 from kvsim.replay.sched.scheduler import Scheduler
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.workload.requests import RequestSpec, make_block_key_runs
+from kvsim.workload.requests import RequestSpec, make_block_key_runs, num_shareable_tokens
 
 
 def _roofline() -> Roofline:
@@ -70,9 +70,9 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
     flush, cache_blocks, preempt = alloc._cache_private_blocks, alloc.cache_blocks, sched._preempt
     preempting = []
 
-    def counting_flush(req):
+    def counting_flush(req, **kwargs):
         before = req.num_hashed
-        flush(req)
+        flush(req, **kwargs)
         if counts is not None:
             counts["flushed"] += req.num_hashed - before
 
@@ -97,18 +97,30 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
         hit = allocate(seq, *args, **kwargs)
         if counts is not None and hit is not None and hit > seq.num_prompt_tokens // block_size * block_size:
             counts["own_hits"] += 1  # a re-admission hit its own decode blocks
+        if counts is not None and hit is not None and alloc._reqs[seq].lazy_from < seq.num_prompt_tokens // block_size:
+            counts["lazy_prompts"] += 1  # its own prompt blocks wait for the free
         return hit
 
+    unlist = alloc.pool.cache_unlisted_blocks
+
+    def counting_unlist(ids, keys):
+        if counts is not None:
+            counts["unlisted"] += len(ids)
+        unlist(ids, keys)
+
+    alloc.pool.cache_unlisted_blocks = counting_unlist
     alloc._cache_private_blocks, alloc.cache_blocks, sched._preempt = counting_flush, checked_cache_blocks, marked_preempt
     alloc.allocate = counting_allocate
     seqs = {}
     pending = list(specs)
+    shareable = num_shareable_tokens([r for _, r in specs])  # (lazy: a prompt's own blocks wait too)
     rows, step = [], 0
     while pending or sched.has_work:
         while pending and pending[0][0] <= step:
             _, r = pending.pop(0)
             seq = seqs[r.request_id] = SchedSeq(r.request_id, r.num_prompt_tokens, r.max_tokens, index=r.request_id)
             seq.block_keys = partial(make_block_key_runs, r)
+            seq.num_shareable_tokens = shareable[r.request_id]
             assert sched.add_request(seq) is None
         out, rejected = sched.schedule(0.0 if pending else float("inf"))
         assert not rejected
@@ -134,7 +146,8 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
 @pytest.mark.parametrize("allow_runs", [False, True])
 def test_lazy_private_blocks_equal_eager_caching(async_scheduling, preemption, allow_runs):
     rng = random.Random(f"{async_scheduling} {preemption} {allow_runs}")
-    counts = {"flushed": 0, "cache_blocks": 0, "cached": 0, "own_hits": 0, "duplicates": 0}
+    counts = {"flushed": 0, "cache_blocks": 0, "cached": 0, "own_hits": 0, "duplicates": 0, "unlisted": 0,
+              "lazy_prompts": 0}
     preempted = hits = 0
     for _ in range(25):
         block_size = rng.choice((2, 4))
@@ -151,6 +164,8 @@ def test_lazy_private_blocks_equal_eager_caching(async_scheduling, preemption, a
         hits += eager[2] > 0
     # preemptions, hits, re-admissions hitting their own decode blocks, younger copies and deferred blocks met
     assert preempted >= 8 and hits >= 15 and counts["own_hits"] >= 5 and counts["duplicates"] and counts["flushed"] > 100
+    # first admissions whose own prompt blocks waited, finished requests' blocks cached without table entries
+    assert counts["lazy_prompts"] >= 40 and counts["unlisted"] >= 200
 
 
 def test_lazy_requests_skip_cache_blocks_under_async_scheduling():
@@ -158,8 +173,9 @@ def test_lazy_requests_skip_cache_blocks_under_async_scheduling():
     skipped calls are where the time went (a call for each decode block)."""
     rng = random.Random(7)
     specs = _specs(rng, 4)
-    counts_eager = {"flushed": 0, "cache_blocks": 0, "cached": 0, "own_hits": 0, "duplicates": 0}
-    counts_lazy = {"flushed": 0, "cache_blocks": 0, "cached": 0, "own_hits": 0, "duplicates": 0}
+    counts_eager = {"flushed": 0, "cache_blocks": 0, "cached": 0, "own_hits": 0, "duplicates": 0, "unlisted": 0,
+                    "lazy_prompts": 0}
+    counts_lazy = dict(counts_eager)
     kwargs = dict(async_scheduling=True, preemption="recompute", allow_runs=False, block_size=4, budget_blocks=200)
     assert _replay(specs, lazy=False, counts=counts_eager, **kwargs) == _replay(specs, lazy=True, counts=counts_lazy, **kwargs)
     assert counts_eager["cache_blocks"] > 20 and counts_lazy["cache_blocks"] == 0 and counts_lazy["flushed"] > 20

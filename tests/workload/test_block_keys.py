@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from kvsim.engine.paged.kv_cache_utils import block_hashes
-from kvsim.workload.requests import RequestSpec, generate_requests, make_block_keys, make_token_ids
+from kvsim.workload.requests import (RequestSpec, generate_requests, make_block_keys, make_token_ids,
+                                    num_shareable_tokens)
 from kvsim.workload.spec import load_workload
 
 
@@ -54,10 +55,39 @@ def mooncake_requests(draw):
     return requests
 
 
+def assert_private_past_shareable(requests: list[RequestSpec], block_size: int) -> None:
+    """Every key of a request's blocks from `num_shareable_tokens // block_size` on (prompt and output) is a key
+    no other request has: what lets the paged allocator cache them lazily."""
+    shareable = num_shareable_tokens(requests)
+    keys = [make_block_keys(r, block_size, r.num_prompt_tokens + r.max_tokens).tolist() for r in requests]
+    for i, r in enumerate(requests):
+        assert 0 <= shareable[i] <= r.num_prompt_tokens
+        others = {k for j, ks in enumerate(keys) if j != i for k in ks}
+        private = keys[i][shareable[i] // block_size :]
+        assert not others.intersection(private), (r, shareable[i], block_size)
+
+
 @settings(max_examples=40, deadline=None)
 @given(mooncake_requests(), st.sampled_from([1, 16, 48, 512, 700]))
 def test_mooncake_keys_equal_exactly_where_token_prefixes_are(requests, block_size):
     assert_keys_match_token_prefixes(requests, block_size)
+    assert_private_past_shareable(requests, block_size)
+
+
+def test_num_shareable_tokens_by_hand():
+    """Mooncake ids: up to the trailing ids no other request lists (512 tokens each, within the prompt); a group's
+    prefix where the group has another member; a whole prompt that parallel samples share; else nothing."""
+    requests = [
+        RequestSpec(0, 0.0, 1200, 5, hash_ids=(1, 2, 3)),  # 3 is its own: 2 ids shared
+        RequestSpec(1, 0.0, 1100, 5, hash_ids=(1, 2, 4)),  # 4 is its own
+        RequestSpec(2, 0.0, 1100, 5, hash_ids=(1, 5, 2)),  # 5 its own but 2 is listed by others: its whole prompt
+        RequestSpec(3, 0.0, 300, 5, hash_ids=(9,)),  # its own
+        RequestSpec(4, 0.0, 90, 20, 3, 50), RequestSpec(5, 0.0, 40, 20, 3, 40),  # group 3: two members
+        RequestSpec(6, 0.0, 90, 20, 4, 50),  # group 4: alone
+        RequestSpec(7, 0.0, 80, 9), RequestSpec(8, 0.0, 80, 9, prompt_of=7), RequestSpec(9, 0.0, 60, 9),
+    ]
+    assert num_shareable_tokens(requests) == [1024, 1024, 1100, 0, 50, 40, 0, 80, 80, 0]
+    assert_private_past_shareable(requests, 16)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16, 64])
@@ -71,11 +101,13 @@ def test_group_prefixes_and_parallel_samples(block_size):
         RequestSpec(7, 0.0, 90, 5, 3, 50, prompt_of=5), RequestSpec(8, 0.0, 64, 9, prompt_of=4),
     ]
     assert_keys_match_token_prefixes(requests, block_size, seed=11)
+    assert_private_past_shareable(requests, block_size)
 
 
 def test_shipped_shared_prefix_workload():
     workload = load_workload(REPO / "workloads" / "shared-prefix.yaml", limit=40)
     assert_keys_match_token_prefixes(generate_requests(workload), 16, seed=workload.seed)
+    assert_private_past_shareable(generate_requests(workload), 16)
 
 
 def test_keys_cover_the_full_blocks_within_num_tokens():

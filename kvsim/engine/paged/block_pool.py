@@ -474,6 +474,25 @@ class BlockPool:
         if len(rows) > self._table_limit:
             self._purge()
 
+    def cache_unlisted_blocks(self, ids: list[int], keys: np.ndarray) -> None:
+        """Mark uncached full blocks `ids` of group 0 cached under `keys` (n,), each its key's answer, without
+        a table entry: keys that no lookup will ever ask for and that no block caches yet (a finished request's
+        own streams, `PagedAllocator.free_finished`). To the free queue, to eviction and to every reader but a
+        lookup of those keys, the blocks are as `cache_full_blocks` leaves them (a purge lists them)."""
+        if len(ids) <= _FEW:
+            hashes, cached, primary = self._hashes, self._cached, self._primary
+            for block, key in zip(ids, keys.tolist()):
+                hashes[block] = key
+                cached[block] = True
+                primary[block] = True
+        else:
+            arr = np.array(ids, dtype=np.int64)  # (n,)
+            self.block_hash[arr] = keys
+            self.is_cached[arr] = True
+            self.is_primary[arr] = True
+        if self.num_groups > 1:
+            self.block_group[ids] = 0
+
     def _queue_behind_older(self, arr: np.ndarray, keys: np.ndarray, older: np.ndarray, live: np.ndarray) -> np.ndarray:
         """`cache_full_blocks`' blocks `arr` (n,) whose keys `keys` (n,) a live older copy `older` (n,) answers
         (`live`, (n,) bool) queue behind it, in `arr`'s order; returns `arr` less them."""

@@ -28,7 +28,7 @@ class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
     __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until", "hit", "cap",
-                 "used")
+                 "used", "returning")
 
     def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
@@ -44,6 +44,7 @@ class PagedRequest:
         self.hit = 0  # prefix-cache hit at admission
         self.cap = 0  # token slots allocated: len(table) * block_size
         self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
+        self.returning = False  # it was freed before it finished (a preemption), and admitted again
 
 
 class PagedAllocator(KVAllocator):
@@ -62,14 +63,20 @@ class PagedAllocator(KVAllocator):
 
     Private blocks are cached lazily. A request with exact block keys (`Sequence.block_keys`, a replay's
     `make_block_keys`) keys every block whose last token is past its prompt (j >= prompt // block_size) by its
-    own stream: no other request ever looks such a key up (a parallel-sampling child shares only the prompt's
-    blocks). Its entry matters only once the request's blocks are freed (their place in the free queue, its own
-    re-admission's hit, eviction order), so these blocks are not cached as they fill but all at once just before
-    `free` or `pop_blocks_for_free` (`_cache_private_blocks`), up to where vLLM's eager caching would have taken
+    own stream, and on its first admission every block from `num_shareable_tokens // block_size` on by streams no
+    other request has (`kvsim.workload.requests.num_shareable_tokens`; on a re-admission its prompt's blocks are
+    cached as they fill, for older copies of their keys may be cached): no other request ever looks such a key up
+    (a parallel-sampling child shares only the prompt's blocks). Its entry matters only once the request's blocks
+    are freed (their place in the free queue, its own re-admission's hit, eviction order), so these blocks are not
+    cached as they fill but all at once just before `free`, `free_finished` or `pop_blocks_for_free`
+    (`_cache_private_blocks`), up to where vLLM's eager caching would have taken
     them by then, in the same order: the table, its duplicates and the free queue are then exactly as eager
     caching leaves them (an older copy of the key, from the request's earlier admission, evicted meanwhile or
-    not, answers or queues the new block alike; the blocks are held, so no eviction meets them). A decode block
-    then costs what it costs without prefix caching. Where that bound is, from the request's state at the free:
+    not, answers or queues the new block alike; the blocks are held, so no eviction meets them). A finished
+    request never looks its own keys up again: if it was never freed before (no older copy of them exists), its
+    private blocks are marked cached without table entries (`BlockPool.cache_unlisted_blocks`), which the free
+    queue and eviction see as they see entries. A decode block then costs what it costs without prefix caching.
+    Where that bound is, from the request's state at the free:
 
         synchronous scheduling      min(computed, final) tokens     vLLM's allocate_slots caches
                                                                     min(computed + new, num_tokens), and every
@@ -88,7 +95,7 @@ class PagedAllocator(KVAllocator):
     hashes of their token ids cache every block as it fills (two requests' outputs may repeat each other).
     """
 
-    caches_private_blocks_at_free = True  # a request's blocks past its prompt (see above)
+    caches_private_blocks_at_free = True  # a request's blocks keyed by its own streams (see above)
 
     paged = True
 
@@ -132,6 +139,8 @@ class PagedAllocator(KVAllocator):
         # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
         self.lazy_private_blocks = enable_prefix_caching
         self._num_eager = 0  # admitted requests that cache every block as it fills
+        # requests freed before they finished (preempted): their private keys may have older copies cached
+        self._returning: set[Sequence] = set()
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -152,8 +161,8 @@ class PagedAllocator(KVAllocator):
     def cached_block_hashes(self) -> Container[int]:
         """The keys cached now (a router's view). Not a pure query: the router reads caching as it happens, so
         requests admitted from now on cache every block as it fills. Membership of a prompt block's key, which is
-        what a router asks, is exact either way (no lazy block is a prompt block); the container's size is not
-        while requests admitted before still hold lazy blocks (a router asks before the first admission)."""
+        what a router asks, is exact either way (no lazy block's key is another request's); the container's size
+        is not while requests admitted before still hold lazy blocks (a router asks before the first admission)."""
         self.lazy_private_blocks = False
         return self.pool.cached_hashes()
 
@@ -212,10 +221,16 @@ class PagedAllocator(KVAllocator):
         if hashes is not None:
             self._keys.forget()  # admitted: its keys move to its PagedRequest
             if self.lazy_private_blocks and seq.block_keys is not None:
-                lazy_from = seq.num_prompt_tokens // bs  # its blocks past the prompt are its own stream's
+                # its blocks from here on are its own streams'; its prompt's, only on a first admission (a
+                # re-admission's may have older copies, which eager caching queues them behind as they fill)
+                shareable = seq.num_shareable_tokens
+                if shareable is None or seq in self._returning:
+                    shareable = seq.num_prompt_tokens
+                lazy_from = shareable // bs
             else:
                 self._num_eager += 1
         req = PagedRequest(seq, hashes, lazy_from)
+        req.returning = hashes is not None and seq in self._returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
@@ -226,7 +241,10 @@ class PagedAllocator(KVAllocator):
         if query:
             self.prefix_query_tokens += query
             self.prefix_hit_tokens += hit
-        self._cache_full_blocks(req, hit if delay_cache_blocks else total, new_ids)
+        end = hit if delay_cache_blocks else total
+        if end > lazy_from * bs and not req.returning:  # (a first admission's private prompt blocks wait too)
+            end = lazy_from * bs
+        self._cache_full_blocks(req, end, new_ids)
         self._refresh(req)
         return hit
 
@@ -271,18 +289,31 @@ class PagedAllocator(KVAllocator):
 
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`; its tail blocks first so cached prefixes outlive cached suffixes. Its
-        private blocks are cached first, as far as eager caching would have cached them (`_cache_private_blocks`)."""
+        private blocks are cached first, as far as eager caching would have cached them (`_cache_private_blocks`):
+        it may come back (a preemption), and its re-admission looks them up."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self._cache_private_blocks(req)
+        self._cache_private_blocks(req, finished=False)
+        if req.hashes is not None:
+            self._returning.add(seq)
+        self.pool.free_blocks(req.table[::-1])
+
+    def free_finished(self, seq: Sequence) -> None:
+        """`free` for a request that has finished: nothing ever looks its private blocks up, so where no older
+        copy of their keys can exist (it was never freed before) they are cached without table entries
+        (`BlockPool.cache_unlisted_blocks`)."""
+        req = self._reqs.pop(seq)
+        self._set_cap(req, 0)
+        self._cache_private_blocks(req, finished=True)
         self.pool.free_blocks(req.table[::-1])
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
-        """Forget `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as internal
-        fragmentation until `free_popped_blocks`), with its private blocks cached first as `free` does."""
+        """Forget finished `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as
+        internal fragmentation until `free_popped_blocks`), with its private blocks cached first as
+        `free_finished` does."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self._cache_private_blocks(req)
+        self._cache_private_blocks(req, finished=True)
         self._num_popped += len(req.table)
         return list(req.table)
 
@@ -642,15 +673,18 @@ class PagedAllocator(KVAllocator):
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
-    def _cache_private_blocks(self, req: PagedRequest) -> None:
+    def _cache_private_blocks(self, req: PagedRequest, *, finished: bool) -> None:
         """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
         would have by now (the class docstring's bound: computed tokens less those in flight, within the known
-        and the final tokens), oldest first, in one `cache_full_blocks` call."""
+        and the final tokens), oldest first, in one `cache_full_blocks` call; without table entries where it has
+        `finished` and was never freed before (`BlockPool.cache_unlisted_blocks`)."""
+        seq = req.seq
+        if req.returning and finished:
+            self._returning.discard(seq)
         if req.lazy_from == _EAGER:
             if req.hashes is not None:
                 self._num_eager -= 1
             return
-        seq = req.seq
         end = seq.num_computed_tokens - seq.num_in_flight_tokens
         known = seq.num_known_tokens
         if known is not None and known < end:
@@ -660,7 +694,9 @@ class PagedAllocator(KVAllocator):
         end //= self.block_size
         j = req.num_hashed
         if end > j:
-            if end == j + 1:
+            if finished and not req.returning:
+                self.pool.cache_unlisted_blocks(req.table[j:end], req.hashes[j:end])
+            elif end == j + 1:
                 self.pool.cache_full_block(req.table[j], req.hashes.item(j))
             else:
                 self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)

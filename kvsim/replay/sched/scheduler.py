@@ -371,10 +371,10 @@ class Scheduler:
         """A finished request's blocks back to the pool, or held until its last step is processed
         (`_free_request_blocks`)."""
         if not self._defer_free:
-            self.allocator.free(seq)
+            self.allocator.free_finished(seq)
             return
         if self._blocks_can_be_freed(seq):
-            self.allocator.free(seq)
+            self.allocator.free_finished(seq)
         else:
             blocks = self.allocator.pop_blocks_for_free(seq)
             if blocks:
