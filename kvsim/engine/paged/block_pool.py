@@ -474,19 +474,19 @@ class BlockPool:
         if len(rows) > self._table_limit:
             self._purge()
 
-    def cache_unlisted_blocks(self, ids: list[int], keys: np.ndarray) -> None:
-        """Mark uncached full blocks `ids` of group 0 cached under `keys` (n,), each its key's answer, without
+    def cache_unlisted_blocks(self, ids: list[int] | np.ndarray, keys: np.ndarray) -> None:
+        """Mark uncached full blocks `ids` (a list or an int64 array) of group 0 cached under `keys` (n,), each its key's answer, without
         a table entry: keys that no lookup will ever ask for and that no block caches yet (a finished request's
         own streams, `PagedAllocator.free_finished`). To the free queue, to eviction and to every reader but a
         lookup of those keys, the blocks are as `cache_full_blocks` leaves them (a purge lists them)."""
         if len(ids) <= _FEW:
             hashes, cached, primary = self._hashes, self._cached, self._primary
-            for block, key in zip(ids, keys.tolist()):
+            for block, key in zip(ids if type(ids) is list else ids.tolist(), keys.tolist()):
                 hashes[block] = key
                 cached[block] = True
                 primary[block] = True
         else:
-            arr = np.array(ids, dtype=np.int64)  # (n,)
+            arr = np.array(ids, dtype=np.int64) if type(ids) is list else ids  # (n,)
             self.block_hash[arr] = keys
             self.is_cached[arr] = True
             self.is_primary[arr] = True
@@ -541,11 +541,13 @@ class BlockPool:
         self.num_shared_refs += len(ids) - num_free
         self.ref_count[arr] = refs + 1
 
-    def free_blocks(self, ids: list[int]) -> None:
-        """One holder fewer for each of `ids`, given in eviction order (a request's tail first). A block nobody
-        holds goes back to the free queue: cached ones to the tail, uncached to the head, each kind in the order
-        given (vLLM's `append_n` / `prepend_n`)."""
+    def free_blocks(self, ids: list[int] | np.ndarray) -> None:
+        """One holder fewer for each of `ids` (a list, or an int64 array the queue may keep), given in eviction
+        order (a request's tail first). A block nobody holds goes back to the free queue: cached ones to the
+        tail, uncached to the head, each kind in the order given (vLLM's `append_n` / `prepend_n`)."""
         if len(ids) <= _FEW_REFS:
+            if type(ids) is not list:
+                ids = ids.tolist()
             refs, is_cached = self._refs, self._cached
             uncached, cached = [], []
             for block in ids:
@@ -563,7 +565,7 @@ class BlockPool:
             if cached:
                 self.free_queue.push_tail(cached)
             return
-        arr = np.array(ids, dtype=np.int64)  # (n,)
+        arr = np.array(ids, dtype=np.int64) if type(ids) is list else ids  # (n,)
         refs = self.ref_count[arr]  # (n,)
         refs -= 1
         self.ref_count[arr] = refs

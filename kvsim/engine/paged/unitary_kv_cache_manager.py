@@ -22,6 +22,7 @@ from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 _FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
 _EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is cached as it fills
+_ONE_ARRAY = 24  # a finished request's table of more blocks goes to the pool as one array (its many-block paths)
 
 
 class PagedRequest:
@@ -304,8 +305,11 @@ class PagedAllocator(KVAllocator):
         (`BlockPool.cache_unlisted_blocks`)."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self._cache_private_blocks(req, finished=True)
-        self.pool.free_blocks(req.table[::-1])
+        table = req.table
+        if len(table) > _ONE_ARRAY:  # its table as one array, for both
+            table = np.array(table, dtype=np.int64)  # (blocks,)
+        self._cache_private_blocks(req, finished=True, table=table)
+        self.pool.free_blocks(table[::-1])
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget finished `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as
@@ -673,11 +677,12 @@ class PagedAllocator(KVAllocator):
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
-    def _cache_private_blocks(self, req: PagedRequest, *, finished: bool) -> None:
+    def _cache_private_blocks(self, req: PagedRequest, *, finished: bool, table: list[int] | np.ndarray | None = None) -> None:
         """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
         would have by now (the class docstring's bound: computed tokens less those in flight, within the known
         and the final tokens), oldest first, in one `cache_full_blocks` call; without table entries where it has
-        `finished` and was never freed before (`BlockPool.cache_unlisted_blocks`)."""
+        `finished` and was never freed before (`BlockPool.cache_unlisted_blocks`). `table`: its block table, as a
+        list or an int64 array (default: `req.table`)."""
         seq = req.seq
         if req.returning and finished:
             self._returning.discard(seq)
@@ -695,7 +700,7 @@ class PagedAllocator(KVAllocator):
         j = req.num_hashed
         if end > j:
             if finished and not req.returning:
-                self.pool.cache_unlisted_blocks(req.table[j:end], req.hashes[j:end])
+                self.pool.cache_unlisted_blocks((req.table if table is None else table)[j:end], req.hashes[j:end])
             elif end == j + 1:
                 self.pool.cache_full_block(req.table[j], req.hashes.item(j))
             else:
