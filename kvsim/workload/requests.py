@@ -266,24 +266,31 @@ def num_shareable_tokens(requests: list[RequestSpec]) -> list[int]:
     their lengths leave them no common full block), so the answer errs only towards sharing. A request's output
     blocks are its own always. What the paged allocator caches lazily (`Sequence.num_shareable_tokens`)."""
     from collections import Counter
+    from itertools import chain
 
-    traced = Counter(h for r in requests if r.hash_ids is not None for h in set(r.hash_ids))
+    out = [0] * len(requests)
+    traced = [i for i, r in enumerate(requests) if r.hash_ids is not None]
+    if traced:  # every request's ids in one array: how many requests list each, then each one's trailing own ids
+        lengths = np.fromiter((len(requests[i].hash_ids) for i in traced), np.int64, len(traced))  # (t,)
+        ids = np.fromiter(chain.from_iterable(requests[i].hash_ids for i in traced), np.int64, int(lengths.sum()))
+        _, where, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        # (an id a request lists twice counts as shared: the answer only errs towards sharing)
+        shared_at = np.where(counts[where] > 1, np.arange(len(ids)), -1)  # (ids,) its position where shared
+        last_shared = np.maximum.accumulate(shared_at) if len(ids) else shared_at  # the last shared id so far
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        num_shared_ids = np.maximum(last_shared[np.maximum(ends - 1, 0)] - starts + 1, 0) * (lengths > 0)  # (t,)
+        for i, m in zip(traced, num_shared_ids.tolist()):
+            out[i] = min(requests[i].num_prompt_tokens, m * MOONCAKE_BLOCK_TOKENS)  # 512 prompt tokens an id
     groups = Counter(r.prefix_group for r in requests if r.prefix_group is not None and r.num_prefix_tokens)
     sampled = {r.prompt_of for r in requests if r.prompt_of is not None}
-    out = []
-    for r in requests:
-        p = r.num_prompt_tokens
+    for i, r in enumerate(requests):
         if r.hash_ids is not None:
-            m = len(r.hash_ids)  # one per 512 prompt tokens
-            while m and traced[r.hash_ids[m - 1]] == 1:
-                m -= 1
-            out.append(min(p, m * MOONCAKE_BLOCK_TOKENS))
-        elif r.prompt_of is not None or r.request_id in sampled:
-            out.append(p)
+            continue
+        if r.prompt_of is not None or r.request_id in sampled:
+            out[i] = r.num_prompt_tokens
         elif r.num_prefix_tokens and groups[r.prefix_group] > 1:
-            out.append(min(p, r.num_prefix_tokens))
-        else:
-            out.append(0)
+            out[i] = min(r.num_prompt_tokens, r.num_prefix_tokens)
     return out
 
 
