@@ -1,7 +1,8 @@
 """`PagedAllocator` caches a request's private blocks (keyed by streams no other request has: past its prompt,
-and on a first admission past its shareable tokens) just before its blocks are freed, a finished request's without
-table entries: the pool is then as vLLM's eager caching leaves it (cached set, oldest copy answering, younger
-copies, free-queue order), whatever was evicted meanwhile."""
+and on a first admission past its shareable tokens) just before its blocks are freed: the pool is then as vLLM's
+eager caching leaves it (cached set, oldest copy answering, younger copies, free-queue order), whatever was
+evicted meanwhile; but a finished request never freed before leaves its private blocks uncached, queued where
+cached ones go (nobody looks them up): their entries are the one difference."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.engine.sequence import Sequence
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.workload.requests import RequestSpec, make_block_key_runs, num_shareable_tokens
+from kvsim.workload.requests import RequestSpec, make_block_key_runs, make_block_keys, num_shareable_tokens
 
 BS = 4
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=1, block_size=BS)
@@ -32,13 +33,26 @@ def _seq(r: RequestSpec, shareable: int | None = None) -> Sequence:
     return seq
 
 
-def _pool_state(alloc: PagedAllocator) -> tuple:
-    """The free queue in order, each free block's cache entry, and what the table answers."""
+def _pool_state(alloc: PagedAllocator, unlisted: set[int] = frozenset()) -> tuple:
+    """The free queue in order and each free block's cache entry; an entry whose key is in `unlisted` (a
+    finished request's own keys, which lazy caching never lists) counts as none."""
     pool = alloc.pool
     free = pool.free_queue.queued_ids().tolist()
-    entries = [(b, bool(pool.is_cached[b]), int(pool.block_hash[b]) if pool.is_cached[b] else None,
-                bool(pool.is_primary[b])) for b in free]
+    entries = []
+    for b in free:
+        cached = bool(pool.is_cached[b]) and int(pool.block_hash[b]) not in unlisted
+        entries.append((b, cached, int(pool.block_hash[b]) if cached else None, cached and bool(pool.is_primary[b])))
     return free, entries
+
+
+def _listed(cached_keys: dict, unlisted: set[int]) -> dict:
+    """`BlockPool.cached_keys()` less the keys in `unlisted`."""
+    return {k: b for k, b in cached_keys.items() if k[0] not in unlisted}
+
+
+def _own_keys(r: RequestSpec, shareable: int) -> set[int]:
+    """The keys of `r`'s blocks no other request has: from its shareable tokens on."""
+    return set(make_block_keys(r, BS, r.num_prompt_tokens + r.max_tokens)[shareable // BS :].tolist())
 
 
 def _decode(alloc: PagedAllocator, seq: Sequence, n: int) -> None:
@@ -150,15 +164,11 @@ def test_random_operations_equal_eager_caching():
         runs = []
         for lazy in (False, True):
             alloc = _alloc(num_blocks, lazy)
-            waiting = [_seq(r, n) for r, n in zip(specs, num_shareable_tokens(specs))]
-            unlist = alloc.pool.cache_unlisted_blocks
-
-            def counted_unlist(ids, keys, unlist=unlist):
-                nonlocal unlisted
-                unlisted += len(ids)
-                unlist(ids, keys)
-
-            alloc.pool.cache_unlisted_blocks = counted_unlist
+            shareable = num_shareable_tokens(specs)
+            waiting = [_seq(r, n) for r, n in zip(specs, shareable)]
+            own = {seq: _own_keys(r, n) for seq, r, n in zip(waiting, specs, shareable)}
+            freed: set[Sequence] = set()  # freed before they finished
+            unlisted_keys: set[int] = set()  # own keys of requests that finished, never freed before
             running: list[Sequence] = []
             log = []
             for x, y in ops:
@@ -182,26 +192,39 @@ def test_random_operations_equal_eager_caching():
                         victim = running.pop()
                         victim.extra["computed"] = victim.num_computed_tokens
                         alloc.free(victim)
+                        freed.add(victim)
                         victim.num_computed_tokens = 0
                         waiting.insert(0, victim)
                     for seq in [s for s in running if s.num_computed_tokens >= s.num_final_tokens]:
                         running.remove(seq)
+                        table = alloc.block_table(seq)
                         alloc.free_finished(seq)
+                        if lazy and seq not in freed:  # its own blocks left uncached
+                            pool = alloc.pool
+                            listed = [b for b in table if pool.is_cached[b] and int(pool.block_hash[b]) in own[seq]]
+                            assert not listed, (trial, seq, listed)
+                            unlisted += max(0, min(seq.num_computed_tokens, seq.num_final_tokens) // BS
+                                            - seq.num_shareable_tokens // BS)  # full blocks of its own
+                        if seq not in freed:
+                            unlisted_keys |= own[seq]
                 elif running:
                     victim = running.pop(int(y * len(running)))  # preempted for recompute, or swapped out
                     victim.extra["computed"] = victim.num_computed_tokens
                     alloc.free(victim)
+                    freed.add(victim)
                     victim.num_computed_tokens = 0
                     waiting.append(victim)
-                log.append((_pool_state(alloc), [alloc.block_table(s) for s in running], alloc.prefix_hit_tokens))
+                log.append((_pool_state(alloc, unlisted_keys), [alloc.block_table(s) for s in running],
+                            alloc.prefix_hit_tokens))
             for seq in running:
                 alloc.free(seq)
             pool = alloc.pool
-            log.append((_pool_state(alloc), pool.cached_keys(), {k: list(v) for k, v in pool.cached_duplicates.items()}))
+            log.append((_pool_state(alloc, unlisted_keys), _listed(pool.cached_keys(), unlisted_keys),
+                        {k: list(v) for k, v in pool.cached_duplicates.items()}))
             runs.append(log)
         for step, (a, b) in enumerate(zip(*runs)):
             assert a == b, (trial, step)
         assert runs[0] == runs[1]
-    # re-admissions hitting their own decode blocks, first admissions whose own prompt blocks wait, finished
-    # requests' blocks cached without table entries
+    # re-admissions hitting their own decode blocks, first admissions whose own prompt blocks wait, blocks of
+    # finished requests never freed before (their own blocks left unlisted)
     assert own_hits >= 20 and lazy_prompts >= 100 and unlisted >= 500, (own_hits, lazy_prompts, unlisted)

@@ -1,7 +1,9 @@
-"""The paged allocator caches a request's private blocks (past its prompt, keyed by its own stream) when its blocks
-are freed: against the same streams with every block cached as it fills (vLLM's eager caching), the same rows,
-block tables, free queue, prefix hits and, once every request is done, the same prefix table, under sync and async
-scheduling, preemption for recompute and swap, decode runs, shared prefixes and parallel sampling."""
+"""The paged allocator caches a request's private blocks (keyed by streams no other request has: past its prompt,
+and on a first admission past its shareable tokens) when its blocks are freed, and a finished request never
+preempted leaves them uncached: against the same streams with every block cached as it fills (vLLM's eager
+caching), the same rows, block tables, free queue, prefix hits and, once every request is done, the same prefix
+table but for those requests' own keys, under sync and async scheduling, preemption for recompute and swap,
+decode runs, shared prefixes and parallel sampling."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from kvsim.engine.paged.unitary_kv_cache_manager import PagedAllocator
 from kvsim.replay.sched.output import SchedSeq
 from kvsim.replay.sched.scheduler import Scheduler
 from kvsim.size.kv_cache_spec import KVCacheSpec
-from kvsim.workload.requests import RequestSpec, make_block_key_runs, num_shareable_tokens
+from kvsim.workload.requests import RequestSpec, make_block_key_runs, make_block_keys, num_shareable_tokens
 
 
 def _roofline() -> Roofline:
@@ -46,14 +48,18 @@ def _specs(rng: random.Random, block_size: int) -> list[tuple[int, RequestSpec]]
     return specs
 
 
-def _state(sched: Scheduler) -> tuple:
+def _state(sched: Scheduler, unlisted: set[int]) -> tuple:
     """What laziness must leave as eager caching does while requests run: the running requests' block tables, the
-    free queue in order and each free block's cache entry (a held block's may lag until its free)."""
+    free queue in order and each free block's cache entry (a held block's may lag until its free; one whose key is
+    in `unlisted`, a finished request's own, counts as none: laziness never lists it)."""
     alloc = sched.allocator
     pool = alloc.pool
     free = pool.free_queue.queued_ids().tolist()
-    entries = [(b, bool(pool.is_cached[b]), int(pool.block_hash[b]) if pool.is_cached[b] else None,
-                bool(pool.is_primary[b]), bool(pool.has_younger[b])) for b in free]
+    entries = []
+    for b in free:
+        cached = bool(pool.is_cached[b]) and int(pool.block_hash[b]) not in unlisted
+        entries.append((b, cached, int(pool.block_hash[b]) if cached else None, cached and bool(pool.is_primary[b]),
+                        cached and bool(pool.has_younger[b])))
     return ([(s.seq_id, alloc.block_table(s)) for s in sched.running], entries)
 
 
@@ -72,9 +78,10 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
 
     def counting_flush(req, **kwargs):
         before = req.num_hashed
-        flush(req, **kwargs)
+        end = flush(req, **kwargs)
         if counts is not None:
             counts["flushed"] += req.num_hashed - before
+        return end
 
     def checked_cache_blocks(seq, num_tokens):
         before = alloc._reqs[seq].num_hashed
@@ -101,19 +108,14 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
             counts["lazy_prompts"] += 1  # its own prompt blocks wait for the free
         return hit
 
-    unlist = alloc.pool.cache_unlisted_blocks
-
-    def counting_unlist(ids, keys):
-        if counts is not None:
-            counts["unlisted"] += len(ids)
-        unlist(ids, keys)
-
-    alloc.pool.cache_unlisted_blocks = counting_unlist
     alloc._cache_private_blocks, alloc.cache_blocks, sched._preempt = counting_flush, checked_cache_blocks, marked_preempt
     alloc.allocate = counting_allocate
     seqs = {}
     pending = list(specs)
     shareable = num_shareable_tokens([r for _, r in specs])  # (lazy: a prompt's own blocks wait too)
+    own = {r.request_id: set(make_block_keys(r, block_size, r.num_prompt_tokens + r.max_tokens)
+                             [shareable[r.request_id] // block_size :].tolist()) for _, r in specs}
+    unlisted: set[int] = set()  # own keys of the requests that finished never preempted
     rows, step = [], 0
     while pending or sched.has_work:
         while pending and pending[0][0] <= step:
@@ -128,15 +130,25 @@ def _replay(specs, *, lazy: bool, async_scheduling: bool, preemption: str, allow
             finished = sched.postprocess(out)
         else:
             finished = sched.flush() if sched.has_in_flight else []
+        for s in finished:
+            if s.num_preemptions == 0:
+                unlisted |= own[s.seq_id]
+                if lazy and counts is not None:  # its own full blocks, left uncached
+                    counts["unlisted"] += max(0, (s.num_final_tokens // block_size) - shareable[s.seq_id] // block_size)
         rows.append(([(s.seq_id, a, n) for s, a, n in out.prefills], [s.seq_id for s in out.decodes],
-                     [s.seq_id for s in out.preempted], out.num_steps, [s.seq_id for s in finished], _state(sched)))
+                     [s.seq_id for s in out.preempted], out.num_steps, [s.seq_id for s in finished],
+                     _state(sched, unlisted)))
         if counts is not None and alloc.pool.cached_duplicates:
             counts["duplicates"] += 1  # rows with younger copies of a key (a re-admission's, behind its old block)
         step += 1
         assert step < 5000
     pool = alloc.pool
-    final = (pool.cached_keys(), {k: list(v) for k, v in pool.cached_duplicates.items()},
-             pool.free_queue.queued_ids().tolist(), pool.block_hash[pool.is_cached].tolist())
+    cached_keys = pool.block_hash[pool.is_cached].tolist()
+    if lazy:  # a finished request never preempted left its own blocks uncached
+        assert not unlisted.intersection(cached_keys)
+    final = ({k: b for k, b in pool.cached_keys().items() if k[0] not in unlisted},
+             {k: list(v) for k, v in pool.cached_duplicates.items()},
+             pool.free_queue.queued_ids().tolist(), [k for k in cached_keys if k not in unlisted])
     per_seq = [(s.num_preemptions, s.num_cached_tokens, s.num_output_tokens) for s in seqs.values()]
     return rows, final, alloc.prefix_hit_tokens, per_seq
 
@@ -178,4 +190,4 @@ def test_lazy_requests_skip_cache_blocks_under_async_scheduling():
     counts_lazy = dict(counts_eager)
     kwargs = dict(async_scheduling=True, preemption="recompute", allow_runs=False, block_size=4, budget_blocks=200)
     assert _replay(specs, lazy=False, counts=counts_eager, **kwargs) == _replay(specs, lazy=True, counts=counts_lazy, **kwargs)
-    assert counts_eager["cache_blocks"] > 20 and counts_lazy["cache_blocks"] == 0 and counts_lazy["flushed"] > 20
+    assert counts_eager["cache_blocks"] > 20 and counts_lazy["cache_blocks"] == 0 and counts_lazy["unlisted"] > 20

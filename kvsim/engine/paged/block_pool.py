@@ -474,25 +474,6 @@ class BlockPool:
         if len(rows) > self._table_limit:
             self._purge()
 
-    def cache_unlisted_blocks(self, ids: list[int] | np.ndarray, keys: np.ndarray) -> None:
-        """Mark uncached full blocks `ids` (a list or an int64 array) of group 0 cached under `keys` (n,), each its key's answer, without
-        a table entry: keys that no lookup will ever ask for and that no block caches yet (a finished request's
-        own streams, `PagedAllocator.free_finished`). To the free queue, to eviction and to every reader but a
-        lookup of those keys, the blocks are as `cache_full_blocks` leaves them (a purge lists them)."""
-        if len(ids) <= _FEW:
-            hashes, cached, primary = self._hashes, self._cached, self._primary
-            for block, key in zip(ids if type(ids) is list else ids.tolist(), keys.tolist()):
-                hashes[block] = key
-                cached[block] = True
-                primary[block] = True
-        else:
-            arr = np.array(ids, dtype=np.int64) if type(ids) is list else ids  # (n,)
-            self.block_hash[arr] = keys
-            self.is_cached[arr] = True
-            self.is_primary[arr] = True
-        if self.num_groups > 1:
-            self.block_group[ids] = 0
-
     def _queue_behind_older(self, arr: np.ndarray, keys: np.ndarray, older: np.ndarray, live: np.ndarray) -> np.ndarray:
         """`cache_full_blocks`' blocks `arr` (n,) whose keys `keys` (n,) a live older copy `older` (n,) answers
         (`live`, (n,) bool) queue behind it, in `arr`'s order; returns `arr` less them."""
@@ -541,10 +522,16 @@ class BlockPool:
         self.num_shared_refs += len(ids) - num_free
         self.ref_count[arr] = refs + 1
 
-    def free_blocks(self, ids: list[int] | np.ndarray) -> None:
+    def free_blocks(self, ids: list[int] | np.ndarray, num_uncached: int | None = None) -> None:
         """One holder fewer for each of `ids` (a list, or an int64 array the queue may keep), given in eviction
         order (a request's tail first). A block nobody holds goes back to the free queue: cached ones to the
-        tail, uncached to the head, each kind in the order given (vLLM's `append_n` / `prepend_n`)."""
+        tail, uncached to the head, each kind in the order given (vLLM's `append_n` / `prepend_n`).
+        `num_uncached`: the first so many of `ids` are uncached, none of them shared, and the rest go as cached
+        ones, whatever `is_cached` says (the caller's word: a finished request's private blocks, which are never
+        cached but queue as cached ones, `PagedAllocator.free_finished`)."""
+        if num_uncached is not None:
+            self._free_split(ids, num_uncached)
+            return
         if len(ids) <= _FEW_REFS:
             if type(ids) is not list:
                 ids = ids.tolist()
@@ -586,6 +573,43 @@ class BlockPool:
         else:
             self.free_queue.push_head(arr[~cached])
             self.free_queue.push_tail(arr[cached])
+
+    def _free_split(self, ids: list[int] | np.ndarray, num_uncached: int) -> None:
+        """`free_blocks(ids, num_uncached)`."""
+        queue = self.free_queue
+        if len(ids) <= _FEW_REFS:
+            if type(ids) is not list:
+                ids = ids.tolist()
+            refs = self._refs
+            for block in ids[:num_uncached]:
+                refs[block] = 0
+            cached = []
+            for block in ids[num_uncached:]:
+                ref = refs[block] - 1
+                refs[block] = ref
+                if ref:
+                    assert ref > 0, "a block freed more often than held"
+                    self.num_shared_refs -= 1
+                else:
+                    cached.append(block)
+            if num_uncached:
+                queue.push_head(ids[:num_uncached])
+            if cached:
+                queue.push_tail(cached)
+            return
+        arr = np.array(ids, dtype=np.int64) if type(ids) is list else ids  # (n,)
+        refs = self.ref_count[arr]  # (n,)
+        refs -= 1
+        self.ref_count[arr] = refs
+        num_held = np.count_nonzero(refs)  # blocks still shared with another request (cached ones)
+        if num_held:
+            assert refs.min() >= 0, "a block freed more often than held"
+            self.num_shared_refs -= int(num_held)
+            arr = arr[refs == 0]
+        if num_uncached:
+            queue.push_head(arr[:num_uncached])
+        if num_uncached < len(arr):
+            queue.push_tail(arr[num_uncached:])
 
     # --- for tests and debugging -------------------------------------------------------------------------
 

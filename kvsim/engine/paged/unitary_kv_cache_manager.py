@@ -75,8 +75,7 @@ class PagedAllocator(KVAllocator):
     caching leaves them (an older copy of the key, from the request's earlier admission, evicted meanwhile or
     not, answers or queues the new block alike; the blocks are held, so no eviction meets them). A finished
     request never looks its own keys up again: if it was never freed before (no older copy of them exists), its
-    private blocks are marked cached without table entries (`BlockPool.cache_unlisted_blocks`), which the free
-    queue and eviction see as they see entries. A decode block then costs what it costs without prefix caching.
+    private blocks are not cached at all but queue as cached blocks do (`free_finished`). A decode block then costs what it costs without prefix caching.
     Where that bound is, from the request's state at the free:
 
         synchronous scheduling      min(computed, final) tokens     vLLM's allocate_slots caches
@@ -294,30 +293,35 @@ class PagedAllocator(KVAllocator):
         it may come back (a preemption), and its re-admission looks them up."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self._cache_private_blocks(req, finished=False)
+        self._cache_private_blocks(req)
         if req.hashes is not None:
             self._returning.add(seq)
         self.pool.free_blocks(req.table[::-1])
 
     def free_finished(self, seq: Sequence) -> None:
-        """`free` for a request that has finished: nothing ever looks its private blocks up, so where no older
-        copy of their keys can exist (it was never freed before) they are cached without table entries
-        (`BlockPool.cache_unlisted_blocks`)."""
+        """`free` for a request that has finished: nothing ever looks its private blocks up again. If it was never
+        freed before (no older copy of their keys can be cached), they are not cached at all, but queue where
+        cached blocks do, behind the free queue's tail (`BlockPool.free_blocks`' `num_uncached`): the pool is as
+        eager caching leaves it but for their table entries, which no lookup would ask for, and the evictions of
+        those entries when the blocks are taken again."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
+        if req.returning:
+            self._returning.discard(seq)
+        end = self._cache_private_blocks(req, listed=req.returning)
         table = req.table
-        if len(table) > _ONE_ARRAY:  # its table as one array, for both
+        if len(table) > _ONE_ARRAY:  # (as one array: the pool's many-block path)
             table = np.array(table, dtype=np.int64)  # (blocks,)
-        self._cache_private_blocks(req, finished=True, table=table)
-        self.pool.free_blocks(table[::-1])
+        self.pool.free_blocks(table[::-1], len(table) - end)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget finished `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as
-        internal fragmentation until `free_popped_blocks`), with its private blocks cached first as
-        `free_finished` does."""
+        internal fragmentation until `free_popped_blocks`), with its private blocks cached first as `free` does
+        (they go back later, by what they cache then)."""
         req = self._reqs.pop(seq)
         self._set_cap(req, 0)
-        self._cache_private_blocks(req, finished=True)
+        self._returning.discard(seq)
+        self._cache_private_blocks(req)
         self._num_popped += len(req.table)
         return list(req.table)
 
@@ -677,19 +681,17 @@ class PagedAllocator(KVAllocator):
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
-    def _cache_private_blocks(self, req: PagedRequest, *, finished: bool, table: list[int] | np.ndarray | None = None) -> None:
+    def _cache_private_blocks(self, req: PagedRequest, *, listed: bool = True) -> int:
         """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
         would have by now (the class docstring's bound: computed tokens less those in flight, within the known
-        and the final tokens), oldest first, in one `cache_full_blocks` call; without table entries where it has
-        `finished` and was never freed before (`BlockPool.cache_unlisted_blocks`). `table`: its block table, as a
-        list or an int64 array (default: `req.table`)."""
-        seq = req.seq
-        if req.returning and finished:
-            self._returning.discard(seq)
+        and the final tokens), oldest first, in one `cache_full_blocks` call; with `listed` False, leave them
+        uncached (`free_finished`). Returns how many leading blocks of its table are cached, or with `listed`
+        False would be: those the free queue takes as cached ones."""
         if req.lazy_from == _EAGER:
             if req.hashes is not None:
                 self._num_eager -= 1
-            return
+            return req.num_hashed
+        seq = req.seq
         end = seq.num_computed_tokens - seq.num_in_flight_tokens
         known = seq.num_known_tokens
         if known is not None and known < end:
@@ -698,14 +700,16 @@ class PagedAllocator(KVAllocator):
             end = req.final
         end //= self.block_size
         j = req.num_hashed
-        if end > j:
-            if finished and not req.returning:
-                self.pool.cache_unlisted_blocks((req.table if table is None else table)[j:end], req.hashes[j:end])
-            elif end == j + 1:
-                self.pool.cache_full_block(req.table[j], req.hashes.item(j))
-            else:
-                self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
-            req.num_hashed = end
+        if end <= j:
+            return j
+        if not listed:
+            return end
+        if end == j + 1:
+            self.pool.cache_full_block(req.table[j], req.hashes.item(j))
+        else:
+            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+        req.num_hashed = end
+        return end
 
     def _cache_full_blocks(self, req: PagedRequest, total: int, new_ids: np.ndarray | None = None) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
