@@ -707,7 +707,8 @@ class Scheduler:
         # cached when its blocks are freed), a decode run's steps before its last settle in that pass too
         caching = self._hash_block_size and self._settled_caching_block_size()
         settle = out.num_steps - 1 if merge and not caching else 0
-        finished = self._update_from_output(previous, out.num_steps if merge else 0, settle) if previous is not None else []
+        finished = (self._update_from_output(previous, out.num_steps if merge else 0, settle, caching)
+                    if previous is not None else [])
         if out.num_steps > 1:
             if not settle:
                 self._settle_run(out)
@@ -793,12 +794,13 @@ class Scheduler:
                 seq.num_output_placeholders += 1
         sampled += out.decodes
 
-    def _update_from_output(self, out: SchedulerOutput, advance_decodes: int = 0, settle_steps: int = 0) -> list[SchedSeq]:
+    def _update_from_output(self, out: SchedulerOutput, advance_decodes: int = 0, settle_steps: int = 0,
+                            hash_bs: int | None = None) -> list[SchedSeq]:
         """Append `out`'s sampled tokens and finish requests that reached `max_tokens`. A request preempted while
         `out` was in flight (async) still gets its token (vLLM delivers stale output) and may finish waiting.
-        `advance_decodes` (async): see `_update_from_async_output`."""
+        `advance_decodes`, `settle_steps`, `hash_bs` (async): see `_update_from_async_output`."""
         if self.async_scheduling:
-            finished = self._update_from_async_output(out, advance_decodes, settle_steps)
+            finished = self._update_from_async_output(out, advance_decodes, settle_steps, hash_bs)
         else:
             finished = []
             k = out.num_steps
@@ -837,8 +839,8 @@ class Scheduler:
         position = {seq.seq_id: i for i, seq in enumerate(self.running)}
         return sorted(finished, key=lambda seq: position.get(seq.seq_id, -1))
 
-    def _update_from_async_output(self, out: SchedulerOutput, advance_decodes: int = 0,
-                                  settle_steps: int = 0) -> list[SchedSeq]:
+    def _update_from_async_output(self, out: SchedulerOutput, advance_decodes: int = 0, settle_steps: int = 0,
+                                  hash_bs: int | None = None) -> list[SchedSeq]:
         """`_update_from_output` under async scheduling, for the step of `out` (a decode run's last step: the
         others settled with it). Each sampled request settles one token; the placeholder goes unless its output
         is stale (preempted while `out` ran), and with prefix caching the blocks its settled tokens fill are
@@ -849,9 +851,11 @@ class Scheduler:
         steps, and `_advance` left them to this pass: each advances that far and keeps its token in flight and
         its placeholder (one leaves, one comes), as `_advance` then this pass one after the other would.
         `settle_steps` > 0 (nothing cached as tokens settle): that next row is a decode run, and its steps but the
-        last settle here as `_settle_run` would after this pass (none finishes a request)."""
+        last settle here as `_settle_run` would after this pass (none finishes a request). `hash_bs`: the caller's
+        `_settled_caching_block_size()`, where it has it."""
         finished: list[SchedSeq] = []
-        hash_bs = self._hash_block_size and self._settled_caching_block_size()
+        if hash_bs is None:
+            hash_bs = self._hash_block_size and self._settled_caching_block_size()
         stale = set()
         for seq, _, n in out.prefills:  # settled now, preempted or not (vLLM's update_from_output)
             seq.num_in_flight_tokens -= n
