@@ -233,7 +233,9 @@ class PagedAllocator(KVAllocator):
         req.returning = hashes is not None and seq in self._returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
-        self.pool.touch(hit_blocks)  # before get_new_blocks, so the hits cannot be evicted
+        last = self._last_hit  # the lookup's hit as an array, where it kept one
+        self.pool.touch(hit_blocks, last[2] if last is not None and last[0] is hashes and len(last[1]) == len(hit_blocks)
+                        else None)  # before get_new_blocks, so the hits cannot be evicted
         new_blocks, new_ids = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
         req.table = hit_blocks + new_blocks
         self._set_cap(req, num_blocks * bs)
