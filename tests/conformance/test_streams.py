@@ -199,7 +199,14 @@ def test_blocks_handed_out_in_another_order_differ_though_every_count_agrees(vll
     rs = resolve(next(s for s in STREAMS if s.name == "pressure"))  # a uniform model: the single-group pool
     vllm = run_vllm(rs)
     free_blocks = BlockPool.free_blocks
-    monkeypatch.setattr(BlockPool, "free_blocks", lambda self, blocks: free_blocks(self, list(blocks)[::-1]))
+
+    def reversed_free(self, blocks, num_uncached=None):  # each kind's blocks in the opposite order
+        blocks = list(blocks)
+        if num_uncached is None:
+            return free_blocks(self, blocks[::-1])
+        return free_blocks(self, blocks[:num_uncached][::-1] + blocks[num_uncached:][::-1], num_uncached)
+
+    monkeypatch.setattr(BlockPool, "free_blocks", reversed_free)
     kvsim = run_kvsim(rs)
     counts = lambda t: [s.compared()[:-2] for s in t.steps]  # noqa: E731  every field but the schedule and transfers
     assert counts(kvsim) == counts(vllm)
