@@ -584,6 +584,7 @@ class BlockPool:
                 ids = ids.tolist()
             refs = self._refs
             for block in ids[:num_uncached]:
+                assert refs[block] == 1, "an uncached block shared"
                 refs[block] = 0
             cached = []
             for block in ids[num_uncached:]:
@@ -605,7 +606,7 @@ class BlockPool:
         self.ref_count[arr] = refs
         num_held = np.count_nonzero(refs)  # blocks still shared with another request (cached ones)
         if num_held:
-            assert refs.min() >= 0, "a block freed more often than held"
+            assert refs.min() >= 0 and not np.count_nonzero(refs[:num_uncached]), "an uncached block shared"
             self.num_shared_refs -= int(num_held)
             arr = arr[refs == 0]
         if num_uncached:
