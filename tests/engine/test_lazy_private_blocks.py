@@ -228,3 +228,21 @@ def test_random_operations_equal_eager_caching():
     # re-admissions hitting their own decode blocks, first admissions whose own prompt blocks wait, blocks of
     # finished requests never freed before (their own blocks left unlisted)
     assert own_hits >= 20 and lazy_prompts >= 100 and unlisted >= 500, (own_hits, lazy_prompts, unlisted)
+
+
+def test_a_freed_request_is_not_kept_alive_by_the_allocator():
+    """The allocator remembers which requests were freed before they finished (their re-admission caches its
+    prompt as it fills) without holding them: a caller that frees finished requests with `free` (the allocator
+    benchmark, the profile stream) keeps no dead request, nor its token ids, alive."""
+    import gc
+    import weakref
+
+    alloc = _alloc(10, True)
+    seq = _seq(RequestSpec(0, 0.0, 6, 10), 0)
+    alloc.allocate(seq, 6)
+    alloc.free(seq)
+    assert seq in alloc._returning
+    gone = weakref.ref(seq)
+    del seq
+    gc.collect()
+    assert gone() is None

@@ -8,6 +8,7 @@ path, with every step of a decode token inlined: a replay spends most of its tim
 from __future__ import annotations
 
 from collections.abc import Container
+from weakref import WeakSet
 
 import numpy as np
 
@@ -139,8 +140,9 @@ class PagedAllocator(KVAllocator):
         # requests admitted from now on with exact block keys cache their private blocks lazily (see above)
         self.lazy_private_blocks = enable_prefix_caching
         self._num_eager = 0  # admitted requests that cache every block as it fills
-        # requests freed before they finished (preempted): their private keys may have older copies cached
-        self._returning: set[Sequence] = set()
+        # requests freed before they finished (preempted): their private keys may have older copies cached (weak:
+        # a caller that frees finished requests with `free` does not keep them alive here)
+        self._returning: WeakSet[Sequence] = WeakSet()
 
     # --- the KVAllocator interface ------------------------------------------------------------------------
 
@@ -224,13 +226,13 @@ class PagedAllocator(KVAllocator):
                 # its blocks from here on are its own streams'; its prompt's, only on a first admission (a
                 # re-admission's may have older copies, which eager caching queues them behind as they fill)
                 shareable = seq.num_shareable_tokens
-                if shareable is None or seq in self._returning:
+                if shareable is None or (self._returning and seq in self._returning):
                     shareable = seq.num_prompt_tokens
                 lazy_from = shareable // bs
             else:
                 self._num_eager += 1
         req = PagedRequest(seq, hashes, lazy_from)
-        req.returning = hashes is not None and seq in self._returning
+        req.returning = hashes is not None and bool(self._returning) and seq in self._returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         last = self._last_hit  # the lookup's hit as an array, where it kept one
