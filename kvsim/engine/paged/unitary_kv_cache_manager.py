@@ -71,13 +71,13 @@ class PagedAllocator(KVAllocator):
     (a parallel-sampling child shares only the prompt's blocks). Its entry matters only once the request's blocks
     are freed (their place in the free queue, its own re-admission's hit, eviction order), so these blocks are not
     cached as they fill but all at once just before `free`, `free_finished` or `pop_blocks_for_free`
-    (`_cache_private_blocks`), up to where vLLM's eager caching would have taken
-    them by then, in the same order: the table, its duplicates and the free queue are then exactly as eager
+    (`_cache_private_blocks`), up to where vLLM's eager caching would have taken them by then, in the same
+    order: the table, its duplicates and the free queue are then exactly as eager
     caching leaves them (an older copy of the key, from the request's earlier admission, evicted meanwhile or
     not, answers or queues the new block alike; the blocks are held, so no eviction meets them). A finished
     request never looks its own keys up again: if it was never freed before (no older copy of them exists), its
-    private blocks are not cached at all but queue as cached blocks do (`free_finished`). A decode block then costs what it costs without prefix caching.
-    Where that bound is, from the request's state at the free:
+    private blocks are not cached at all but queue as cached blocks do (`free_finished`). A decode block then
+    costs what it costs without prefix caching. Where that bound is, from the request's state at the free:
 
         synchronous scheduling      min(computed, final) tokens     vLLM's allocate_slots caches
                                                                     min(computed + new, num_tokens), and every
@@ -220,24 +220,24 @@ class PagedAllocator(KVAllocator):
         num_blocks = -(-total // bs)
 
         lazy_from = _EAGER
+        returning = False
         if hashes is not None:
             self._keys.forget()  # admitted: its keys move to its PagedRequest
+            returning = seq in self._returning
             if self.lazy_private_blocks and seq.block_keys is not None:
                 # its blocks from here on are its own streams'; its prompt's, only on a first admission (a
                 # re-admission's may have older copies, which eager caching queues them behind as they fill)
                 shareable = seq.num_shareable_tokens
-                if shareable is None or (self._returning and seq in self._returning):
-                    shareable = seq.num_prompt_tokens
-                lazy_from = shareable // bs
+                lazy_from = (seq.num_prompt_tokens if shareable is None or returning else shareable) // bs
             else:
                 self._num_eager += 1
         req = PagedRequest(seq, hashes, lazy_from)
-        req.returning = hashes is not None and bool(self._returning) and seq in self._returning
+        req.returning = returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
         last = self._last_hit  # the lookup's hit as an array, where it kept one
-        self.pool.touch(hit_blocks, last[2] if last is not None and last[0] is hashes and len(last[1]) == len(hit_blocks)
-                        else None)  # before get_new_blocks, so the hits cannot be evicted
+        hit_ids = last[2] if last is not None and last[0] is hashes and len(last[1]) == len(hit_blocks) else None
+        self.pool.touch(hit_blocks, hit_ids)  # before get_new_blocks, so the hits cannot be evicted
         new_blocks, new_ids = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
         req.table = hit_blocks + new_blocks
         self._set_cap(req, num_blocks * bs)
