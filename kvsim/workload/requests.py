@@ -276,10 +276,9 @@ def num_shareable_tokens(requests: list[RequestSpec]) -> list[int]:
         _, where, counts = np.unique(ids, return_inverse=True, return_counts=True)
         # (an id a request lists twice counts as shared: the answer only errs towards sharing)
         shared_at = np.where(counts[where] > 1, np.arange(len(ids)), -1)  # (ids,) its position where shared
-        last_shared = np.maximum.accumulate(shared_at) if len(ids) else shared_at  # the last shared id so far
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        num_shared_ids = np.maximum(last_shared[np.maximum(ends - 1, 0)] - starts + 1, 0) * (lengths > 0)  # (t,)
+        last_shared = np.maximum.accumulate(shared_at)  # the last shared id so far
+        ends = np.cumsum(lengths)  # (every request lists at least one id: one per 512 prompt tokens)
+        num_shared_ids = np.maximum(last_shared[ends - 1] - (ends - lengths) + 1, 0)  # (t,)
         for i, m in zip(traced, num_shared_ids.tolist()):
             out[i] = min(requests[i].num_prompt_tokens, m * MOONCAKE_BLOCK_TOKENS)  # 512 prompt tokens an id
     groups = Counter(r.prefix_group for r in requests if r.prefix_group is not None and r.num_prefix_tokens)
