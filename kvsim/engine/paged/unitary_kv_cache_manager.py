@@ -29,13 +29,16 @@ _ONE_ARRAY = 24  # a finished request's table of more blocks goes to the pool as
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until", "hit", "cap",
-                 "used", "returning")
+    __slots__ = ("seq", "final", "table", "table_ids", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until",
+                 "hit", "cap", "used", "returning")
 
     def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
         self.final = seq.num_final_tokens
         self.table: list[int] = []  # the block table (block ids)
+        # the leading blocks of `table` as an int64 array, where they were taken as arrays (a long table's
+        # admission and chunks); blocks are only ever appended, so it stays `table`'s prefix. None: none kept
+        self.table_ids: np.ndarray | None = None
         # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
         # (`key_runs`); None: no prefix caching
         self.hashes, self.runs = hashes if hashes is not None else (None, None)
@@ -240,6 +243,11 @@ class PagedAllocator(KVAllocator):
         self.pool.touch(hit_blocks, hit_ids)  # before get_new_blocks, so the hits cannot be evicted
         new_blocks, new_ids = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
         req.table = hit_blocks + new_blocks
+        if new_ids is not None and len(req.table) > _ONE_ARRAY:  # (kept for its free: `_table_array`)
+            if not hit_blocks:
+                req.table_ids = new_ids
+            elif hit_ids is not None:
+                req.table_ids = np.concatenate((hit_ids, new_ids))
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
@@ -315,7 +323,7 @@ class PagedAllocator(KVAllocator):
         end = self._cache_private_blocks(req, listed=req.returning)
         table = req.table
         if len(table) > _ONE_ARRAY:  # (as one array: the pool's many-block path)
-            table = np.array(table, dtype=np.int64)  # (blocks,)
+            table = self._table_array(req)  # (blocks,)
         self.pool.free_blocks(table[::-1], len(table) - end)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
@@ -500,6 +508,9 @@ class PagedAllocator(KVAllocator):
                 if pool.free_queue.num_free_blocks < num_new:
                     return False
                 new_blocks, new_ids = pool.get_new_blocks_and_array(num_new)
+                ids = req.table_ids
+                if ids is not None and new_ids is not None and len(ids) == len(req.table):
+                    req.table_ids = np.concatenate((ids, new_ids))
                 req.table += new_blocks
                 cap += num_new * bs
             final = req.final
@@ -684,6 +695,16 @@ class PagedAllocator(KVAllocator):
         key = keys[0].item(i)
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
+
+    @staticmethod
+    def _table_array(req: PagedRequest) -> np.ndarray:
+        """`req.table` as an int64 array, (blocks,): its kept leading blocks (`table_ids`) and the rest."""
+        ids, table = req.table_ids, req.table
+        if ids is None:
+            return np.array(table, dtype=np.int64)
+        if len(ids) == len(table):
+            return ids
+        return np.concatenate((ids, np.array(table[len(ids):], dtype=np.int64)))
 
     def _cache_private_blocks(self, req: PagedRequest, *, listed: bool = True) -> int:
         """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
