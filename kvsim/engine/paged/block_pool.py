@@ -27,9 +27,10 @@ class FreeBlockSegments:
         segments: [ids 4 2] [ids 5 6 7 ...] [ids 1 3]   a freed request's blocks are one segment, pushed
                   at the head (uncached) or the tail (cached)
 
-    A segment is `[ids as a list, ids as an int64 array, serial of its first entry, next position]`: it keeps the
-    form it was pushed in (a list from a few blocks, an array from many) and makes the other on first need (one
-    block at a time reads the list, many at once slice the array). A block pulled out of the middle (a prefix hit
+    A segment is `[ids one at a time, ids as an int64 array, serial of its first entry, next position]`: it keeps
+    the form it was pushed in (a list from a few blocks, an array from many) and makes the other on first need (one
+    block at a time reads the list, or a memoryview of the array: no list of a freed table's hundreds of blocks
+    for the few a decode step takes; many at once slice the array). A block pulled out of the middle (a prefix hit
     on a free cached block) is not searched for: its entry goes stale. The entries of a segment carry consecutive
     serial numbers, and `serial[block]` is the one of a queued block's live entry (-1: taken out), so a stale entry
     is skipped when the head reaches it; a block the head hands out keeps its last serial, which no entry ahead
@@ -130,7 +131,7 @@ class FreeBlockSegments:
             seg = self.segments[0]
             ids, arr, base, pos = seg
             if ids is None:
-                ids = seg[0] = arr.tolist()
+                ids = seg[0] = memoryview(arr)  # (its entries one at a time, as Python ints)
             take = min(len(ids) - pos, need)
             if not take:
                 self.segments.popleft()
@@ -155,7 +156,7 @@ class FreeBlockSegments:
             seg = self.segments[0]
             ids, arr, base, pos = seg
             if ids is None:
-                ids = seg[0] = arr.tolist()
+                ids = seg[0] = memoryview(arr)  # (its entries one at a time, as Python ints)
             if pos == len(ids):
                 self.segments.popleft()
                 continue
