@@ -267,7 +267,7 @@ def slot_reference(alloc: PagedAllocator) -> tuple[int, int, int]:
     best: dict[tuple[int, int], str] = {}
     for seq, req in alloc._reqs.items():
         computed = max(seq.num_computed_tokens, req.hit)
-        for j, block_id in enumerate(req.table):
+        for j, block_id in enumerate(req.table[: req.num_blocks]):
             for i in range(BS):
                 pos = j * BS + i
                 kind = "ts" if pos < computed else "res" if pos < seq.num_final_tokens else "int"

@@ -293,11 +293,11 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached prefixes; ref count 1."""
-        return self.get_new_blocks_and_array(num_blocks)[0]
+        ids = self.get_new_block_ids(num_blocks)
+        return ids if type(ids) is list else ids.tolist()
 
-    def get_new_blocks_and_array(self, num_blocks: int) -> tuple[list[int], np.ndarray | None]:
-        """`get_new_blocks(num_blocks)`, and the same blocks as an int64 array where they were taken as one (more
-        than a few; else None): what caching them next takes (`cache_full_blocks`' `arr`)."""
+    def get_new_block_ids(self, num_blocks: int) -> list[int] | np.ndarray:
+        """`get_new_blocks(num_blocks)` as a list for a few, as an int64 array (num_blocks,) for more."""
         if num_blocks <= _FEW_REFS:  # a few: one at a time beats numpy's fixed cost (same blocks, same order)
             out = self.free_queue.pop_list(num_blocks)
             refs, cached = self._refs, self._cached
@@ -306,7 +306,7 @@ class BlockPool:
                 if cached[block]:
                     self._evict_one(block)
             self.num_blocks_allocated += num_blocks
-            return out, None
+            return out
         ids = self.free_queue.pop(num_blocks)  # (num_blocks,)
         self.ref_count[ids] = 1
         cached = self.is_cached[ids]
@@ -314,7 +314,7 @@ class BlockPool:
         if num_cached:
             self._evict(ids[cached] if num_cached != num_blocks else ids)
         self.num_blocks_allocated += num_blocks
-        return ids.tolist(), ids
+        return ids
 
     def get_new_block(self) -> int:
         """`get_new_blocks(1)[0]`: a decode step opening one block."""

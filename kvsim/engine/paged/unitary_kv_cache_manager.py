@@ -23,22 +23,26 @@ from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 _FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
 _EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is cached as it fills
-_ONE_ARRAY = 24  # a finished request's table of more blocks goes to the pool as one array (its many-block paths)
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+_NO_BLOCKS_VIEW = memoryview(_NO_BLOCKS)
 
 
 class PagedRequest:
     """The allocator's state for one admitted request (mutable, owned by PagedAllocator)."""
 
-    __slots__ = ("seq", "final", "table", "table_ids", "hashes", "runs", "num_hashed", "lazy_from", "quiet_until",
-                 "hit", "cap", "used", "returning")
+    __slots__ = ("seq", "final", "ids", "table", "num_blocks", "hashes", "runs", "num_hashed", "lazy_from",
+                 "quiet_until", "hit", "cap", "used", "returning")
 
     def __init__(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, lazy_from: int = _EAGER):
         self.seq = seq
         self.final = seq.num_final_tokens
-        self.table: list[int] = []  # the block table (block ids)
-        # the leading blocks of `table` as an int64 array, where they were taken as arrays (a long table's
-        # admission and chunks); blocks are only ever appended, so it stays `table`'s prefix. None: none kept
-        self.table_ids: np.ndarray | None = None
+        # The block table: its first `num_blocks` entries of `ids`, an int64 array with room for the blocks of its
+        # final tokens (blocks are only ever appended); `table` is the same memory as a memoryview, one block
+        # at a time as Python ints. An array, not a list: a 12,000-token prompt's 750 blocks are taken, cached
+        # and freed as one, with no Python int per block.
+        self.ids: np.ndarray = _NO_BLOCKS
+        self.table: memoryview = _NO_BLOCKS_VIEW
+        self.num_blocks = 0
         # the keys of every full block of the final tokens, (blocks,) int64, and where their runs start
         # (`key_runs`); None: no prefix caching
         self.hashes, self.runs = hashes if hashes is not None else (None, None)
@@ -47,7 +51,7 @@ class PagedRequest:
         self.lazy_from = lazy_from
         self.quiet_until = -1  # an append up to this many computed + new tokens is one compare
         self.hit = 0  # prefix-cache hit at admission
-        self.cap = 0  # token slots allocated: len(table) * block_size
+        self.cap = 0  # token slots allocated: num_blocks * block_size
         self.used = 0  # min(cap, num_final_tokens): slots this request will ever use
         self.returning = False  # it was freed before it finished (a preemption), and admitted again
 
@@ -241,13 +245,13 @@ class PagedAllocator(KVAllocator):
         last = self._last_hit  # the lookup's hit as an array, where it kept one
         hit_ids = last[2] if last is not None and last[0] is hashes and len(last[1]) == len(hit_blocks) else None
         self.pool.touch(hit_blocks, hit_ids)  # before get_new_blocks, so the hits cannot be evicted
-        new_blocks, new_ids = self.pool.get_new_blocks_and_array(num_blocks - len(hit_blocks))
-        req.table = hit_blocks + new_blocks
-        if new_ids is not None and len(req.table) > _ONE_ARRAY:  # (kept for its free: `_table_array`)
-            if not hit_blocks:
-                req.table_ids = new_ids
-            elif hit_ids is not None:
-                req.table_ids = np.concatenate((hit_ids, new_ids))
+        num_hit = len(hit_blocks)
+        new_blocks = self.pool.get_new_block_ids(num_blocks - num_hit)
+        req.ids = ids = np.empty(max(num_blocks, -(-req.final // bs)), dtype=np.int64)  # (blocks of its final tokens,)
+        if num_hit:
+            ids[:num_hit] = hit_blocks if hit_ids is None else hit_ids
+        ids[num_hit:num_blocks] = new_blocks
+        req.table, req.num_blocks = memoryview(ids), num_blocks
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
@@ -256,18 +260,18 @@ class PagedAllocator(KVAllocator):
         end = hit if delay_cache_blocks else total
         if end > lazy_from * bs and not req.returning:  # (a first admission's private prompt blocks wait too)
             end = lazy_from * bs
-        self._cache_full_blocks(req, end, new_ids)
+        self._cache_full_blocks(req, end)
         self._refresh(req)
         return hit
 
     def num_blocks_held(self, seq: Sequence) -> int:
         """Blocks in `seq`'s block table."""
-        return len(self._reqs[seq].table)
+        return self._reqs[seq].num_blocks
 
     def num_blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks admitted `seq` still needs to hold all its tokens (vLLM's `_request_remaining_blocks`)."""
         need = -(-min(seq.num_tokens, self.max_model_len) // self.block_size)
-        return max(0, need - len(self._reqs[seq].table))
+        return max(0, need - self._reqs[seq].num_blocks)
 
     def get_computed_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """The prefix-cache hit `allocate` would find for `seq` now, in tokens, leaving the table and `seq` as they
@@ -308,7 +312,7 @@ class PagedAllocator(KVAllocator):
         self._cache_private_blocks(req)
         if req.hashes is not None:
             self._returning.add(seq)
-        self.pool.free_blocks(req.table[::-1])
+        self.pool.free_blocks(req.ids[: req.num_blocks][::-1])
 
     def free_finished(self, seq: Sequence) -> None:
         """`free` for a request that has finished: nothing ever looks its private blocks up again. If it was never
@@ -321,10 +325,7 @@ class PagedAllocator(KVAllocator):
         if req.returning:
             self._returning.discard(seq)
         end = self._cache_private_blocks(req, listed=req.returning)
-        table = req.table
-        if len(table) > _ONE_ARRAY:  # (as one array: the pool's many-block path)
-            table = self._table_array(req)  # (blocks,)
-        self.pool.free_blocks(table[::-1], len(table) - end)
+        self.pool.free_blocks(req.ids[: req.num_blocks][::-1], req.num_blocks - end)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget finished `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as
@@ -334,8 +335,8 @@ class PagedAllocator(KVAllocator):
         self._set_cap(req, 0)
         self._returning.discard(seq)
         self._cache_private_blocks(req)
-        self._num_popped += len(req.table)
-        return list(req.table)
+        self._num_popped += req.num_blocks
+        return req.ids[: req.num_blocks].tolist()
 
     def free_popped_blocks(self, blocks: list) -> None:
         self._num_popped -= len(blocks)
@@ -360,7 +361,7 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:  # one block: a decode step's
             self.pool.cache_full_block(req.table[j], req.hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j, req.ids[j:end])
         req.num_hashed = end
         event = (end + 1) * bs  # `_refresh`: the next block to hash fills here
         req.quiet_until = req.cap if req.cap < event or end >= req.lazy_from else event - 1
@@ -383,7 +384,8 @@ class PagedAllocator(KVAllocator):
 
     def block_table(self, seq: Sequence) -> list[int | None]:
         """Block ids of `seq`'s block table."""
-        return list(self._reqs[seq].table)  # every decode step of a replay with tensors reads this
+        req = self._reqs[seq]
+        return req.ids[: req.num_blocks].tolist()  # every decode step of a replay with tensors reads this
 
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """The one group's block ids (a uniform model has one KV cache group)."""
@@ -392,15 +394,16 @@ class PagedAllocator(KVAllocator):
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Slots of positions [start, end)."""
         bs = self.block_size
-        table = self._reqs[seq].table
-        assert 0 <= start <= end <= len(table) * bs, (start, end)
+        req = self._reqs[seq]
+        table = req.table
+        assert 0 <= start <= end <= req.num_blocks * bs, (start, end)
         if start == end:
             return np.empty(0, dtype=np.int64)
         first, last = start // bs, (end - 1) // bs
         if first == last:  # a decode run inside one block: the common case
             base = table[first] * bs - first * bs
             return np.arange(base + start, base + end, dtype=np.int64)
-        ids = np.array(table[first : last + 1], dtype=np.int64)  # (last - first + 1,)
+        ids = req.ids[first : last + 1]  # (last - first + 1,)
         pos = np.arange(start, end, dtype=np.int64)  # (end - start,)
         return ids[pos // bs - first] * bs + pos % bs
 
@@ -411,18 +414,17 @@ class PagedAllocator(KVAllocator):
         bs = self.block_size
         if k > bs or not len(seqs):
             return np.stack([self.slot_mapping(s, c, c + k) for s, c in zip(seqs, starts.tolist())], axis=1)
-        reqs = self._reqs
-        tables = [reqs[s].table for s in seqs]
+        reqs = [self._reqs[s] for s in seqs]
+        tables = [r.table for r in reqs]
         first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
+        if any(b >= r.num_blocks for r, b in zip(reqs, last.tolist())):  # (a table's array has room beyond it)
+            raise AssertionError("decode run past the allocated blocks")
         b0 = np.fromiter((t[b] for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
         pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
         block_ids = np.broadcast_to(b0, (k, len(seqs)))  # (k, N): runs inside one block, most of them
         cross = np.flatnonzero(last != first)  # runs that step into their next block
         if len(cross):
-            try:
-                b1 = np.array([tables[i][b] for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
-            except IndexError:
-                raise AssertionError("decode run past the allocated blocks") from None
+            b1 = np.array([tables[i][b] for i, b in zip(cross.tolist(), last[cross].tolist())], dtype=np.int64)
             block_ids = block_ids.copy()
             block_ids[:, cross] = np.where(pos[:, cross] // bs == first[cross], b0[cross], b1)
         return block_ids * bs + pos % bs
@@ -476,7 +478,6 @@ class PagedAllocator(KVAllocator):
         it opens the next one (one block from the pool). Both single-block cases are inlined.
         """
         bs, cap = self.block_size, req.cap
-        new_ids = None  # the blocks added, as an array, where many
         if total > cap:
             pool = self.pool
             if total - cap <= bs:  # one block: `pool.get_new_block()`, its common case inlined
@@ -501,17 +502,24 @@ class PagedAllocator(KVAllocator):
                         pool._cached[block] = False
                         pool._primary[block] = False
                 pool.num_blocks_allocated += 1
-                req.table.append(block)
+                n = req.num_blocks
+                try:
+                    req.table[n] = block
+                except IndexError:  # (no room left in its array: tokens past its final ones)
+                    self._make_room(req, n + 1)
+                    req.table[n] = block
+                req.num_blocks = n + 1
                 cap += bs
             else:
                 num_new = (total - cap + bs - 1) // bs
                 if pool.free_queue.num_free_blocks < num_new:
                     return False
-                new_blocks, new_ids = pool.get_new_blocks_and_array(num_new)
-                ids = req.table_ids
-                if ids is not None and new_ids is not None and len(ids) == len(req.table):
-                    req.table_ids = np.concatenate((ids, new_ids))
-                req.table += new_blocks
+                new_blocks = pool.get_new_block_ids(num_new)
+                n = req.num_blocks
+                if n + num_new > len(req.ids):
+                    self._make_room(req, n + num_new)
+                req.ids[n : n + num_new] = new_blocks
+                req.num_blocks = n + num_new
                 cap += num_new * bs
             final = req.final
             used = cap if cap < final else final
@@ -550,7 +558,7 @@ class PagedAllocator(KVAllocator):
                 pool.cache_full_block(block, key)
             req.num_hashed = j = filled
         elif filled > j:
-            self._cache_full_blocks(req, filled * bs, new_ids)
+            self._cache_full_blocks(req, filled * bs)
             j = req.num_hashed
         event = (j + 1) * bs  # the next block to hash fills here
         req.quiet_until = cap if cap < event or j >= req.lazy_from else event - 1
@@ -697,14 +705,11 @@ class PagedAllocator(KVAllocator):
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
 
     @staticmethod
-    def _table_array(req: PagedRequest) -> np.ndarray:
-        """`req.table` as an int64 array, (blocks,): its kept leading blocks (`table_ids`) and the rest."""
-        ids, table = req.table_ids, req.table
-        if ids is None:
-            return np.array(table, dtype=np.int64)
-        if len(ids) == len(table):
-            return ids
-        return np.concatenate((ids, np.array(table[len(ids):], dtype=np.int64)))
+    def _make_room(req: PagedRequest, num_blocks: int) -> None:
+        """Room for `num_blocks` in `req`'s table: a larger array (twice the size at least), its blocks copied."""
+        ids = np.empty(max(num_blocks, 2 * len(req.ids)), dtype=np.int64)
+        ids[: req.num_blocks] = req.ids[: req.num_blocks]
+        req.ids, req.table = ids, memoryview(ids)
 
     def _cache_private_blocks(self, req: PagedRequest, *, listed: bool = True) -> int:
         """A lazy request's blocks are about to be freed: cache its private blocks as far as vLLM's eager caching
@@ -732,14 +737,13 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:
             self.pool.cache_full_block(req.table[j], req.hashes.item(j))
         else:
-            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j)
+            self.pool.cache_full_blocks(req.table[j:end], req.hashes, req.runs, j, req.ids[j:end])
         req.num_hashed = end
         return end
 
-    def _cache_full_blocks(self, req: PagedRequest, total: int, new_ids: np.ndarray | None = None) -> None:
+    def _cache_full_blocks(self, req: PagedRequest, total: int) -> None:
         """Cache every full block whose tokens are all within `total` (computed + scheduled) and known under
-        its hash (`BlockPool.cache_full_blocks`). `new_ids`: the blocks just added at the end of its table, as an
-        array (`BlockPool.get_new_blocks_and_array`), or None."""
+        its hash (`BlockPool.cache_full_blocks`)."""
         hashes = req.hashes
         if hashes is None:
             return
@@ -752,13 +756,5 @@ class PagedAllocator(KVAllocator):
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
             self.pool.cache_full_block(req.table[j], hashes.item(j))
         else:
-            table = req.table
-            arr = None
-            if new_ids is not None:  # new blocks, after at most a few older ones (a chunk's last block, now full)
-                old = len(table) - len(new_ids)
-                if j == old:
-                    arr = new_ids[: end - j]
-                elif old - _FEW_HITS <= j < old < end:
-                    arr = np.concatenate((table[j:old], new_ids[: end - old]))
-            self.pool.cache_full_blocks(table[j:end], hashes, req.runs, j, arr)
+            self.pool.cache_full_blocks(req.table[j:end], hashes, req.runs, j, req.ids[j:end])
         req.num_hashed = end
