@@ -23,6 +23,7 @@ from kvsim.size.vllm_capacity import bytes_per_block, num_gpu_blocks
 
 _FEW_HITS = 8  # up to this many hits, a lookup checks them one at a time (and keeps no answer for a retry)
 _EAGER = 1 << 62  # `PagedRequest.lazy_from` of a request whose every block is cached as it fills
+_FEW_BLOCKS = 24  # a table of up to this many blocks is freed as a list (the pool's one-at-a-time path), else an array
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 _NO_BLOCKS_VIEW = memoryview(_NO_BLOCKS)
 
@@ -248,10 +249,18 @@ class PagedAllocator(KVAllocator):
         num_hit = len(hit_blocks)
         new_blocks = self.pool.get_new_block_ids(num_blocks - num_hit)
         req.ids = ids = np.empty(max(num_blocks, -(-req.final // bs)), dtype=np.int64)  # (blocks of its final tokens,)
-        if num_hit:
-            ids[:num_hit] = hit_blocks if hit_ids is None else hit_ids
-        ids[num_hit:num_blocks] = new_blocks
-        req.table, req.num_blocks = memoryview(ids), num_blocks
+        req.table = table = memoryview(ids)
+        if hit_ids is not None:
+            ids[:num_hit] = hit_ids
+        elif num_hit:  # (a list)
+            for i, block in enumerate(hit_blocks):
+                table[i] = block
+        if type(new_blocks) is list:  # a few: one at a time
+            for i, block in enumerate(new_blocks, num_hit):
+                table[i] = block
+        else:
+            ids[num_hit:num_blocks] = new_blocks
+        req.num_blocks = num_blocks
         self._set_cap(req, num_blocks * bs)
         self._reqs[seq] = req
         if query:
@@ -312,7 +321,7 @@ class PagedAllocator(KVAllocator):
         self._cache_private_blocks(req)
         if req.hashes is not None:
             self._returning.add(seq)
-        self.pool.free_blocks(req.ids[: req.num_blocks][::-1])
+        self.pool.free_blocks(self._reversed_table(req))
 
     def free_finished(self, seq: Sequence) -> None:
         """`free` for a request that has finished: nothing ever looks its private blocks up again. If it was never
@@ -325,7 +334,7 @@ class PagedAllocator(KVAllocator):
         if req.returning:
             self._returning.discard(seq)
         end = self._cache_private_blocks(req, listed=req.returning)
-        self.pool.free_blocks(req.ids[: req.num_blocks][::-1], req.num_blocks - end)
+        self.pool.free_blocks(self._reversed_table(req), req.num_blocks - end)
 
     def pop_blocks_for_free(self, seq: Sequence) -> list:
         """Forget finished `seq`; its blocks, not yet returned (`breakdown` counts what only they hold as
@@ -703,6 +712,16 @@ class PagedAllocator(KVAllocator):
         key = keys[0].item(i)
         block = pool.cached_block_hash_to_block.get(key)
         return block != EMPTY and bool(pool.is_primary[block]) and pool.block_hash[block] == key
+
+    @staticmethod
+    def _reversed_table(req: PagedRequest) -> list[int] | np.ndarray:
+        """`req`'s block table last block first, as the pool frees it: a list for a few, else an int64 array."""
+        n = req.num_blocks
+        if n <= _FEW_BLOCKS:
+            blocks = req.table[:n].tolist()
+            blocks.reverse()
+            return blocks
+        return req.ids[n - 1 :: -1]
 
     @staticmethod
     def _make_room(req: PagedRequest, num_blocks: int) -> None:
