@@ -346,3 +346,22 @@ def test_breakdown_equals_the_plain_sums_over_random_operations(seed):
         b = alloc.breakdown()
         assert (b.token_states_bytes, b.reservation_bytes, b.internal_fragmentation_bytes,
                 b.external_fragmentation_bytes, b.free_bytes, b.shared_saved_bytes) == plain_breakdown(alloc)
+
+
+@pytest.mark.parametrize("step", [1, 3, 9])
+def test_table_grows_past_its_final_tokens(step):
+    """A table's array has room for the blocks of its final tokens; growth past them (one block or several at a
+    time) moves it to a larger one with its blocks kept, in order, and frees every block."""
+    alloc = make_alloc(20)
+    seq = make_seq(0, 5, 1)  # final tokens 5: two blocks' room
+    assert admit(alloc, seq) == 0
+    assert alloc.block_table(seq) == [1, 2]
+    while seq.num_computed_tokens < 40:
+        assert alloc.append_slots(seq, step)
+        seq.num_computed_tokens += step
+    want = -(-seq.num_computed_tokens // BS)
+    assert alloc.block_table(seq) == list(range(1, want + 1))
+    assert alloc.num_blocks_held(seq) == want
+    assert alloc.slot_mapping(seq, 0, seq.num_computed_tokens).tolist() == list(range(BS, BS + seq.num_computed_tokens))
+    alloc.free(seq)
+    assert alloc.num_free_blocks == 20
