@@ -365,3 +365,13 @@ def test_table_grows_past_its_final_tokens(step):
     assert alloc.slot_mapping(seq, 0, seq.num_computed_tokens).tolist() == list(range(BS, BS + seq.num_computed_tokens))
     alloc.free(seq)
     assert alloc.num_free_blocks == 20
+
+
+def test_decode_slot_mapping_past_the_table_is_refused():
+    """A decode run may not read past a table's blocks, though its array has room there (its final tokens')."""
+    alloc = make_alloc(20)
+    seq = make_seq(0, 6, 10)  # final tokens 15: four blocks' room, two held after the prompt
+    assert admit(alloc, seq) == 0
+    assert alloc.decode_slot_mapping([seq], np.array([6]), 2).tolist() == [[10], [11]]
+    with pytest.raises(AssertionError, match="past the allocated blocks"):
+        alloc.decode_slot_mapping([seq], np.array([7]), 2)  # token 8 is in the third block, not held
