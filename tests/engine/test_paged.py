@@ -375,3 +375,62 @@ def test_decode_slot_mapping_past_the_table_is_refused():
     assert alloc.decode_slot_mapping([seq], np.array([6]), 2).tolist() == [[10], [11]]
     with pytest.raises(AssertionError, match="past the allocated blocks"):
         alloc.decode_slot_mapping([seq], np.array([7]), 2)  # token 8 is in the third block, not held
+
+
+def test_retried_admission_takes_its_own_lookups_hit():
+    """A refused admission's retry finds a few hits block by block, after a lookup of more made an array that
+    the evictions since made stale (same length, other blocks): its table holds the blocks this lookup found."""
+    from kvsim.engine.paged.prefix_table import key_runs
+
+    def keyed(seq_id: int, keys: list[int], prompt: int, max_tokens: int = 1) -> Sequence:
+        keys = np.array(keys, dtype=np.int64)
+
+        def block_keys(bs: int, n: int) -> tuple[np.ndarray, list[int]]:
+            k = keys[: n // bs].copy()
+            return k, key_runs(k)
+
+        return Sequence(seq_id, prompt, max_tokens, block_keys=block_keys)
+
+    def key(stream: int, j: int) -> int:
+        return stream * 4096 + j
+
+    P, Q, X = 1, 2, 3
+    alloc = make_alloc(40, enable_prefix_caching=True)
+    alloc.lazy_private_blocks = False  # every block cached as it fills
+    c = keyed(0, [key(P, j) for j in range(3)], 12)
+    a1 = keyed(1, [key(P, j) for j in range(3)], 12)
+    a2 = keyed(2, [key(P, j) for j in range(6)], 24)
+    b = keyed(3, [key(X, j) for j in range(6)] + [key(Q, 6)], 28)
+    s = keyed(4, [key(P, j) for j in range(6)] + [key(Q, j) for j in range(6, 10)], 40)
+    d = Sequence(5, 4, 200)
+    assert alloc.allocate(c, 4) == 0
+    c.num_computed_tokens = 4
+    assert alloc.allocate(a1, 12) is not None
+    a1.num_computed_tokens = 12
+    assert alloc.append_slots(c, 8)
+    c.num_computed_tokens = 12
+    for seq in (a2, b):
+        assert alloc.allocate(seq, seq.num_prompt_tokens) is not None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+    alloc.free(a2), alloc.free(b), alloc.free(a1)
+    never_used = alloc.num_free_blocks - 12
+    assert alloc.allocate(d, 4 * (never_used + 3)) == 0
+    d.num_computed_tokens = 4 * (never_used + 3)
+    assert alloc.allocate(s, 40, reserved_blocks=1000) is None  # refused after a lookup of more than 8 blocks
+    assert alloc.append_slots(d, 32)  # evicts some of those hits; a younger copy answers one of their keys
+    d.num_computed_tokens += 32
+    alloc.free(d)
+    assert alloc.allocate(s, 40) == 12  # the retry: three hits, found block by block
+    table = alloc.block_table(s)
+    assert table[:3] == [alloc.pool.get_cached_block(key(P, j)) for j in range(3)]
+    assert len(set(table)) == len(table)
+
+
+def test_caching_past_the_blocks_held_is_refused():
+    """`cache_blocks` never reads a table's spare room: caching past the blocks a request holds is an error."""
+    alloc = make_alloc(10, enable_prefix_caching=True)
+    seq = make_seq(0, 4, 20)
+    assert admit(alloc, seq) == 0
+    with pytest.raises(AssertionError, match="caching 2 blocks, 1 held"):
+        alloc.cache_blocks(seq, 8)
+    assert not alloc.pool.is_cached[0]  # the null block stays uncached

@@ -142,6 +142,7 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
+        self._hit_ids: np.ndarray | None = None  # the last lookup's hit blocks as an array, where it made one
         # the last refused admission, until the next admission: (seq, its token ids, its keys, query, hit blocks,
         # revived, the pool's `num_evicted` then); see `_still_refused`
         self._refused: tuple | None = None
@@ -243,8 +244,8 @@ class PagedAllocator(KVAllocator):
         req.returning = returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
-        last = self._last_hit  # the lookup's hit as an array, where it kept one
-        hit_ids = last[2] if last is not None and last[0] is hashes and len(last[1]) == len(hit_blocks) else None
+        hit_ids = self._hit_ids if hashes is not None else None  # this admission's lookup's hit, as an array
+        assert hit_ids is None or len(hit_ids) == len(hit_blocks)
         self.pool.touch(hit_blocks, hit_ids)  # before get_new_blocks, so the hits cannot be evicted
         num_hit = len(hit_blocks)
         new_blocks = self.pool.get_new_block_ids(num_blocks - num_hit)
@@ -367,6 +368,7 @@ class PagedAllocator(KVAllocator):
         end //= bs
         if end <= j:
             return
+        assert end <= req.num_blocks, f"{seq}: caching {end} blocks, {req.num_blocks} held"
         if end == j + 1:  # one block: a decode step's
             self.pool.cache_full_block(req.table[j], req.hashes.item(j))
         else:
@@ -426,8 +428,8 @@ class PagedAllocator(KVAllocator):
         reqs = [self._reqs[s] for s in seqs]
         tables = [r.table for r in reqs]
         first, last = starts // bs, (starts + k - 1) // bs  # (N,) block index of each run's first and last token
-        if any(b >= r.num_blocks for r, b in zip(reqs, last.tolist())):  # (a table's array has room beyond it)
-            raise AssertionError("decode run past the allocated blocks")
+        if int(first.min()) < 0 or any(b >= r.num_blocks for r, b in zip(reqs, last.tolist())):
+            raise AssertionError("decode run past the allocated blocks")  # (a table's array has room beyond them)
         b0 = np.fromiter((t[b] for t, b in zip(tables, first.tolist())), dtype=np.int64, count=len(seqs))
         pos = starts[None, :] + np.arange(k, dtype=np.int64)[:, None]  # (k, N)
         block_ids = np.broadcast_to(b0, (k, len(seqs)))  # (k, N): runs inside one block, most of them
@@ -579,7 +581,8 @@ class PagedAllocator(KVAllocator):
         start), up to the first miss: the prefix table's entries, one gather over the runs of keys, up to the first key
         it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
         checked at once. With `count_free`, also how many of them nobody holds (`BlockPool.num_evictable`: a
-        hit revives them), else 0."""
+        hit revives them), else 0. The hit blocks as an int64 array, where the lookup made one, are `_hit_ids`
+        until the next lookup (else None)."""
         pool = self.pool
         key_array, runs = keys
         table = pool.cached_block_hash_to_block
@@ -594,6 +597,7 @@ class PagedAllocator(KVAllocator):
             still = np.count_nonzero(is_primary[arr] & (block_hash[arr] == key_array[:n])) == n
             if still and (n == max_blocks or n == len(key_array) or not self._is_live(keys, n)):
                 # every block still answers its key (a live block is its key's entry) and the next key has none
+                self._hit_ids = arr
                 return hits[:], int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
         slot, primary, cached_key = table.slot, pool._primary, pool._hashes
         offsets, lengths = [], []  # per stretch of adjacent slots (runs led by a live entry): its first slot less
@@ -621,6 +625,7 @@ class PagedAllocator(KVAllocator):
                 lengths.append(stop - start)
             n = stop
         if n <= _FEW_HITS:  # a few: block by block, through the memoryviews (numpy's fixed cost is more)
+            self._hit_ids = None
             hits: list[int] = []
             first = 0
             for offset, length in zip(offsets, lengths):
@@ -641,6 +646,7 @@ class PagedAllocator(KVAllocator):
             arr = arr[:n]
         hits = arr.tolist()
         self._last_hit = (keys, hits[:], arr)
+        self._hit_ids = arr
         return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
 
     def _refuse(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, query: int, num_hit: int,
@@ -751,6 +757,7 @@ class PagedAllocator(KVAllocator):
         j = req.num_hashed
         if end <= j:
             return j
+        assert end <= req.num_blocks, f"{seq}: caching {end} blocks, {req.num_blocks} held"
         if not listed:
             return end
         if end == j + 1:
@@ -771,6 +778,7 @@ class PagedAllocator(KVAllocator):
         end = min(total, req.final, req.final if known is None else known) // self.block_size
         if j >= end:
             return
+        assert end <= req.num_blocks, f"{req.seq}: caching {end} blocks, {req.num_blocks} held"
         # fresh blocks: a request's hits end before num_hashed
         if end == j + 1:  # one block (async scheduling caches each decode block so): as `_grow` does
             self.pool.cache_full_block(req.table[j], hashes.item(j))
