@@ -141,7 +141,7 @@ class PagedAllocator(KVAllocator):
         self._num_popped = 0  # blocks handed out by pop_blocks_for_free and not yet returned
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
-        self._last_hit: tuple | None = None  # (keys, hit blocks, their array) of the last lookup of more than 8
+        self._last_hit: tuple | None = None  # (keys, hit blocks as an array) of the last lookup of more than 8
         self._hit_ids: np.ndarray | None = None  # the last lookup's hit blocks as an array, where it made one
         # the last refused admission, until the next admission: (seq, its token ids, its keys, query, hit blocks,
         # revived, the pool's `num_evicted` then); see `_still_refused`
@@ -590,15 +590,15 @@ class PagedAllocator(KVAllocator):
         is_primary, block_hash = pool.is_primary, pool.block_hash
         last = self._last_hit
         if last is not None and last[0] is keys:  # a refused admission retried: its last answer, if it stands
-            hits, arr = last[1], last[2]
-            n = min(len(hits), max_blocks)
-            if n < len(hits):
-                hits, arr = hits[:n], arr[:n]
+            arr = last[1]
+            n = min(len(arr), max_blocks)
+            if n < len(arr):
+                arr = arr[:n]
             still = np.count_nonzero(is_primary[arr] & (block_hash[arr] == key_array[:n])) == n
             if still and (n == max_blocks or n == len(key_array) or not self._is_live(keys, n)):
                 # every block still answers its key (a live block is its key's entry) and the next key has none
                 self._hit_ids = arr
-                return hits[:], int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
+                return arr.tolist(), int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
         slot, primary, cached_key = table.slot, pool._primary, pool._hashes
         offsets, lengths = [], []  # per stretch of adjacent slots (runs led by a live entry): its first slot less
         # its first key's position, its length
@@ -645,7 +645,7 @@ class PagedAllocator(KVAllocator):
             n = int(live.argmin())  # the hit ends before the first key without a live entry
             arr = arr[:n]
         hits = arr.tolist()
-        self._last_hit = (keys, hits[:], arr)
+        self._last_hit = (keys, arr)
         self._hit_ids = arr
         return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
 
