@@ -277,7 +277,12 @@ def test_many_blocks_and_a_few_give_the_same_as_vllms_pool(seed):
                 continue
             assert pool.num_evictable(hits) == revived
             ref.touch(hits)
-            pool.touch(hits)
+            if hits and rng.random() < 0.5:  # as an admission touches a lookup's hit array: with its ref counts
+                arr = np.array(hits, dtype=np.int64)
+                refs = pool.ref_count[arr]
+                pool.touch_hit(arr, refs, refs == 0, revived)
+            else:
+                pool.touch(hits)
             new = pool.get_new_blocks(n) if n > 1 or rng.random() < 0.5 else [pool.get_new_block()]
             assert new == ref.get_new_blocks(n)
             keys = [ref.key[b][0] for b in hits]

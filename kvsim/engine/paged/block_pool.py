@@ -525,6 +525,15 @@ class BlockPool:
         self.num_shared_refs += len(ids) - num_free
         self.ref_count[arr] = refs + 1
 
+    def touch_hit(self, ids: np.ndarray, refs: np.ndarray, free: np.ndarray, num_free: int) -> None:
+        """`touch(ids)` with what the lookup that found them read: `refs` (n,) their ref counts, `free` (n,)
+        `refs == 0`, `num_free` its count (none of them changed since)."""
+        if num_free:
+            self.free_queue.remove(ids[free] if num_free != len(ids) else ids)
+        self.num_shared_refs += len(ids) - num_free
+        refs += 1
+        self.ref_count[ids] = refs
+
     def free_blocks(self, ids: list[int] | np.ndarray, num_uncached: int | None = None) -> None:
         """One holder fewer for each of `ids` (a list, or an int64 array the queue may keep), given in eviction
         order (a request's tail first). A block nobody holds goes back to the free queue: cached ones to the

@@ -142,7 +142,8 @@ class PagedAllocator(KVAllocator):
         self._sum_used = 0  # of those, slots before each request's final length
         self._keys = RequestBlockKeys(self.block_size)
         self._last_hit: tuple | None = None  # (keys, hit blocks as an array) of the last lookup of more than 8
-        self._hit_ids: np.ndarray | None = None  # the last lookup's hit blocks as an array, where it made one
+        # the last lookup's hit array, and its blocks' ref counts, which are free and how many (`_count_free`)
+        self._hit_refs: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
         # the last refused admission, until the next admission: (seq, its token ids, its keys, query, hit blocks,
         # revived, the pool's `num_evicted` then); see `_still_refused`
         self._refused: tuple | None = None
@@ -208,7 +209,7 @@ class PagedAllocator(KVAllocator):
                 num_external_computed_tokens, reserved_blocks):
             return None
         bs = self.block_size
-        hit_blocks: list[int] = []
+        hit_blocks: list[int] | np.ndarray = []
         hashes: tuple[np.ndarray, list[int]] | None = None
         query = 0
         if num_tokens is None:
@@ -244,16 +245,21 @@ class PagedAllocator(KVAllocator):
         req.returning = returning
         req.num_hashed = len(hit_blocks)
         req.hit = hit
-        hit_ids = self._hit_ids if hashes is not None else None  # this admission's lookup's hit, as an array
-        assert hit_ids is None or len(hit_ids) == len(hit_blocks)
-        self.pool.touch(hit_blocks, hit_ids)  # before get_new_blocks, so the hits cannot be evicted
+        # the hits, before get_new_blocks so that they cannot be evicted: an array's with the ref counts its
+        # lookup read (`_count_free`), a list's one at a time
         num_hit = len(hit_blocks)
+        if type(hit_blocks) is list:
+            self.pool.touch(hit_blocks)
+        else:
+            assert self._hit_refs is not None and self._hit_refs[0] is hit_blocks
+            self.pool.touch_hit(*self._hit_refs)
+        self._hit_refs = None
         new_blocks = self.pool.get_new_block_ids(num_blocks - num_hit)
         req.ids = ids = np.empty(max(num_blocks, -(-req.final // bs)), dtype=np.int64)  # (blocks of its final tokens,)
         req.table = table = memoryview(ids)
-        if hit_ids is not None:
-            ids[:num_hit] = hit_ids
-        elif num_hit:  # (a list)
+        if type(hit_blocks) is not list:
+            ids[:num_hit] = hit_blocks
+        elif num_hit:
             for i, block in enumerate(hit_blocks):
                 table[i] = block
         if type(new_blocks) is list:  # a few: one at a time
@@ -576,13 +582,13 @@ class PagedAllocator(KVAllocator):
         return True
 
     def _find_longest_cache_hit(self, keys: tuple[np.ndarray, list[int]], max_blocks: int, *,
-                                count_free: bool = False) -> tuple[list[int], int]:
+                                count_free: bool = False) -> tuple[list[int] | np.ndarray, int]:
         """The cached blocks of the leading keys (at most `max_blocks`; `keys`: the keys and where their runs
         start), up to the first miss: the prefix table's entries, one gather over the runs of keys, up to the first key
         it has none for or whose run starts with a stale entry (an evicted block's), then those still live,
         checked at once. With `count_free`, also how many of them nobody holds (`BlockPool.num_evictable`: a
-        hit revives them), else 0. The hit blocks as an int64 array, where the lookup made one, are `_hit_ids`
-        until the next lookup (else None)."""
+        hit revives them), else 0. The hit blocks: a list of a few, else an int64 array (whose ref counts
+        `count_free` keeps as `_hit_refs` for the admission's touch)."""
         pool = self.pool
         key_array, runs = keys
         table = pool.cached_block_hash_to_block
@@ -597,8 +603,7 @@ class PagedAllocator(KVAllocator):
             still = np.count_nonzero(is_primary[arr] & (block_hash[arr] == key_array[:n])) == n
             if still and (n == max_blocks or n == len(key_array) or not self._is_live(keys, n)):
                 # every block still answers its key (a live block is its key's entry) and the next key has none
-                self._hit_ids = arr
-                return arr.tolist(), int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
+                return arr, self._count_free(arr) if count_free else 0
         slot, primary, cached_key = table.slot, pool._primary, pool._hashes
         offsets, lengths = [], []  # per stretch of adjacent slots (runs led by a live entry): its first slot less
         # its first key's position, its length
@@ -625,7 +630,7 @@ class PagedAllocator(KVAllocator):
                 lengths.append(stop - start)
             n = stop
         if n <= _FEW_HITS:  # a few: block by block, through the memoryviews (numpy's fixed cost is more)
-            self._hit_ids = None
+            self._hit_refs = None
             hits: list[int] = []
             first = 0
             for offset, length in zip(offsets, lengths):
@@ -644,10 +649,17 @@ class PagedAllocator(KVAllocator):
         if np.count_nonzero(live) != n:  # (count_nonzero: a fraction of all()'s fixed cost)
             n = int(live.argmin())  # the hit ends before the first key without a live entry
             arr = arr[:n]
-        hits = arr.tolist()
         self._last_hit = (keys, arr)
-        self._hit_ids = arr
-        return hits, int(np.count_nonzero(pool.ref_count[arr] == 0)) if count_free else 0
+        return arr, self._count_free(arr) if count_free else 0
+
+    def _count_free(self, hit: np.ndarray) -> int:
+        """How many of `hit`'s blocks nobody holds; their ref counts and which are free are kept as `_hit_refs`
+        for the admission's `BlockPool.touch_hit` (nothing changes a ref count in between)."""
+        refs = self.pool.ref_count[hit]  # (n,)
+        free = refs == 0  # (n,)
+        num_free = int(np.count_nonzero(free))
+        self._hit_refs = (hit, refs, free, num_free)
+        return num_free
 
     def _refuse(self, seq: Sequence, hashes: tuple[np.ndarray, list[int]] | None, query: int, num_hit: int,
                 revived: int) -> None:
