@@ -502,9 +502,8 @@ class BlockPool:
             return [refs[block] for block in ids].count(0)
         return int(np.count_nonzero(self.ref_count[np.array(ids, dtype=np.int64)] == 0))
 
-    def touch(self, ids: list[int], arr: np.ndarray | None = None) -> None:
-        """One more holder for each of `ids` (a prefix hit; `arr`: the same as an int64 array, if the caller has
-        it); free ones leave the free queue."""
+    def touch(self, ids: list[int]) -> None:
+        """One more holder for each of `ids` (a prefix hit); free ones leave the free queue."""
         if len(ids) <= _FEW_REFS:
             refs = self._refs
             for block in ids:
@@ -515,15 +514,10 @@ class BlockPool:
                     self.free_queue.remove_one(block)
                 refs[block] = ref + 1
             return
-        if arr is None:
-            arr = np.array(ids, dtype=np.int64)  # (n,)
+        arr = np.array(ids, dtype=np.int64)  # (n,)
         refs = self.ref_count[arr]  # (n,)
         free = refs == 0
-        num_free = int(np.count_nonzero(free))
-        if num_free:
-            self.free_queue.remove(arr[free])
-        self.num_shared_refs += len(ids) - num_free
-        self.ref_count[arr] = refs + 1
+        self.touch_hit(arr, refs, free, int(np.count_nonzero(free)))
 
     def touch_hit(self, ids: np.ndarray, refs: np.ndarray, free: np.ndarray, num_free: int) -> None:
         """`touch(ids)` with what the lookup that found them read: `refs` (n,) their ref counts, `free` (n,)
